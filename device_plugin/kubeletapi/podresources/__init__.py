@@ -1,0 +1,1 @@
+"""Generated kubelet API stubs (scripts/gen-protos)."""

@@ -1,0 +1,240 @@
+"""The allocation record: the one contract between the allocators and the node daemon.
+
+An allocator (the device plugin's Allocate, or gemini-run) writes one record per allocation to
+<state-dir>/allocations/<id>.json; the node daemon reads them and serves each allocation's
+channel. Records are written atomically (temporary file, fsync, rename, fsync of the directory),
+so a reader sees the old record or the new one, never half of one, even if the writer dies.
+
+Format (JSON, `version` 1):
+    id            "k-<16 hex>" from kubelet slice IDs, "r-<16 hex>" for gemini-run
+    origin        "kubelet" | "gemini-run"
+    device_ids    the slice IDs kubelet gave (empty for gemini-run)
+    gpus          [{uuid, index, share, memory_limit}], share in (0, 1], memory_limit in bytes
+    limit         cap on the GPU-time share, or null for the node default
+    channel_dir   host path of the channel directory mounted into the container
+    hook_library  file name of the interposer version the container was given
+    created_at    creation time, seconds since the epoch
+    owner_pid     gemini-run's pid, or null
+    pod           {namespace, name, container, uid} once known, or null
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import secrets
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vgpu_runtime import paths
+
+RECORD_VERSION = 1
+ORIGINS = ("kubelet", "gemini-run")
+
+
+class RecordError(ValueError):
+    """A record is malformed or cannot be stored; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    uuid: str
+    index: int
+    share: float
+    memory_limit: int
+
+
+@dataclass(frozen=True)
+class PodRef:
+    namespace: str
+    name: str
+    container: str
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class AllocationRecord:
+    id: str
+    origin: str
+    device_ids: tuple[str, ...]
+    gpus: tuple[GpuShare, ...]
+    channel_dir: str
+    hook_library: str
+    created_at: float
+    limit: float | None = None
+    owner_pid: int | None = None
+    pod: PodRef | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["version"] = RECORD_VERSION
+        data["device_ids"] = list(self.device_ids)
+        data["gpus"] = [dataclasses.asdict(g) for g in self.gpus]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Any) -> AllocationRecord:
+        try:
+            return _parse(data)
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, RecordError):
+                raise
+            raise RecordError(f"malformed allocation record: {err!r}") from None
+
+
+def _need(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = data[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise RecordError(f"field {key!r} must not be a boolean")
+    if not isinstance(value, kind):
+        raise RecordError(f"field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _parse(data: Any) -> AllocationRecord:
+    if not isinstance(data, dict):
+        raise RecordError("an allocation record must be a JSON object")
+    if data.get("version") != RECORD_VERSION:
+        raise RecordError(f"unsupported record version {data.get('version')!r}")
+    origin = _need(data, "origin", str)
+    if origin not in ORIGINS:
+        raise RecordError(f"unknown origin {origin!r}")
+    gpus = []
+    for item in _need(data, "gpus", list):
+        if not isinstance(item, dict):
+            raise RecordError("each entry of 'gpus' must be an object")
+        share = float(_need(item, "share", (int, float)))
+        memory_limit = _need(item, "memory_limit", int)
+        if not (0 < share <= 1) or memory_limit < 0:
+            raise RecordError(f"GPU entry out of range: share {share}, memory {memory_limit}")
+        gpus.append(GpuShare(_need(item, "uuid", str), _need(item, "index", int), share,
+                             memory_limit))
+    if not gpus:
+        raise RecordError("an allocation record names no GPU")
+    limit = data.get("limit")
+    if limit is not None:
+        limit = float(_need(data, "limit", (int, float)))
+        if not (0 < limit <= 1) or math.isnan(limit):
+            raise RecordError(f"limit out of range: {limit}")
+    pod = data.get("pod")
+    record = AllocationRecord(
+        id=_need(data, "id", str),
+        origin=origin,
+        device_ids=tuple(str(d) for d in _need(data, "device_ids", list)),
+        gpus=tuple(gpus),
+        channel_dir=_need(data, "channel_dir", str),
+        hook_library=_need(data, "hook_library", str),
+        created_at=float(_need(data, "created_at", (int, float))),
+        limit=limit,
+        owner_pid=data.get("owner_pid") and _need(data, "owner_pid", int),
+        pod=PodRef(**pod) if isinstance(pod, dict) else None,
+    )
+    check_id(record.id)
+    return record
+
+
+def check_id(allocation_id: str) -> str:
+    """IDs name files and directories: only the two known shapes are accepted."""
+    prefix, _, digest = allocation_id.partition("-")
+    if prefix not in ("k", "r") or len(digest) != 16 or not all(
+        c in "0123456789abcdef" for c in digest
+    ):
+        raise RecordError(f"malformed allocation id {allocation_id!r}")
+    return allocation_id
+
+
+def id_for_devices(device_ids: Iterable[str]) -> str:
+    """The same set of slice IDs always maps to the same record and channel (idempotence)."""
+    joined = "\n".join(sorted(set(device_ids)))
+    return "k-" + hashlib.sha256(joined.encode()).hexdigest()[:16]
+
+
+def new_run_id() -> str:
+    return "r-" + secrets.token_hex(8)
+
+
+# ---- storage ----
+
+def record_path(state_dir: str | Path, allocation_id: str) -> Path:
+    return paths.allocations_dir(state_dir) / f"{check_id(allocation_id)}.json"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_record(state_dir: str | Path, record: AllocationRecord) -> Path:
+    """Write atomically; on any failure the previous record (if any) is left untouched."""
+    directory = paths.allocations_dir(state_dir)
+    target = record_path(state_dir, record.id)
+    payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise RecordError(f"cannot write to state directory {directory}: {err.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+        _fsync_dir(directory)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise RecordError(f"cannot write allocation record {target}: {err.strerror}") from None
+    return target
+
+
+def read_record(path: str | Path) -> AllocationRecord:
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RecordError(f"allocation record {path} is not valid JSON: {err}") from None
+    record = AllocationRecord.from_json(data)
+    if Path(path).name != f"{record.id}.json":
+        raise RecordError(f"allocation record {path} holds id {record.id}")
+    return record
+
+
+def load_record(state_dir: str | Path, allocation_id: str) -> AllocationRecord | None:
+    path = record_path(state_dir, allocation_id)
+    return read_record(path) if path.exists() else None
+
+
+def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord | RecordError]]:
+    """Every record file, parsed; a bad one yields its error instead of stopping the scan."""
+    directory = paths.allocations_dir(state_dir)
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("*.json")):
+        try:
+            yield path, read_record(path)
+        except RecordError as err:
+            yield path, err
+
+
+def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
+    try:
+        record_path(state_dir, allocation_id).unlink()
+    except FileNotFoundError:
+        return False
+    _fsync_dir(paths.allocations_dir(state_dir))
+    return True

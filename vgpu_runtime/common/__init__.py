@@ -1,0 +1,1 @@
+"""Small pieces every daemon and command of gemini.ai/vgpu uses."""

@@ -1,0 +1,126 @@
+/*
+ * gemini_wire.h: the protocol between the interposer (hook) and the node daemon.
+ *
+ * This header is the single declaration of the wire format. The C hook includes
+ * it; Python reads the part between GM_CDEF_BEGIN and GM_CDEF_END with cffi
+ * (vgpu_runtime/wire.py), so that part must stay in the subset cffi parses:
+ * integer #defines, enums, structs of fixed-width integers and arrays.
+ *
+ * Framing: every frame starts with struct gm_header. `length` counts the whole
+ * frame, header included, and is at most GM_MAX_FRAME. Integers are in host
+ * byte order: both ends always run on the same machine. A peer that receives
+ * a frame with the wrong version, an unknown type or a length that does not
+ * match the type's struct treats it as malformed and closes the connection.
+ *
+ * One persistent connection per process. The daemon knows who is talking from
+ * the socket the client connected through (one per allocation) and from
+ * SO_PEERCRED; the pid in hello is only for logs.
+ */
+#ifndef GEMINI_WIRE_H
+#define GEMINI_WIRE_H
+
+#include <stdint.h>
+
+/* GM_CDEF_BEGIN */
+#define GM_WIRE_VERSION 1
+#define GM_MAX_FRAME 4096
+#define GM_MAX_GPUS 16
+#define GM_UUID_BYTES 16
+#define GM_ALLOCATION_ID_BYTES 32
+#define GM_REASON_BYTES 96
+#define GM_PPM 1000000
+
+enum gm_msg_type {
+    GM_MSG_HELLO = 1,         /* hook -> daemon; answered by HELLO_REPLY */
+    GM_MSG_HELLO_REPLY = 2,
+    GM_MSG_MEM_RESERVE = 3,   /* hook -> daemon: ask before allocating; answered by MEM_REPLY */
+    GM_MSG_MEM_RELEASE = 4,   /* hook -> daemon: freed; answered by MEM_REPLY */
+    GM_MSG_MEM_SET = 5,       /* hook -> daemon: absolute amount held of one kind (pools, graphs,
+                                 context, and re-declaration after reconnect); answered by MEM_REPLY */
+    GM_MSG_MEM_REPLY = 6,
+    /* 16..31: GPU-time tokens (issue 4). */
+    GM_MSG_TOKEN_REQUEST = 16,
+    GM_MSG_TOKEN_GRANT = 17,
+    GM_MSG_TOKEN_RELEASE = 18,
+    GM_MSG_USAGE_REPORT = 19,
+    GM_MSG_ERROR = 255        /* daemon -> hook, then the daemon closes */
+};
+
+enum gm_status {
+    GM_OK = 0,
+    GM_ERR_OVER_LIMIT = 1,     /* the reservation would pass the memory limit */
+    GM_ERR_BAD_VERSION = 2,
+    GM_ERR_BAD_GPU = 3,        /* gpu index outside the allocation */
+    GM_ERR_MALFORMED = 4,
+    GM_ERR_NO_ALLOCATION = 5,  /* the allocation behind this channel is gone */
+    GM_ERR_NOT_READY = 6       /* hello not yet exchanged */
+};
+
+/* What the memory is, so the daemon can report it; every kind counts against one limit. */
+enum gm_mem_kind {
+    GM_MEM_DEVICE = 1,    /* cuMemAlloc*, cuMemAllocPitch */
+    GM_MEM_MANAGED = 2,   /* cuMemAllocManaged */
+    GM_MEM_ARRAY = 3,     /* cuArray*Create, cuMipmappedArrayCreate */
+    GM_MEM_VMM = 4,       /* cuMemCreate */
+    GM_MEM_POOL = 5,      /* what stream-ordered pools hold (absolute, via MEM_SET) */
+    GM_MEM_GRAPH = 6,     /* graph memory nodes (absolute, via MEM_SET) */
+    GM_MEM_CONTEXT = 7,   /* what a context costs (absolute, via MEM_SET) */
+    GM_MEM_KIND_COUNT = 8
+};
+
+struct gm_header {
+    uint32_t length;      /* whole frame, header included */
+    uint16_t type;        /* enum gm_msg_type */
+    uint16_t version;     /* GM_WIRE_VERSION */
+    uint32_t seq;         /* chosen by the requester; a reply echoes it */
+    uint32_t reserved;    /* zero */
+};
+
+struct gm_hello {
+    struct gm_header h;
+    uint32_t proto_version;   /* GM_WIRE_VERSION the hook speaks */
+    uint32_t pid;             /* for logs only: identity comes from the socket */
+    uint64_t flags;           /* zero for now */
+};
+
+struct gm_gpu_grant {
+    uint8_t uuid[16];         /* GM_UUID_BYTES, as cuDeviceGetUuid returns it */
+    uint64_t memory_limit;    /* bytes, for the whole container on this GPU */
+    uint32_t share_ppm;       /* guaranteed share of GPU time, parts per million */
+    uint32_t limit_ppm;       /* cap on the share, parts per million */
+};
+
+struct gm_hello_reply {
+    struct gm_header h;
+    uint32_t status;                  /* enum gm_status */
+    uint32_t gpu_count;               /* valid entries in gpus[] */
+    char allocation_id[32];           /* GM_ALLOCATION_ID_BYTES, NUL-padded */
+    struct gm_gpu_grant gpus[16];     /* GM_MAX_GPUS */
+};
+
+/* RESERVE and RELEASE carry a delta; SET carries the absolute amount this
+ * process holds of `kind` on `gpu`. */
+struct gm_mem_request {
+    struct gm_header h;
+    uint32_t gpu;             /* index into hello_reply.gpus */
+    uint32_t kind;            /* enum gm_mem_kind */
+    uint64_t bytes;
+};
+
+struct gm_mem_reply {
+    struct gm_header h;
+    uint32_t status;          /* GM_OK or GM_ERR_OVER_LIMIT (the request was not applied) */
+    uint32_t gpu;
+    uint64_t used;            /* container-wide use on this GPU after the request */
+    uint64_t limit;           /* container-wide limit on this GPU */
+};
+
+struct gm_error {
+    struct gm_header h;
+    uint32_t status;          /* enum gm_status */
+    uint32_t reserved;
+    char reason[96];          /* GM_REASON_BYTES, NUL-terminated */
+};
+/* GM_CDEF_END */
+
+#endif /* GEMINI_WIRE_H */

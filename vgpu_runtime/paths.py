@@ -1,0 +1,75 @@
+"""Paths and names shared by the device plugin, the node daemon, gemini-run and the hook.
+
+Host paths are defaults that configuration may change; container paths are fixed, since
+the hook inside every container finds its channel through them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vgpu_runtime import __version__
+
+RESOURCE_NAME = "gemini.ai/vgpu"
+
+DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_STATE_DIR = "/var/lib/gemini"
+
+# Inside <state-dir>.
+ALLOCATIONS_SUBDIR = "allocations"
+CHANNELS_SUBDIR = "channels"
+LIB_SUBDIR = "lib"
+
+# The interposer is installed under a versioned name and a file of that name is never
+# rewritten: running pods keep the library they started with across upgrades.
+HOOK_LIBRARY_NAME = f"libgemini-hook.so.{__version__}"
+
+# Inside a container.
+CONTAINER_LIB_DIR = "/opt/gemini/lib"
+CONTAINER_CHANNEL_DIR = "/run/gemini"
+
+# Inside a channel directory. Kept short: a Unix socket path must fit in 107 bytes.
+CHANNEL_SOCKET_NAME = "sched.sock"
+UNIX_PATH_MAX = 107
+
+# Environment the hook reads (set by Allocate and by gemini-run).
+ENV_CHANNEL_DIR = "GEMINI_CHANNEL_DIR"
+ENV_ALLOCATION_ID = "GEMINI_ALLOCATION_ID"
+ENV_SHARE = "GEMINI_VGPU_SHARE"
+ENV_MEMORY_LIMIT = "GEMINI_VGPU_MEMORY_LIMIT"
+
+
+def default_state_dir() -> str:
+    """The node's state directory for root; a per-user one for anyone else (gemini-run)."""
+    if os.geteuid() == 0:
+        return DEFAULT_STATE_DIR
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "gemini")
+    return f"/tmp/gemini-{os.geteuid()}"
+
+
+def allocations_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / ALLOCATIONS_SUBDIR
+
+
+def channels_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / CHANNELS_SUBDIR
+
+
+def channel_dir(state_dir: str | Path, allocation_id: str) -> Path:
+    return channels_dir(state_dir) / allocation_id
+
+
+def channel_socket(channel: str | Path) -> Path:
+    return Path(channel) / CHANNEL_SOCKET_NAME
+
+
+def default_hook_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / LIB_SUBDIR
+
+
+def fits_unix_socket(path: str | Path) -> bool:
+    return len(os.fsencode(str(path))) <= UNIX_PATH_MAX
