@@ -53,7 +53,8 @@ enum gm_status {
     GM_ERR_BAD_GPU = 3,        /* gpu index outside the allocation */
     GM_ERR_MALFORMED = 4,
     GM_ERR_NO_ALLOCATION = 5,  /* the allocation behind this channel is gone */
-    GM_ERR_NOT_READY = 6       /* hello not yet exchanged */
+    GM_ERR_NOT_READY = 6,      /* hello not yet exchanged */
+    GM_ERR_UNSUPPORTED = 7     /* a known type this daemon does not serve yet (tokens before issue 4) */
 };
 
 /* What the memory is, so the daemon can report it; every kind counts against one limit. */
