@@ -84,7 +84,8 @@ def parse_header(data: bytes) -> Any:
         raise MalformedFrame(f"unknown frame type {header.type}")
     if header.length != ffi.sizeof(struct):
         raise MalformedFrame(
-            f"frame type {header.type} must be {ffi.sizeof(struct)} bytes, header says {header.length}"
+            f"frame type {header.type} must be {ffi.sizeof(struct)} bytes, "
+            f"header says {header.length}"
         )
     if header.reserved != 0:
         raise MalformedFrame("reserved header field is not zero")

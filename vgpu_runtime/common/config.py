@@ -29,7 +29,9 @@ class ConfigError(ValueError):
     """A setting is malformed; the message names the field and its source."""
 
 
-def setting(default: Any, help: str, parse: Parser | None = None, metavar: str | None = None) -> Any:
+def setting(
+    default: Any, help: str, parse: Parser | None = None, metavar: str | None = None
+) -> Any:
     """Declare one setting of a configuration dataclass."""
     return dataclasses.field(
         default=default,
@@ -175,7 +177,8 @@ def resolve(
     unknown = sorted(set(file_values) - known)
     if unknown:
         raise ConfigError(
-            f"{file_name}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            f"{file_name}: unknown setting(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(known))}"
         )
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]

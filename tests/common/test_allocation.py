@@ -1,0 +1,143 @@
+"""The allocation record: round trip, atomicity, and refusal of malformed records."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vgpu_runtime import allocation as alloc
+from vgpu_runtime import paths
+
+
+def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> alloc.AllocationRecord:
+    fields: dict[str, object] = dict(
+        id=alloc.id_for_devices(ids), origin="kubelet", device_ids=ids,
+        gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30),), channel_dir="/var/lib/gemini/channels/x",
+        hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time(),
+    )
+    fields.update(kw)
+    return alloc.AllocationRecord(**fields)  # type: ignore[arg-type]
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    record = sample(limit=0.5, pod=alloc.PodRef("ns", "pod", "c", "uid"))
+    path = alloc.write_record(tmp_path, record)
+    assert path == tmp_path / "allocations" / f"{record.id}.json"
+    assert alloc.read_record(path) == record
+    assert alloc.load_record(tmp_path, record.id) == record
+
+
+def test_id_depends_only_on_the_set_of_slices() -> None:
+    assert alloc.id_for_devices(["b", "a"]) == alloc.id_for_devices(["a", "b", "a"])
+    assert alloc.id_for_devices(["a"]) != alloc.id_for_devices(["a", "b"])
+    assert alloc.new_run_id() != alloc.new_run_id()
+    alloc.check_id(alloc.new_run_id())
+
+
+def test_rewrite_replaces_and_leaves_no_temporary_files(tmp_path: Path) -> None:
+    record = sample()
+    alloc.write_record(tmp_path, record)
+    alloc.write_record(tmp_path, sample(limit=0.7))
+    assert alloc.read_record(alloc.record_path(tmp_path, record.id)).limit == 0.7
+    assert [p.name for p in (tmp_path / "allocations").iterdir()] == [f"{record.id}.json"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_state_dir_fails_clearly_and_keeps_the_old_record(tmp_path: Path) -> None:
+    record = sample()
+    alloc.write_record(tmp_path, record)
+    (tmp_path / "allocations").chmod(0o555)
+    try:
+        with pytest.raises(alloc.RecordError, match="cannot write"):
+            alloc.write_record(tmp_path, sample(limit=0.9))
+    finally:
+        (tmp_path / "allocations").chmod(0o755)
+    assert alloc.read_record(alloc.record_path(tmp_path, record.id)) == record
+
+
+def test_failed_rename_keeps_the_old_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = sample()
+    alloc.write_record(tmp_path, record)
+
+    def fail(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(alloc.os, "replace", fail)
+    with pytest.raises(alloc.RecordError, match="No space left"):
+        alloc.write_record(tmp_path, sample(limit=0.9))
+    assert alloc.read_record(alloc.record_path(tmp_path, record.id)) == record
+    assert len(list((tmp_path / "allocations").iterdir())) == 1
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(origin="docker"), "origin"),
+    (lambda d: d.update(gpus=[]), "no GPU"),
+    (lambda d: d["gpus"][0].update(share=1.5), "out of range"),
+    (lambda d: d["gpus"][0].update(memory_limit="1GiB"), "wrong type"),
+    (lambda d: d.update(limit=0), "limit"),
+    (lambda d: d.update(id="../../etc/passwd"), "malformed allocation id"),
+    (lambda d: d.pop("channel_dir"), "channel_dir"),
+])
+def test_malformed_records_are_refused_with_a_reason(mutate, message, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = sample().to_json()
+    mutate(data)
+    with pytest.raises(alloc.RecordError, match=message):
+        alloc.AllocationRecord.from_json(data)
+
+
+def test_scan_reports_corrupt_files_and_keeps_going(tmp_path: Path) -> None:
+    good = sample()
+    alloc.write_record(tmp_path, good)
+    (tmp_path / "allocations" / "k-0000000000000000.json").write_text('{"version": 1, "id"')
+    results = dict(alloc.scan_records(tmp_path))
+    assert results[alloc.record_path(tmp_path, good.id)] == good
+    bad = results[tmp_path / "allocations" / "k-0000000000000000.json"]
+    assert isinstance(bad, alloc.RecordError)
+
+
+def test_file_name_must_match_the_id(tmp_path: Path) -> None:
+    record = sample()
+    path = alloc.write_record(tmp_path, record)
+    other = path.with_name("k-1111111111111111.json")
+    path.rename(other)
+    with pytest.raises(alloc.RecordError, match="holds id"):
+        alloc.read_record(other)
+
+
+def test_remove(tmp_path: Path) -> None:
+    record = sample()
+    alloc.write_record(tmp_path, record)
+    assert alloc.remove_record(tmp_path, record.id)
+    assert not alloc.remove_record(tmp_path, record.id)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_random_bytes_never_crash_the_reader(tmp_path_factory: pytest.TempPathFactory,
+                                             data: bytes) -> None:
+    path = tmp_path_factory.mktemp("rec") / "k-0000000000000000.json"
+    path.write_bytes(data)
+    with pytest.raises(alloc.RecordError):
+        alloc.read_record(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
+                                                                         max_size=4)))
+def test_random_json_is_refused_cleanly(value: object) -> None:
+    data = sample().to_json()
+    for key in list(data):
+        variant = dict(data, **{key: value})
+        with contextlib.suppress(alloc.RecordError):
+            alloc.AllocationRecord.from_json(json.loads(json.dumps(variant)))

@@ -1,0 +1,79 @@
+"""Configuration precedence (flags > env > file) and errors that name the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vgpu_runtime.common import config as cfg
+from vgpu_runtime.common.sizes import format_size, parse_size
+
+
+@dataclass(frozen=True)
+class Sample:
+    slices_per_gpu: int = cfg.setting(10, "slices", cfg.integer(1, 100))
+    memory_reserve: int = cfg.setting(2 << 30, "reserve", cfg.size)
+    placement: str = cfg.setting("best-fit", "policy", cfg.choice("best-fit", "spread"))
+    ignored_xids: tuple[int, ...] = cfg.setting((13, 31), "xids", cfg.int_list)
+
+
+def test_defaults() -> None:
+    assert cfg.load(Sample, [], environ={}) == Sample()
+
+
+def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("slices_per_gpu: 4\nplacement: spread\nmemory_reserve: 1GiB\n")
+    env = {"GEMINI_SLICES_PER_GPU": "5", "GEMINI_PLACEMENT": "best-fit"}
+    loaded = cfg.load(Sample, ["--config", str(conf), "--slices-per-gpu", "6"], environ=env)
+    assert loaded.slices_per_gpu == 6          # flag
+    assert loaded.placement == "best-fit"      # env over file
+    assert loaded.memory_reserve == 1 << 30    # file over default
+    assert cfg.load(Sample, [], environ={**env, "GEMINI_CONFIG": str(conf)}).slices_per_gpu == 5
+
+
+@pytest.mark.parametrize("argv, env, text, needle", [
+    (["--slices-per-gpu", "0"], {}, None, "flag --slices-per-gpu: must be at least 1"),
+    ([], {"GEMINI_MEMORY_RESERVE": "lots"}, None, "environment GEMINI_MEMORY_RESERVE"),
+    ([], {}, "placement: random\n", "key placement: must be one of best-fit, spread"),
+    ([], {}, "slices_per_gpu: true\n", "key slices_per_gpu: expected an integer"),
+    ([], {}, "slice_per_gpu: 3\n", "unknown setting(s) slice_per_gpu"),
+    ([], {}, "- a\n- b\n", "must hold a mapping"),
+    ([], {}, "a: [\n", "not valid YAML"),
+    ([], {"GEMINI_IGNORED_XIDS": "13,x"}, None, "comma-separated list of integers"),
+])
+def test_malformed_values_name_the_field(argv: list[str], env: dict[str, str], text: str | None,
+                                         needle: str, tmp_path: Path) -> None:
+    if text is not None:
+        conf = tmp_path / "c.yaml"
+        conf.write_text(text)
+        argv = [*argv, "--config", str(conf)]
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.load(Sample, argv, environ=env)
+    assert needle in str(err.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(cfg.ConfigError, match="No such file"):
+        cfg.load(Sample, ["--config", str(tmp_path / "absent.yaml")], environ={})
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("8GiB", 8 << 30), ("512Mi", 512 << 20), ("2G", 2_000_000_000), ("1.5GiB", 3 << 29),
+    ("1048576", 1 << 20), (" 4 kib ", 4096), (0, 0),
+])
+def test_sizes(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "1.2.3G", "8 parsecs", "1e3"])
+def test_bad_sizes(text: str) -> None:
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert format_size(8 << 30) == "8.0 GiB"
+    assert format_size(100) == "100 B"
