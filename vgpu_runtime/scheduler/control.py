@@ -1,0 +1,70 @@
+"""The control socket <state-dir>/scheduler.sock: one JSON request per connection.
+
+Request: one line of JSON, {"op": "status"}. Answer: one line of JSON, then the daemon closes.
+`status` returns the daemon, every allocation with its GPUs (share, limits, memory used), its
+connections (peer credentials, what each holds) and the corrupt records. A bad request gets
+{"error": "..."}. The socket is 0660: root (or the gemini-run user) and its group may ask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CONTROL_SOCKET_NAME = "scheduler.sock"
+CONTROL_MODE = 0o660
+MAX_REQUEST = 64 * 1024
+
+
+def control_socket(state_dir: str | Path) -> Path:
+    return Path(state_dir) / CONTROL_SOCKET_NAME
+
+
+class ControlServer:
+    def __init__(self, path: Path, ops: dict[str, Callable[[dict[str, Any]], Any]]) -> None:
+        self.path = path
+        self.ops = ops
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # left by a daemon that died; we hold the lock
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
+                                                       limit=MAX_REQUEST)
+        os.chmod(self.path, CONTROL_MODE)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            answer = self._answer(await reader.readline())
+            writer.write(json.dumps(answer).encode() + b"\n")
+            await writer.drain()
+        except (ConnectionError, ValueError) as err:  # ValueError: line over the limit
+            log.warning("control request failed", extra={"error": str(err)})
+        finally:
+            writer.close()
+
+    def _answer(self, line: bytes) -> Any:
+        try:
+            request = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            return {"error": f"request is not JSON: {err}"}
+        if not isinstance(request, dict) or not isinstance(request.get("op"), str):
+            return {"error": 'request must be an object like {"op": "status"}'}
+        handler = self.ops.get(request["op"])
+        if handler is None:
+            return {"error": f"unknown op {request['op']!r}; known: {', '.join(sorted(self.ops))}"}
+        return handler(request)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

@@ -1,0 +1,45 @@
+"""What an allocation record grants, in the form HELLO_REPLY carries it."""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from dataclasses import dataclass
+
+from vgpu_runtime import wire
+from vgpu_runtime.allocation import AllocationRecord, RecordError
+
+
+@dataclass(frozen=True)
+class GpuGrant:
+    uuid: str
+    uuid_bytes: bytes     # 16 raw bytes, as cuDeviceGetUuid returns them
+    memory_limit: int
+    share_ppm: int
+    limit_ppm: int
+
+
+def uuid_bytes(text: str) -> bytes:
+    """'GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx' -> its 16 bytes."""
+    if not text.startswith("GPU-"):
+        raise RecordError(f"GPU UUID {text!r} does not start with 'GPU-' (MIG is not supported)")
+    try:
+        return uuidlib.UUID(text[4:]).bytes
+    except ValueError:
+        raise RecordError(f"malformed GPU UUID {text!r}") from None
+
+
+def to_ppm(fraction: float) -> int:
+    return max(1, min(wire.PPM, round(fraction * wire.PPM)))
+
+
+def grants_of(record: AllocationRecord, default_limit: float) -> tuple[GpuGrant, ...]:
+    """Raises RecordError when the record cannot be served (bad UUID, too many GPUs)."""
+    if len(record.gpus) > wire.MAX_GPUS:
+        raise RecordError(f"allocation {record.id} names {len(record.gpus)} GPUs; "
+                          f"the wire carries at most {wire.MAX_GPUS}")
+    if len(record.id.encode()) >= wire.const("GM_ALLOCATION_ID_BYTES"):
+        raise RecordError(f"allocation id {record.id!r} is too long for the wire")
+    limit = record.limit if record.limit is not None else default_limit
+    return tuple(
+        GpuGrant(g.uuid, uuid_bytes(g.uuid), g.memory_limit, to_ppm(g.share), to_ppm(limit))
+        for g in record.gpus)

@@ -1,0 +1,61 @@
+"""One daemon per state directory, through an flock on <state-dir>/scheduler.lock.
+
+The kernel drops the lock when the holder exits however it exits, so a crashed daemon never
+blocks the next one. The holder writes its pid into the file, for the message others print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+LOCK_NAME = "scheduler.lock"
+
+
+class AlreadyRunning(RuntimeError):
+    """Another daemon holds the state directory's lock."""
+
+
+def lock_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / LOCK_NAME
+
+
+def holder_pid(state_dir: str | Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(lock_path(state_dir).read_text().strip() or "x")
+    return None
+
+
+def acquire(state_dir: str | Path) -> int:
+    """Take the lock (non-blocking) and return its fd, kept open for the daemon's life."""
+    path = lock_path(state_dir)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pid = holder_pid(state_dir)
+        raise AlreadyRunning(
+            f"another gemini-scheduler (pid {pid or 'unknown'}) already serves state directory "
+            f"{state_dir} (lock {path}); stop it first or use another --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def is_held(state_dir: str | Path) -> bool:
+    """True while some daemon holds the lock (used by gemini-run before starting one)."""
+    path = lock_path(state_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a shared lock we may have taken
+    return False

@@ -1,0 +1,56 @@
+"""gemini-scheduler's entry point: configuration, the single-instance lock, signals, the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from vgpu_runtime.common import config as cfg
+from vgpu_runtime.common import logs
+from vgpu_runtime.scheduler import lock
+from vgpu_runtime.scheduler.config import SchedulerConfig
+from vgpu_runtime.scheduler.daemon import Daemon
+
+log = logging.getLogger("gemini-scheduler")
+
+
+async def _serve(config: SchedulerConfig) -> None:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    await daemon.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = cfg.load(SchedulerConfig, argv, prog="gemini-scheduler",
+                          description="gemini.ai/vgpu node daemon: per-allocation channels "
+                                      "and the memory ledger")
+    except cfg.ConfigError as err:
+        print(f"gemini-scheduler: {err}", file=sys.stderr)
+        return 2
+    logs.setup(config.log_level, config.log_format)
+    try:
+        os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
+        lock_fd = lock.acquire(config.state_dir)
+    except lock.AlreadyRunning as err:
+        print(f"gemini-scheduler: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"gemini-scheduler: cannot use state directory {config.state_dir}: {err}",
+              file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(_serve(config))
+    finally:
+        os.close(lock_fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

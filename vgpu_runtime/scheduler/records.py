@@ -1,0 +1,75 @@
+"""Watching <state-dir>/allocations/: which records exist now, and which are corrupt.
+
+Polling (every ~0.2 s) keeps this simple and portable. A file is parsed again only when its
+inode, size or mtime changed, so a steady node costs one directory listing per poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from vgpu_runtime import paths
+from vgpu_runtime.allocation import AllocationRecord, RecordError, read_record
+
+log = logging.getLogger(__name__)
+
+_Signature = tuple[int, int, int]  # inode, size, mtime_ns
+
+
+@dataclass(frozen=True)
+class Scan:
+    records: dict[str, AllocationRecord]    # id -> record
+    corrupt: dict[str, str]                 # path -> error
+
+
+class RecordWatcher:
+    def __init__(self, state_dir: str | Path) -> None:
+        self.directory = paths.allocations_dir(state_dir)
+        self._cache: dict[str, tuple[_Signature, AllocationRecord | RecordError]] = {}
+
+    def scan(self) -> Scan:
+        records: dict[str, AllocationRecord] = {}
+        corrupt: dict[str, str] = {}
+        seen: set[str] = set()
+        try:
+            names = [e.name for e in os.scandir(self.directory) if e.name.endswith(".json")]
+        except FileNotFoundError:
+            names = []
+        for name in sorted(names):
+            path = str(self.directory / name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue  # removed between listing and stat
+            seen.add(path)
+            signature = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._cache.get(path)
+            if cached is None or cached[0] != signature:
+                result: AllocationRecord | RecordError
+                try:
+                    result = read_record(path)
+                except RecordError as err:
+                    result = err
+                    # Logged once per version of the file, never again while it stays the same.
+                    log.error("skipping corrupt allocation record",
+                              extra={"path": path, "error": str(err)})
+                self._cache[path] = (signature, result)
+            value = self._cache[path][1]
+            if isinstance(value, RecordError):
+                corrupt[path] = str(value)
+            else:
+                records[value.id] = value
+        for gone in set(self._cache) - seen:
+            del self._cache[gone]
+        return Scan(records, corrupt)
+
+    def mark_unservable(self, record: AllocationRecord, error: RecordError) -> None:
+        """A record that parsed but cannot be served: treat it as corrupt until it changes."""
+        path = str(self.directory / f"{record.id}.json")
+        if path in self._cache:
+            self._cache[path] = (self._cache[path][0], error)
+        log.error("skipping allocation record that cannot be served",
+                  extra={"path": path, "error": str(error)})

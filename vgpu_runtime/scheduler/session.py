@@ -1,0 +1,203 @@
+"""One client connection (one process of the container) on an allocation's channel.
+
+The client is who the socket says: the allocation behind the socket it connected through, and
+the kernel's SO_PEERCRED. Nothing it sends identifies it; the pid in HELLO is only logged.
+
+Framing: the 16-byte header is read and validated (version, type, exact length for the type,
+reserved zero, hence at most GM_MAX_FRAME) before a single body byte is read. A frame that breaks
+the protocol gets GM_MSG_ERROR with a reason, then that connection alone is closed; everything
+it held is released in the ledger. Types 16..31 (GPU-time tokens) are known but not served
+before issue 4: they get GM_MSG_ERROR with GM_ERR_UNSUPPORTED, and the connection is closed,
+as the header prescribes after an error. Issue 4 adds its handlers to `Session.handlers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from vgpu_runtime import wire
+from vgpu_runtime.scheduler.ledger import LedgerError, MemoryResult
+from vgpu_runtime.scheduler.peer import PeerCred
+
+if TYPE_CHECKING:
+    from vgpu_runtime.scheduler.channel import AllocationChannel
+
+log = logging.getLogger(__name__)
+
+C = wire.const
+MSG_HELLO, MSG_HELLO_REPLY = C("GM_MSG_HELLO"), C("GM_MSG_HELLO_REPLY")
+MSG_RESERVE, MSG_RELEASE, MSG_SET = C("GM_MSG_MEM_RESERVE"), C("GM_MSG_MEM_RELEASE"), C(
+    "GM_MSG_MEM_SET")
+MSG_MEM_REPLY, MSG_ERROR = C("GM_MSG_MEM_REPLY"), C("GM_MSG_ERROR")
+TOKEN_TYPES = range(16, 32)
+KIND_NAMES = {C(name): name.removeprefix("GM_MEM_").lower() for name in (
+    "GM_MEM_DEVICE", "GM_MEM_MANAGED", "GM_MEM_ARRAY", "GM_MEM_VMM", "GM_MEM_POOL",
+    "GM_MEM_GRAPH", "GM_MEM_CONTEXT")}
+REASON_BYTES = C("GM_REASON_BYTES")
+
+
+class ProtocolError(Exception):
+    """The client broke the protocol; `status` goes into the GM_MSG_ERROR it is sent."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def _raw_header(data: bytes) -> Any:
+    header = wire.ffi.new("struct gm_header *")
+    wire.ffi.memmove(header, data, wire.HEADER_SIZE)
+    return header
+
+
+class Session:
+    def __init__(self, channel: AllocationChannel, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, peer: PeerCred) -> None:
+        self.channel = channel
+        self.reader = reader
+        self.writer = writer
+        self.peer = peer
+        self.connected_at = time.time()
+        self.hello_pid: int | None = None
+        self.closing_status: int | None = None
+        self.handlers: dict[int, Callable[[Any], Awaitable[None]]] = {
+            MSG_HELLO: self._hello,
+            MSG_RESERVE: self._memory,
+            MSG_RELEASE: self._memory,
+            MSG_SET: self._memory,
+        }
+
+    def _log_fields(self, **more: Any) -> dict[str, Any]:
+        return {"allocation": self.channel.record.id, "peer_pid": self.peer.pid,
+                "peer_uid": self.peer.uid, "peer_gid": self.peer.gid, **more}
+
+    async def run(self) -> None:
+        log.info("client connected", extra=self._log_fields())
+        try:
+            while True:
+                frame = await self._read_frame()
+                if frame is None:
+                    break
+                handler = self.handlers.get(wire.frame_type(frame))
+                if handler is None:
+                    kind = wire.frame_type(frame)
+                    raise ProtocolError(C("GM_ERR_MALFORMED"),
+                                        f"frame type {kind} is daemon-to-hook only")
+                await handler(frame)
+        except ProtocolError as err:
+            log.warning("dropping client: %s", err.reason,
+                        extra=self._log_fields(reason=err.reason, status=err.status))
+            await self._send_error(err.status, err.reason)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away mid-write; nothing to answer
+        finally:
+            self.channel.ledger.drop(self)
+            self.writer.close()
+            with contextlib.suppress(Exception):
+                await self.writer.wait_closed()
+            log.info("client disconnected", extra=self._log_fields(
+                used=[self.channel.ledger.used(g) for g in range(self.channel.ledger.gpu_count)]))
+
+    async def _read_frame(self) -> Any | None:
+        try:
+            head = await self.reader.readexactly(wire.HEADER_SIZE)
+        except asyncio.IncompleteReadError as err:
+            if err.partial:
+                reason = f"truncated header: {len(err.partial)} bytes then EOF"
+                raise ProtocolError(C("GM_ERR_MALFORMED"), reason) from None
+            return None
+        if self.closing_status is not None:
+            return None
+        raw = _raw_header(head)
+        if raw.version == wire.VERSION and raw.type in TOKEN_TYPES:
+            raise ProtocolError(C("GM_ERR_UNSUPPORTED"),
+                                f"frame type {raw.type} (GPU-time tokens) is not served yet")
+        try:
+            header = wire.parse_header(head)
+        except wire.MalformedFrame as err:
+            status = C("GM_ERR_BAD_VERSION") if raw.version != wire.VERSION else C(
+                "GM_ERR_MALFORMED")
+            raise ProtocolError(status, str(err)) from None
+        try:
+            body = await self.reader.readexactly(header.length - wire.HEADER_SIZE)
+        except asyncio.IncompleteReadError as err:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), f"truncated frame: {len(err.partial)} of "
+                                f"{header.length - wire.HEADER_SIZE} body bytes") from None
+        return wire.decode(head + body)
+
+    async def _send(self, frame: Any) -> None:
+        self.writer.write(wire.encode(frame))
+        await self.writer.drain()
+
+    async def _send_error(self, status: int, reason: str) -> None:
+        frame = wire.new(MSG_ERROR, status=status)
+        frame.reason = reason.encode()[:REASON_BYTES - 1]
+        with contextlib.suppress(Exception):
+            await self._send(frame)
+
+    async def _hello(self, frame: Any) -> None:
+        if frame.proto_version != wire.VERSION:
+            raise ProtocolError(C("GM_ERR_BAD_VERSION"), f"hook speaks protocol "
+                                f"{frame.proto_version}, this daemon {wire.VERSION}")
+        self.hello_pid = int(frame.pid)
+        grants = self.channel.grants
+        reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, status=C("GM_OK"),
+                         gpu_count=len(grants))
+        reply.allocation_id = self.channel.record.id.encode()
+        for index, grant in enumerate(grants):
+            slot = reply.gpus[index]
+            slot.uuid = list(grant.uuid_bytes)
+            slot.memory_limit = self.channel.ledger.limit(index)
+            slot.share_ppm = grant.share_ppm
+            slot.limit_ppm = grant.limit_ppm
+        log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid))
+        await self._send(reply)
+
+    async def _memory(self, frame: Any) -> None:
+        if self.hello_pid is None:
+            raise ProtocolError(C("GM_ERR_NOT_READY"), "memory request before hello")
+        gpu, kind, nbytes = int(frame.gpu), int(frame.kind), int(frame.bytes)
+        ledger = self.channel.ledger
+        if gpu >= ledger.gpu_count:
+            raise ProtocolError(C("GM_ERR_BAD_GPU"), f"GPU index {gpu} is outside the "
+                                f"allocation ({ledger.gpu_count} GPU(s))")
+        if kind not in KIND_NAMES:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), f"unknown memory kind {kind}")
+        msg_type = wire.frame_type(frame)
+        result: MemoryResult
+        try:
+            if msg_type == MSG_RESERVE:
+                result = ledger.reserve(self, gpu, kind, nbytes)
+            elif msg_type == MSG_RELEASE:
+                result = ledger.release(self, gpu, kind, nbytes)
+            else:
+                result = ledger.set(self, gpu, kind, nbytes)
+        except LedgerError as err:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), str(err)) from None
+        if not result.granted:
+            log.info("over memory limit", extra=self._log_fields(
+                gpu=gpu, kind=KIND_NAMES[kind], bytes=nbytes, used=result.used,
+                limit=result.limit, applied=msg_type == MSG_SET))
+        reply = wire.new(MSG_MEM_REPLY, seq=frame.h.seq,
+                         status=C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"),
+                         gpu=gpu, used=result.used, limit=result.limit)
+        await self._send(reply)
+
+    async def close(self, status: int, reason: str) -> None:
+        """The allocation is going away: tell the client why, then close its connection."""
+        self.closing_status = status
+        await self._send_error(status, reason)
+        self.writer.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        held: dict[str, dict[str, int]] = {}
+        for (gpu, kind), amount in self.channel.ledger.holdings(self).items():
+            held.setdefault(str(gpu), {})[KIND_NAMES.get(kind, str(kind))] = amount
+        return {"peer_pid": self.peer.pid, "uid": self.peer.uid, "gid": self.peer.gid,
+                "hello_pid": self.hello_pid, "connected_at": self.connected_at, "held": held}
