@@ -1,0 +1,231 @@
+"""Allocate: validate kubelet's slice IDs, write the allocation record, answer the container.
+
+The record (vgpu_runtime.allocation) is keyed by the set of slice IDs, so Allocate is
+idempotent: kubelet hands an init container's slices to the app containers and replays kept
+responses, and the same IDs always give the same record id, channel directory and response.
+
+Memory: each slice of a GPU gets (GPU memory - memory_reserve) // N bytes; k slices get k times
+that; whole GPUs get all of it (GPU memory - memory_reserve).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+
+from device_plugin.config import PluginConfig
+from device_plugin.discovery import GpuInfo
+from device_plugin.health import HealthTracker
+from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
+from device_plugin.slices import Slice, SliceTable
+from vgpu_runtime import allocation, paths
+from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
+
+log = logging.getLogger(__name__)
+
+ALLOCATION_ANNOTATION = "gemini.ai/allocation-id"
+CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+class AllocationError(Exception):
+    """A rejected Allocate: a gRPC status code and a message for the operator."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> AllocationError:
+    return AllocationError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _precondition(message: str) -> AllocationError:
+    return AllocationError(grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+class Allocator:
+    def __init__(self, config: PluginConfig, table: SliceTable,
+                 health: HealthTracker | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.table = table
+        self.health = health
+        self.clock = clock
+        for gpu in table.gpus:
+            if gpu.memory_total <= config.memory_reserve:
+                raise ValueError(f"memory_reserve ({config.memory_reserve} bytes) leaves nothing "
+                                 f"of GPU {gpu.index} ({gpu.uuid}, {gpu.memory_total} bytes)")
+
+    # ---- memory ----
+
+    def usable_memory(self, gpu: GpuInfo) -> int:
+        return gpu.memory_total - self.config.memory_reserve
+
+    def per_slice_memory(self, gpu: GpuInfo) -> int:
+        return self.usable_memory(gpu) // self.table.per_gpu
+
+    # ---- validation ----
+
+    def validate(self, device_ids: Sequence[str]) -> list[Slice]:
+        """The slices, in GPU and slice order; raises AllocationError saying what is wrong."""
+        per_gpu = self.table.per_gpu
+        if not device_ids:
+            raise _invalid("Allocate named no devices; kubelet should send at least one "
+                           f"{self.config.resource_name} device ID")
+        duplicates = sorted(d for d, n in Counter(device_ids).items() if n > 1)
+        if duplicates:
+            raise _invalid(f"device ID(s) {', '.join(duplicates)} appear more than once in one "
+                           "Allocate; each slice can be given once")
+        unknown = self.table.unknown(device_ids)
+        if unknown:
+            raise _invalid(
+                f"unknown device ID(s) {', '.join(unknown)}: this plugin serves "
+                f"{len(self.table)} slices named <GPU UUID>::<0..{per_gpu - 1}> on "
+                f"{len(self.table.gpus)} GPU(s). If the node's GPUs or --slices-per-gpu changed, "
+                "delete the pod so kubelet allocates again from the current devices")
+        slices = sorted((s for s in map(self.table.get, device_ids) if s is not None),
+                        key=lambda s: (s.gpu.index, s.number))
+        by_gpu: dict[str, list[Slice]] = {}
+        for item in slices:
+            by_gpu.setdefault(item.gpu.uuid, []).append(item)
+        k = len(slices)
+        if k <= per_gpu and len(by_gpu) > 1:
+            raise _precondition(
+                f"the {k} slices come from {len(by_gpu)} GPUs ({', '.join(by_gpu)}); a request of "
+                f"at most {per_gpu} slices must be on one GPU. Kubelet did not follow this "
+                "plugin's preferred allocation (is get_preferred_allocation_available honoured?)"
+                "; delete the pod to retry")
+        if k > per_gpu:
+            if k % per_gpu:
+                raise _precondition(
+                    f"{k} slices is more than one GPU ({per_gpu} slices) and not a multiple of "
+                    f"{per_gpu}: request at most {per_gpu} slices, or whole GPUs "
+                    f"({per_gpu}, {2 * per_gpu}, ...)")
+            partial = [f"{u} ({len(s)} of {per_gpu})" for u, s in by_gpu.items()
+                       if len(s) != per_gpu]
+            if partial:
+                raise _precondition(
+                    f"a request of {k} slices must take whole GPUs, but got part of "
+                    f"{', '.join(partial)}; delete the pod to retry when whole GPUs are free")
+        return slices
+
+    def _check_health(self, slices: list[Slice]) -> None:
+        if self.health is None:
+            return
+        sick = sorted({s.gpu.uuid for s in slices if not self.health.is_healthy(s.gpu.uuid)})
+        if sick:
+            reasons = self.health.unhealthy()
+            detail = "; ".join(f"{u}: {reasons.get(u, 'unhealthy')}" for u in sick)
+            raise _precondition(f"GPU(s) unhealthy ({detail}); delete the pod so it is placed on "
+                                "a healthy GPU, and check the node's GPU (nvidia-smi, dmesg XIDs)")
+
+    # ---- the record and the response ----
+
+    def build_record(self, slices: list[Slice], created_at: float) -> AllocationRecord:
+        per_gpu = self.table.per_gpu
+        device_ids = tuple(s.id for s in slices)
+        allocation_id = allocation.id_for_devices(device_ids)
+        gpus: dict[str, GpuInfo] = {s.gpu.uuid: s.gpu for s in slices}
+        k = len(slices)
+        if k <= per_gpu:
+            gpu = next(iter(gpus.values()))
+            memory = k * self.per_slice_memory(gpu)
+            shares: tuple[GpuShare, ...] = (GpuShare(gpu.uuid, gpu.index, k / per_gpu, memory),)
+        else:
+            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.usable_memory(g))
+                           for g in gpus.values())
+        return AllocationRecord(
+            id=allocation_id, origin="kubelet", device_ids=device_ids, gpus=shares,
+            channel_dir=str(paths.channel_dir(self.config.state_dir, allocation_id)),
+            hook_library=paths.HOOK_LIBRARY_NAME, created_at=created_at,
+        )
+
+    def response(self, record: AllocationRecord,
+                 slices: list[Slice]) -> api_pb2.ContainerAllocateResponse:
+        uuids = [g.uuid for g in record.gpus]
+        gpus = {s.gpu.uuid: s.gpu for s in slices}
+        strategy = self.config.device_list_strategy
+        envs = {
+            "CUDA_VISIBLE_DEVICES": ",".join(uuids),
+            "LD_PRELOAD": f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}",
+            paths.ENV_CHANNEL_DIR: paths.CONTAINER_CHANNEL_DIR,
+            paths.ENV_ALLOCATION_ID: record.id,
+            paths.ENV_SHARE: repr(record.gpus[0].share),
+            paths.ENV_MEMORY_LIMIT: str(record.gpus[0].memory_limit),
+            # "void" overrides an image's NVIDIA_VISIBLE_DEVICES=all (CUDA images set it)
+            # when the GPU is given as CDI devices or device nodes.
+            "NVIDIA_VISIBLE_DEVICES": ",".join(uuids) if strategy == "envvar" else "void",
+        }
+        answer = api_pb2.ContainerAllocateResponse(
+            envs=envs,
+            mounts=[
+                api_pb2.Mount(container_path=paths.CONTAINER_LIB_DIR,
+                              host_path=str(self.config.host_hook_dir), read_only=True),
+                # Read-only: connecting to the socket needs no write access to the directory,
+                # and the container cannot replace its socket or fill the node's state dir.
+                api_pb2.Mount(container_path=paths.CONTAINER_CHANNEL_DIR,
+                              host_path=record.channel_dir, read_only=True),
+            ],
+            annotations={ALLOCATION_ANNOTATION: record.id},
+        )
+        if strategy == "cdi":
+            answer.cdi_devices.extend(api_pb2.CDIDevice(name=f"{self.config.cdi_kind}={u}")
+                                      for u in uuids)
+        elif strategy == "device-nodes":
+            nodes = [f"/dev/nvidia{gpus[u].minor}" for u in uuids] + list(CONTROL_DEVICES)
+            answer.devices.extend(api_pb2.DeviceSpec(container_path=n, host_path=n,
+                                                     permissions="rw") for n in nodes)
+        return answer
+
+    def allocate(self, device_ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Validate, write the record (atomically, idempotently) and build the response."""
+        slices = self.validate(device_ids)
+        allocation_id = allocation.id_for_devices(s.id for s in slices)
+        channel = paths.channel_dir(self.config.state_dir, allocation_id)
+        socket = paths.channel_socket(channel)
+        if not paths.fits_unix_socket(socket):
+            raise _precondition(
+                f"channel socket path {socket} is longer than {paths.UNIX_PATH_MAX} bytes; "
+                "configure a shorter --state-dir and restart the plugin")
+        try:
+            existing = allocation.load_record(self.config.state_dir, allocation_id)
+        except RecordError as err:
+            raise AllocationError(grpc.StatusCode.INTERNAL,
+                                  f"{err}; move the file aside and delete the pod to retry"
+                                  ) from None
+        if existing is None:
+            self._check_health(slices)
+            record = self.build_record(slices, self.clock())
+        else:
+            # Keep what a replay must not change: creation time and any pod binding.
+            record = dataclasses.replace(self.build_record(slices, existing.created_at),
+                                         pod=existing.pod, limit=existing.limit)
+        if record != existing:
+            self._store(record, channel)
+        log.info("allocated", extra={"allocation_id": record.id, "devices": list(record.device_ids),
+                                     "share": record.gpus[0].share, "replay": existing is not None})
+        return self.response(record, slices)
+
+    def _store(self, record: AllocationRecord, channel: Path) -> None:
+        created = not channel.exists()
+        try:
+            channel.mkdir(mode=0o755, parents=True, exist_ok=True)
+            allocation.write_record(self.config.state_dir, record)
+        except (OSError, RecordError) as err:
+            if created:
+                with contextlib.suppress(OSError):
+                    channel.rmdir()
+            detail = err.strerror if isinstance(err, OSError) else str(err)
+            raise AllocationError(
+                grpc.StatusCode.INTERNAL,
+                f"cannot store allocation {record.id} under state dir {self.config.state_dir}: "
+                f"{detail}. Check that the node's state directory is writable and has free "
+                "space, then delete the pod to retry") from None

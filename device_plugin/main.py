@@ -1,0 +1,109 @@
+"""gemini-device-plugin: advertise every GPU as N gemini.ai/vgpu slices to kubelet.
+
+    python -m device_plugin.main --simulate-gpus 2 --kubelet-dir /tmp/kubelet
+
+Exit status: 0 after SIGTERM/SIGINT, 2 for a configuration error, 1 when GPUs cannot be found.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from device_plugin import config as plugin_config
+from device_plugin.allocator import Allocator
+from device_plugin.config import ConfigError, PluginConfig
+from device_plugin.discovery import Backend, DiscoveryError
+from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.health import HealthTracker
+from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, recheck_forever
+from device_plugin.registration import Registrar
+from device_plugin.server import DeviceList, DevicePluginService, PluginServer
+from device_plugin.slices import SliceTable
+from vgpu_runtime.common import logs
+
+log = logging.getLogger("device_plugin")
+
+
+def make_backend(config: PluginConfig) -> Backend:
+    if config.simulate_gpus:
+        return SimulatedBackend(config.simulate_gpus, config.simulate_model,
+                                config.simulate_memory)
+    from device_plugin.discovery.nvml import NvmlBackend
+
+    return NvmlBackend()
+
+
+async def serve(config: PluginConfig, backend: Backend) -> None:
+    gpus = backend.discover()
+    if not gpus:
+        log.warning("no usable GPU found: advertising no devices")
+    table = SliceTable(gpus, config.slices_per_gpu)
+    tracker = HealthTracker((g.uuid for g in gpus), config.ignored_xids,
+                            config.recovery_quiet_period)
+    allocator = Allocator(config, table, tracker)
+    devices = DeviceList(table, tracker)
+    service = DevicePluginService(devices, allocator, config.placement)
+    server = PluginServer(config.plugin_socket, service)
+    registrar = Registrar(server, config.kubelet_socket, config.resource_name)
+    log.info("starting", extra={
+        "backend": backend.name, "gpus": [g.uuid for g in gpus], "devices": len(table),
+        "slices_per_gpu": config.slices_per_gpu, "placement": config.placement,
+        "strategy": config.device_list_strategy, "state_dir": config.state_dir})
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, registrar.stop)
+
+    tasks = [asyncio.create_task(recheck_forever(tracker, backend,
+                                                 config.health_recheck_interval))]
+    watcher: NvmlXidWatcher | None = None
+    if isinstance(backend, SimulatedBackend):
+        control = SimulatedControl(config.control_dir, backend, tracker)
+        tasks.append(asyncio.create_task(control.run()))
+        log.info("simulated health events read from", extra={"dir": str(config.control_dir)})
+    elif gpus:
+        def deliver(uuid: str | None, xid: int) -> None:
+            loop.call_soon_threadsafe(tracker.xid, uuid, xid)
+
+        watcher = NvmlXidWatcher(getattr(backend, "nvml"), gpus, deliver)  # noqa: B009
+        watcher.start()
+    try:
+        await registrar.run()
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if watcher is not None:
+            watcher.stop()
+    log.info("stopped cleanly")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = plugin_config.load(argv)
+    except ConfigError as err:
+        print(f"gemini-device-plugin: configuration error: {err}", file=sys.stderr)
+        return 2
+    logs.setup(config.log_level, config.log_format)
+    try:
+        backend = make_backend(config)
+        asyncio.run(serve(config, backend))
+    except DiscoveryError as err:
+        log.error("cannot discover GPUs", extra={"error": str(err)})
+        print(f"gemini-device-plugin: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # e.g. memory_reserve larger than a GPU, UUID too long
+        print(f"gemini-device-plugin: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The DevicePlugin gRPC service (grpc.aio) on a Unix socket in the kubelet directory.
+
+ListAndWatch sends the full device list when a stream opens and again after every health
+change, to every open stream. Changes that arrive while a stream is sending are coalesced:
+each message carries the latest state, which is all kubelet keeps anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from device_plugin import placement
+from device_plugin.allocator import AllocationError, Allocator
+from device_plugin.health import HealthTracker
+from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from device_plugin.slices import SliceTable
+
+log = logging.getLogger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+
+class DeviceList:
+    """The advertised devices with their health, and a wake-up for every open stream."""
+
+    def __init__(self, table: SliceTable, health: HealthTracker) -> None:
+        self.table = table
+        self.health = health
+        self._waiters: set[asyncio.Event] = set()
+        self._message = self._build()
+        health.on_change(self.changed)
+
+    def _build(self) -> api_pb2.ListAndWatchResponse:
+        devices = []
+        for item in self.table.all():
+            topology = (api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=item.gpu.numa_node)])
+                        if item.gpu.numa_node is not None else None)
+            devices.append(api_pb2.Device(
+                ID=item.id, topology=topology,
+                health=HEALTHY if self.health.is_healthy(item.gpu.uuid) else UNHEALTHY))
+        return api_pb2.ListAndWatchResponse(devices=devices)
+
+    @property
+    def message(self) -> api_pb2.ListAndWatchResponse:
+        return self._message
+
+    def changed(self) -> None:
+        """Called (on the event loop) after a health change."""
+        self._message = self._build()
+        for waiter in self._waiters:
+            waiter.set()
+
+    def subscribe(self) -> asyncio.Event:
+        event = asyncio.Event()
+        self._waiters.add(event)
+        return event
+
+    def unsubscribe(self, event: asyncio.Event) -> None:
+        self._waiters.discard(event)
+
+    @property
+    def streams(self) -> int:
+        return len(self._waiters)
+
+
+class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
+    def __init__(self, devices: DeviceList, allocator: Allocator, policy: str) -> None:
+        self.devices = devices
+        self.allocator = allocator
+        self.policy = policy
+        self._closing = asyncio.Event()
+
+    def open_streams(self) -> None:
+        """Allow streams again (a new server after a kubelet restart)."""
+        self._closing = asyncio.Event()
+
+    def close_streams(self) -> None:
+        """End every ListAndWatch stream (shutdown, or before serving anew)."""
+        self._closing.set()
+
+    async def GetDevicePluginOptions(self, request: api_pb2.Empty, context: Any
+                                     ) -> api_pb2.DevicePluginOptions:
+        return options()
+
+    async def ListAndWatch(self, request: api_pb2.Empty, context: Any
+                           ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        wake = self.devices.subscribe()
+        log.info("ListAndWatch stream opened", extra={"streams": self.devices.streams})
+        try:
+            yield self.devices.message
+            closing = asyncio.ensure_future(self._closing.wait())
+            try:
+                while True:
+                    woken = asyncio.ensure_future(wake.wait())
+                    await asyncio.wait({woken, closing}, return_when=asyncio.FIRST_COMPLETED)
+                    if closing.done():
+                        woken.cancel()
+                        return
+                    wake.clear()
+                    yield self.devices.message
+            finally:
+                closing.cancel()
+        finally:
+            self.devices.unsubscribe(wake)
+            log.info("ListAndWatch stream closed", extra={"streams": self.devices.streams})
+
+    async def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest,
+                                     context: Any) -> api_pb2.PreferredAllocationResponse:
+        answers = []
+        for ask in request.container_requests:
+            try:
+                chosen = placement.preferred(self.allocator.table, list(ask.available_deviceIDs),
+                                             list(ask.must_include_deviceIDs),
+                                             ask.allocation_size, self.policy)
+            except placement.PlacementError as err:
+                log.warning("no preferred allocation", extra={"reason": str(err),
+                                                              "size": ask.allocation_size})
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return api_pb2.PreferredAllocationResponse(container_responses=answers)
+
+    async def Allocate(self, request: api_pb2.AllocateRequest, context: Any
+                       ) -> api_pb2.AllocateResponse:
+        answers = []
+        for ask in request.container_requests:
+            try:
+                answers.append(self.allocator.allocate(list(ask.devices_ids)))
+            except AllocationError as err:
+                log.warning("Allocate rejected", extra={"reason": err.message,
+                                                        "devices": list(ask.devices_ids)})
+                await context.abort(err.code, err.message)
+        return api_pb2.AllocateResponse(container_responses=answers)
+
+    async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest, context: Any
+                                ) -> api_pb2.PreStartContainerResponse:
+        # A later issue binds the allocation to its pod here.
+        log.info("PreStartContainer", extra={"devices": list(request.devices_ids)})
+        return api_pb2.PreStartContainerResponse()
+
+
+def options() -> api_pb2.DevicePluginOptions:
+    return api_pb2.DevicePluginOptions(pre_start_required=True,
+                                       get_preferred_allocation_available=True)
+
+
+class PluginServer:
+    """One grpc.aio server on the plugin socket; start() again after a kubelet restart."""
+
+    def __init__(self, socket_path: Path, service: DevicePluginService) -> None:
+        self.socket_path = socket_path
+        self.service = service
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        await self.stop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # a stale socket from a previous run
+        self.service.open_streams()
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
+            self.service, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        self._server = server
+        log.info("serving", extra={"socket": str(self.socket_path)})
+
+    async def stop(self, grace: float = 0.5) -> None:
+        if self._server is None:
+            return
+        self.service.close_streams()
+        server, self._server = self._server, None
+        await server.stop(grace)
+        log.info("stopped serving", extra={"socket": str(self.socket_path)})
+
+    async def close(self) -> None:
+        """Stop and remove the socket (SIGTERM)."""
+        await self.stop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)

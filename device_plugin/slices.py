@@ -1,0 +1,78 @@
+"""Slices: each GPU advertised as N kubelet devices with stable IDs `<GPU UUID>::<n>`.
+
+The ID names its GPU, is the same across restarts (UUIDs are stable, n is 0..N-1) and stays
+within kubelet's 63-character limit (an NVML UUID is 40 characters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from device_plugin.discovery import GpuInfo
+
+SEPARATOR = "::"
+MAX_ID_LENGTH = 63
+
+
+class SliceIdError(ValueError):
+    """A device ID is not of the form <GPU UUID>::<n>."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    id: str
+    gpu: GpuInfo
+    number: int
+
+
+def slice_id(uuid: str, number: int) -> str:
+    return f"{uuid}{SEPARATOR}{number}"
+
+
+def parse_slice_id(device_id: str) -> tuple[str, int]:
+    uuid, sep, number = device_id.rpartition(SEPARATOR)
+    if not sep or not uuid or not number.isdigit() or (number != "0" and number[0] == "0"):
+        raise SliceIdError(f"{device_id!r} is not a slice ID of the form <GPU UUID>::<n>")
+    return uuid, int(number)
+
+
+class SliceTable:
+    """Every slice of the node, by ID and by GPU, in GPU index order."""
+
+    def __init__(self, gpus: Sequence[GpuInfo], per_gpu: int) -> None:
+        if per_gpu < 1:
+            raise ValueError("a GPU needs at least one slice")
+        self.per_gpu = per_gpu
+        self.gpus = sorted(gpus, key=lambda g: g.index)
+        self._gpu_by_uuid = {g.uuid: g for g in self.gpus}
+        if len(self._gpu_by_uuid) != len(self.gpus):
+            raise ValueError("two GPUs report the same UUID")
+        self._by_id: dict[str, Slice] = {}
+        self._by_gpu: dict[str, list[Slice]] = {}
+        for gpu in self.gpus:
+            row = [Slice(slice_id(gpu.uuid, n), gpu, n) for n in range(per_gpu)]
+            longest = row[-1].id
+            if len(longest) > MAX_ID_LENGTH:
+                raise ValueError(f"slice ID {longest!r} is longer than {MAX_ID_LENGTH} "
+                                 "characters; lower slices_per_gpu")
+            self._by_gpu[gpu.uuid] = row
+            self._by_id.update((s.id, s) for s in row)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def all(self) -> list[Slice]:
+        return [s for gpu in self.gpus for s in self._by_gpu[gpu.uuid]]
+
+    def get(self, device_id: str) -> Slice | None:
+        return self._by_id.get(device_id)
+
+    def gpu(self, uuid: str) -> GpuInfo | None:
+        return self._gpu_by_uuid.get(uuid)
+
+    def slices_of(self, uuid: str) -> list[Slice]:
+        return list(self._by_gpu.get(uuid, ()))
+
+    def unknown(self, device_ids: Iterable[str]) -> list[str]:
+        return [d for d in device_ids if d not in self._by_id]

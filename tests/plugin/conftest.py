@@ -1,0 +1,53 @@
+"""Fixtures for the device plugin tests: short temp dirs (Unix socket paths), configs, GPUs."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from device_plugin import config as plugin_config
+from device_plugin.config import PluginConfig
+from device_plugin.discovery import GpuInfo
+from device_plugin.discovery.simulated import SimulatedBackend
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A temp dir with a short path: Unix socket paths must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_config(short_dir: Path) -> Callable[..., PluginConfig]:
+    def make(**overrides: Any) -> PluginConfig:
+        (short_dir / "kubelet").mkdir(exist_ok=True)
+        values: dict[str, Any] = {
+            "kubelet_dir": str(short_dir / "kubelet"),
+            "state_dir": str(short_dir / "state"),
+            "simulate_gpus": 2,
+            "simulate_memory": 100 * GIB,
+            "memory_reserve": 2 * GIB,
+            "slices_per_gpu": 10,
+        }
+        values.update(overrides)
+        return plugin_config.check(PluginConfig(**values))
+    return make
+
+
+@pytest.fixture
+def backend() -> SimulatedBackend:
+    return SimulatedBackend(2, memory=100 * GIB)
+
+
+@pytest.fixture
+def gpus(backend: SimulatedBackend) -> list[GpuInfo]:
+    return backend.discover()
