@@ -107,4 +107,4 @@ def _whole_gpus(groups: dict[str, list[Slice]], index: dict[str, int], must: lis
     if len(chosen) < wanted:
         raise PlacementError(f"a request of {size} slices needs {wanted} wholly free GPUs; only "
                              f"{len(free)} GPU(s) have all {per_gpu} slices free")
-    return [s.id for u in chosen for s in groups[u]]
+    return [s.id for u in sorted(chosen, key=index.__getitem__) for s in groups[u]]

@@ -27,7 +27,7 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
     async def Register(self, request: api_pb2.RegisterRequest, context: Any) -> api_pb2.Empty:
         path = self.directory / request.endpoint
         async with grpc.aio.insecure_channel(f"unix://{path}") as channel:
-            stub = api_pb2_grpc.DevicePluginStub(channel)
+            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
             try:
                 opts = await stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=10)
             except grpc.aio.AioRpcError as err:
@@ -39,7 +39,8 @@ class FakeKubelet(api_pb2_grpc.RegistrationServicer):
 
     async def start(self) -> None:
         self._server = grpc.aio.server()
-        api_pb2_grpc.add_RegistrationServicer_to_server(self, self._server)
+        api_pb2_grpc.add_RegistrationServicer_to_server(  # type: ignore[no-untyped-call]
+            self, self._server)
         self._server.add_insecure_port(f"unix://{self.directory / 'kubelet.sock'}")
         await self._server.start()
 

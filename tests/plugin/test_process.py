@@ -36,7 +36,8 @@ async def test_process_registers_streams_health_and_stops_on_sigterm(short_dir: 
         await asyncio.wait_for(kubelet.registered.wait(), 20)
         socket = kubelet_dir / "gemini-vgpu.sock"
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-            stream = api_pb2_grpc.DevicePluginStub(channel).ListAndWatch(api_pb2.Empty())
+            stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+            stream = stub.ListAndWatch(api_pb2.Empty())
             first = await asyncio.wait_for(stream.read(), 10)
             assert len(first.devices) == 20
             # Inject a critical XID on GPU 1: its 10 slices turn Unhealthy...

@@ -31,7 +31,8 @@ async def plugin(make_config: Callable[..., PluginConfig]) -> AsyncIterator[Plug
     server = PluginServer(config.plugin_socket, service)
     await server.start()
     async with grpc.aio.insecure_channel(f"unix://{config.plugin_socket}") as channel:
-        yield api_pb2_grpc.DevicePluginStub(channel), tracker, table, config
+        stub = api_pb2_grpc.DevicePluginStub(channel)  # type: ignore[no-untyped-call]
+        yield stub, tracker, table, config
     await server.close()
     assert not Path(config.plugin_socket).exists()
 
@@ -61,7 +62,7 @@ async def test_list_and_watch_sends_full_list_then_updates_on_health(plugin: Plu
 
 
 async def test_health_change_reaches_every_open_stream(plugin: Plugin) -> None:
-    stub, tracker, table, _ = plugin
+    stub, tracker, _, _ = plugin
     streams = [stub.ListAndWatch(api_pb2.Empty()) for _ in range(3)]
     for stream in streams:
         await asyncio.wait_for(stream.read(), 5)

@@ -1,0 +1,289 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from device_plugin.allocator import AllocationError, Allocator
+from device_plugin.config import PluginConfig
+from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.health import HealthTracker
+from device_plugin.slices import SliceTable
+from vgpu_runtime import allocation, paths
+
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+Make = Callable[..., tuple[Allocator, SliceTable, HealthTracker]]
+
+
+@pytest.fixture
+def make(make_config: Callable[..., PluginConfig]) -> Make:
+    def build(**overrides: object) -> tuple[Allocator, SliceTable, HealthTracker]:
+        config = make_config(**overrides)
+        gpus = SimulatedBackend(config.simulate_gpus, memory=config.simulate_memory).discover()
+        table = SliceTable(gpus, config.slices_per_gpu)
+        tracker = HealthTracker([g.uuid for g in gpus], config.ignored_xids, 300)
+        return Allocator(config, table, tracker, clock=lambda: 1000.0), table, tracker
+    return build
+
+
+def slice_ids(table: SliceTable, gpu: int, count: int) -> list[str]:
+    return [s.id for s in table.slices_of(table.gpus[gpu].uuid)[:count]]
+
+
+def rejected(allocator: Allocator, ids: list[str]) -> AllocationError:
+    with pytest.raises(AllocationError) as caught:
+        allocator.allocate(ids)
+    return caught.value
+
+
+# ---- validation ----
+
+def test_unknown_ids_are_named(make: Make) -> None:
+    allocator, table, _ = make()
+    err = rejected(allocator, [*slice_ids(table, 0, 1), "GPU-gone::3"])
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown device ID(s) GPU-gone::3" in err.message and "delete the pod" in err.message
+
+
+def test_duplicates_are_named(make: Make) -> None:
+    allocator, table, _ = make()
+    one = slice_ids(table, 0, 1)[0]
+    err = rejected(allocator, [one, one])
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and one in err.message
+    assert "more than once" in err.message
+
+
+def test_empty_request_is_refused(make: Make) -> None:
+    allocator, _, _ = make()
+    assert rejected(allocator, []).code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_slices_of_two_gpus_are_refused(make: Make) -> None:
+    allocator, table, _ = make()
+    err = rejected(allocator, slice_ids(table, 0, 2) + slice_ids(table, 1, 1))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "from 2 GPUs" in err.message and "must be on one GPU" in err.message
+
+
+def test_more_than_a_gpu_must_be_whole_gpus(make: Make) -> None:
+    allocator, table, _ = make()
+    err = rejected(allocator, slice_ids(table, 0, 10) + slice_ids(table, 1, 2))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "not a multiple of 10" in err.message
+
+
+def test_uneven_whole_gpu_request_is_refused(make: Make) -> None:
+    allocator, _table, _ = make(simulate_gpus=3, slices_per_gpu=4)
+    table = allocator.table
+    ids = slice_ids(table, 0, 4) + slice_ids(table, 1, 2) + slice_ids(table, 2, 2)
+    err = rejected(allocator, ids)
+    assert "must take whole GPUs" in err.message and "(2 of 4)" in err.message
+
+
+def test_unhealthy_gpu_is_refused_for_new_allocations(make: Make) -> None:
+    allocator, table, tracker = make()
+    tracker.xid(table.gpus[0].uuid, 79)
+    err = rejected(allocator, slice_ids(table, 0, 2))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "unhealthy" in err.message and "critical XID 79" in err.message
+
+
+# ---- response per strategy ----
+
+def test_response_with_cdi(make: Make) -> None:
+    allocator, table, _ = make(device_list_strategy="cdi")
+    answer = allocator.allocate(slice_ids(table, 1, 3))
+    uuid = table.gpus[1].uuid
+    record_id = allocation.id_for_devices(slice_ids(table, 1, 3))
+    assert [d.name for d in answer.cdi_devices] == [f"nvidia.com/gpu={uuid}"]
+    assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert answer.envs["CUDA_VISIBLE_DEVICES"] == uuid
+    assert answer.envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    assert answer.envs[paths.ENV_CHANNEL_DIR] == paths.CONTAINER_CHANNEL_DIR
+    assert answer.envs[paths.ENV_ALLOCATION_ID] == record_id
+    assert answer.envs[paths.ENV_SHARE] == "0.3"
+    assert answer.envs[paths.ENV_MEMORY_LIMIT] == str(3 * ((100 * GIB - 2 * GIB) // 10))
+    mounts = {m.container_path: m for m in answer.mounts}
+    assert mounts[paths.CONTAINER_LIB_DIR].host_path == str(allocator.config.host_hook_dir)
+    assert mounts[paths.CONTAINER_LIB_DIR].read_only
+    channel = paths.channel_dir(allocator.config.state_dir, record_id)
+    assert mounts[paths.CONTAINER_CHANNEL_DIR].host_path == str(channel)
+    assert channel.is_dir()
+    assert not answer.devices
+
+
+def test_response_with_envvar(make: Make) -> None:
+    allocator, table, _ = make(device_list_strategy="envvar")
+    answer = allocator.allocate(slice_ids(table, 0, 10) + slice_ids(table, 1, 10))
+    both = f"{table.gpus[0].uuid},{table.gpus[1].uuid}"
+    assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == both
+    assert answer.envs["CUDA_VISIBLE_DEVICES"] == both
+    assert answer.envs[paths.ENV_SHARE] == "1.0"
+    assert not answer.cdi_devices and not answer.devices
+
+
+def test_response_with_device_nodes(make: Make) -> None:
+    allocator, table, _ = make(device_list_strategy="device-nodes")
+    answer = allocator.allocate(slice_ids(table, 1, 1))
+    nodes = [(d.container_path, d.host_path, d.permissions) for d in answer.devices]
+    assert nodes == [(p, p, "rw") for p in ("/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm",
+                                            "/dev/nvidia-uvm-tools")]
+    assert answer.envs["CUDA_VISIBLE_DEVICES"] == table.gpus[1].uuid
+
+
+# ---- the record ----
+
+def test_record_contents(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 1, 4)
+    allocator.allocate(list(reversed(ids)))
+    record = allocation.load_record(allocator.config.state_dir, allocation.id_for_devices(ids))
+    assert record is not None
+    assert record.origin == "kubelet" and record.device_ids == tuple(ids)
+    (gpu,) = record.gpus
+    assert (gpu.uuid, gpu.index, gpu.share) == (table.gpus[1].uuid, 1, 0.4)
+    assert gpu.memory_limit == 4 * ((100 * GIB - 2 * GIB) // 10)
+    assert record.hook_library == paths.HOOK_LIBRARY_NAME and record.created_at == 1000.0
+    assert record.channel_dir == str(paths.channel_dir(allocator.config.state_dir, record.id))
+
+
+def test_whole_gpu_record_gets_all_memory_but_the_reserve(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 10) + slice_ids(table, 1, 10)
+    answer = allocator.allocate(ids)
+    record = allocation.load_record(allocator.config.state_dir,
+                                    answer.envs[paths.ENV_ALLOCATION_ID])
+    assert record is not None
+    assert [(g.share, g.memory_limit) for g in record.gpus] == [(1.0, 98 * GIB)] * 2
+
+
+def test_slices_of_a_gpu_fit_on_it(make: Make) -> None:
+    allocator, table, _ = make(slices_per_gpu=7, simulate_memory=80 * GIB + 3)
+    gpu = table.gpus[0]
+    assert allocator.per_slice_memory(gpu) * 7 <= gpu.memory_total - 2 * GIB
+    assert allocator.per_slice_memory(gpu) == (78 * GIB + 3) // 7
+
+
+def test_repeated_allocate_is_idempotent_and_keeps_created_at(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 3)
+    first = allocator.allocate(ids)
+    path = allocation.record_path(allocator.config.state_dir, first.envs[paths.ENV_ALLOCATION_ID])
+    before = path.read_bytes()
+    allocator.clock = lambda: 2000.0
+    again = allocator.allocate(list(reversed(ids)))
+    assert again == first
+    assert path.read_bytes() == before
+    assert len(list(path.parent.glob("*.json"))) == 1
+
+
+def test_replay_is_allowed_on_an_unhealthy_gpu(make: Make) -> None:
+    allocator, table, tracker = make()
+    ids = slice_ids(table, 0, 3)
+    first = allocator.allocate(ids)
+    tracker.xid(table.gpus[0].uuid, 79)
+    assert allocator.allocate(ids) == first  # a kept response must stay valid
+
+
+def test_state_dir_too_long_for_channel_socket(make: Make, short_dir: Path) -> None:
+    allocator, table, _ = make()
+    long_state = short_dir / ("s" * 80)
+    allocator.config = type(allocator.config)(**{**allocator.config.__dict__,
+                                                 "state_dir": str(long_state)})
+    err = rejected(allocator, slice_ids(table, 0, 1))
+    assert "longer than 107 bytes" in err.message and "--state-dir" in err.message
+    assert not long_state.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_state_dir_fails_clearly_and_damages_nothing(make: Make) -> None:
+    _read_only_case(make)
+
+
+def _read_only_case(make: Make) -> None:
+    allocator, table, _ = make()
+    kept = allocator.allocate(slice_ids(table, 0, 2))
+    records = paths.allocations_dir(allocator.config.state_dir)
+    snapshot = {p.name: p.read_bytes() for p in records.iterdir()}
+    os.chmod(records, 0o555)
+    try:
+        err = rejected(allocator, slice_ids(table, 1, 2))
+    finally:
+        os.chmod(records, 0o755)
+    assert err.code == grpc.StatusCode.INTERNAL
+    assert "cannot store allocation" in err.message and "writable" in err.message
+    assert {p.name: p.read_bytes() for p in records.iterdir()} == snapshot
+    new_channel = paths.channel_dir(allocator.config.state_dir,
+                                    allocation.id_for_devices(slice_ids(table, 1, 2)))
+    assert not new_channel.exists(), "a failed Allocate leaves no empty channel behind"
+    assert allocator.allocate(slice_ids(table, 0, 2)) == kept
+
+
+def test_full_state_dir_fails_clearly_and_damages_nothing(short_dir: Path) -> None:
+    """A real write failure that root cannot bypass: a file-size limit (EFBIG), in a child."""
+    script = f"""
+import os, resource, signal, json
+from device_plugin.allocator import AllocationError, Allocator
+from device_plugin.config import PluginConfig
+from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.slices import SliceTable
+from vgpu_runtime import allocation, paths
+config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)
+table = SliceTable(SimulatedBackend(2).discover(), 10)
+allocator = Allocator(config, table)
+kept_ids = [s.id for s in table.all()[:2]]
+kept = allocator.allocate(kept_ids)
+records = paths.allocations_dir(config.state_dir)
+snapshot = {{p.name: p.read_bytes() for p in records.iterdir()}}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.RLIM_INFINITY))
+new_ids = [s.id for s in table.all()[10:12]]
+try:
+    allocator.allocate(new_ids)
+except AllocationError as err:
+    print("ERROR", err.code.name, err.message)
+assert {{p.name: p.read_bytes() for p in records.iterdir()}} == snapshot, "records changed"
+assert not paths.channel_dir(config.state_dir, allocation.id_for_devices(new_ids)).exists()
+assert allocator.allocate(kept_ids) == kept
+print("INTACT")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert "ERROR INTERNAL cannot store allocation" in done.stdout
+    assert "File too large" in done.stdout and "free space" in done.stdout
+    assert "INTACT" in done.stdout
+
+
+def test_corrupt_existing_record_is_reported_not_overwritten(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 2)
+    path = allocation.record_path(allocator.config.state_dir, allocation.id_for_devices(ids))
+    path.parent.mkdir(parents=True)
+    path.write_text("{half")
+    err = rejected(allocator, ids)
+    assert "not valid JSON" in err.message and "move the file aside" in err.message
+    assert path.read_text() == "{half"
+
+
+def test_memory_reserve_larger_than_gpu_is_refused(make_config: Callable[..., PluginConfig]
+                                                   ) -> None:
+    config = make_config()
+    gpus = SimulatedBackend(1, memory=GIB).discover()
+    with pytest.raises(ValueError, match="memory_reserve"):
+        Allocator(config, SliceTable(gpus, 10))
+
+
+def test_record_is_valid_json_for_the_daemon(make: Make) -> None:
+    allocator, table, _ = make()
+    answer = allocator.allocate(slice_ids(table, 0, 1))
+    path = allocation.record_path(allocator.config.state_dir, answer.envs[paths.ENV_ALLOCATION_ID])
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["origin"] == "kubelet"
+    assert allocation.read_record(path).gpus[0].share == 0.1
