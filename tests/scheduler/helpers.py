@@ -38,13 +38,14 @@ def wait_for(predicate: Callable[[], T], timeout: float = 5.0, what: str = "cond
 def make_record(state_dir: Path, allocation_id: str | None = None,
                 gpus: tuple[tuple[str, int, float], ...] = ((UUID_A, 100 * MiB, 0.5),),
                 limit: float | None = None, origin: str = "kubelet",
-                owner_pid: int | None = None) -> AllocationRecord:
+                owner_pid: int | None = None, created_at: float | None = None
+                ) -> AllocationRecord:
     allocation_id = allocation_id or allocation.new_run_id().replace("r-", "k-")
     record = AllocationRecord(
         id=allocation_id, origin=origin, device_ids=(),
         gpus=tuple(GpuShare(uuid, i, share, mem) for i, (uuid, mem, share) in enumerate(gpus)),
         channel_dir=str(paths.channel_dir(state_dir, allocation_id)),
-        hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time(), limit=limit,
+        hook_library=paths.HOOK_LIBRARY_NAME, created_at=created_at or time.time(), limit=limit,
         owner_pid=owner_pid)
     allocation.write_record(state_dir, record)
     return record

@@ -1,0 +1,316 @@
+"""gemini-run end to end: real processes, the real daemon it starts, simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from device_plugin.discovery.simulated import DEFAULT_MEMORY, simulated_uuid
+from tests.run.conftest import stop_daemon
+from tests.scheduler.helpers import make_record, wait_for
+from vgpu_runtime import allocation, paths
+from vgpu_runtime.scheduler import client, lock
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+ENV.pop("GEMINI_SIMULATE_GPUS", None)
+ENV.pop("GEMINI_STATE_DIR", None)
+
+# The command gemini-run runs: reports its environment and what the channel says, then waits
+# for a line on stdin (so the test can look at the node while it runs) and exits with argv[1].
+PROBE = r"""
+import json, os, sys
+from vgpu_runtime.scheduler.client import ChannelClient
+channel = os.path.join(os.environ["GEMINI_CHANNEL_DIR"], "sched.sock")
+c = ChannelClient(channel)
+hello = c.hello()
+reserve = c.reserve(0, 1 << 20)
+shown = ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+print(json.dumps({"env": {k: v for k, v in os.environ.items()
+                          if k.startswith("GEMINI_") or k in shown},
+                  "allocation_id": hello.allocation_id, "memory_limit": hello.gpus[0].memory_limit,
+                  "share_ppm": hello.gpus[0].share_ppm, "limit_ppm": hello.gpus[0].limit_ppm,
+                  "reserve_granted": reserve.granted}), flush=True)
+sys.stdin.readline()
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def gemini_run(state_dir: Path, library: Path, *args: str, command: list[str] | None = None,
+               env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state_dir),
+            "--simulate-gpus", "2", "--hook-library", str(library), *args, "--",
+            *(command or [sys.executable, "-c", PROBE, "0"])]
+    popen.setdefault("stdin", subprocess.PIPE)
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    return subprocess.Popen(argv, cwd=REPO, env=env or ENV, text=True, **popen)
+
+
+def probe_started(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        assert proc.stderr is not None
+        raise AssertionError(f"gemini-run exited {proc.returncode}: {proc.stderr.read()}")
+    result: dict[str, Any] = json.loads(line)
+    return result
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    _out, err = proc.communicate("\n", timeout=20)
+    return proc.returncode, err
+
+
+def live_records(state_dir: Path) -> list[allocation.AllocationRecord]:
+    return [r for _, r in allocation.scan_records(state_dir)
+            if isinstance(r, allocation.AllocationRecord)]
+
+
+def test_runs_the_command_with_its_allocation_and_cleans_up(state_dir: Path,
+                                                            hook_library: Path) -> None:
+    assert not lock.is_held(state_dir)
+    proc = gemini_run(state_dir, hook_library, "--gpu", "1", "--share", "0.25", "--limit", "0.5",
+                      command=[sys.executable, "-c", PROBE, "3"])
+    seen = probe_started(proc)
+    env = seen["env"]
+    (record,) = live_records(state_dir)
+    assert record.origin == "gemini-run" and record.owner_pid == proc.pid
+    assert record.id == env["GEMINI_ALLOCATION_ID"] == seen["allocation_id"]
+    assert record.hook_library == hook_library.name
+    assert (record.gpus[0].uuid, record.gpus[0].share, record.limit) == (
+        simulated_uuid(1), 0.25, 0.5)
+    assert record.gpus[0].memory_limit == int(0.25 * DEFAULT_MEMORY) == seen["memory_limit"]
+    assert env["LD_PRELOAD"] == str(hook_library)
+    assert env["CUDA_VISIBLE_DEVICES"] == simulated_uuid(1)
+    assert env["GEMINI_CHANNEL_DIR"] == record.channel_dir
+    assert env["GEMINI_VGPU_SHARE"] == "0.25"
+    assert env["GEMINI_VGPU_MEMORY_LIMIT"] == str(record.gpus[0].memory_limit)
+    assert (seen["share_ppm"], seen["limit_ppm"], seen["reserve_granted"]) == (
+        250_000, 500_000, True)
+    # The daemon was started in the background, holds the lock, and shows share and limit.
+    assert lock.is_held(state_dir)
+    (shown,) = client.request(state_dir)["allocations"]
+    assert (shown["id"], shown["limit"], shown["gpus"][0]["share"]) == (record.id, 0.5, 0.25)
+    assert shown["gpus"][0]["memory_used"] == 1 << 20
+    code, err = finish(proc)
+    assert code == 3, err  # the command's exit status
+    assert live_records(state_dir) == []
+    assert not Path(record.channel_dir).exists()
+    wait_for(lambda: client.request(state_dir)["allocations"] == [], 5, "daemon drops it")
+
+
+def test_second_run_reuses_the_running_daemon(state_dir: Path, hook_library: Path) -> None:
+    first = gemini_run(state_dir, hook_library, "--share", "0.5")
+    probe_started(first)
+    daemon_pid = lock.holder_pid(state_dir)
+    second = gemini_run(state_dir, hook_library, "--share", "0.5")
+    probe_started(second)
+    assert lock.holder_pid(state_dir) == daemon_pid
+    records = live_records(state_dir)
+    assert len(records) == 2 and {r.gpus[0].uuid for r in records} == {simulated_uuid(0)}
+    shown = client.request(state_dir)["allocations"]
+    assert sorted(a["gpus"][0]["share"] for a in shown) == [0.5, 0.5]
+    assert finish(first)[0] == 0 and finish(second)[0] == 0
+    assert live_records(state_dir) == []
+
+
+def test_overcommit_is_refused_with_what_is_in_use(state_dir: Path, hook_library: Path) -> None:
+    holder = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "0.7")
+    probe_started(holder)
+    (held,) = live_records(state_dir)
+    refused = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "0.5")
+    code, err = finish(refused)
+    assert code == 125
+    assert "in use" in err and held.id in err and "0.7" in err and "--overcommit" in err
+    assert len(live_records(state_dir)) == 1  # nothing written for the refused one
+    allowed = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "0.5",
+                         "--overcommit")
+    probe_started(allowed)
+    assert len(live_records(state_dir)) == 2
+    assert finish(allowed)[0] == 0 and finish(holder)[0] == 0
+
+
+def test_kubelet_records_count_and_the_default_gpu_is_one_with_room(
+        state_dir: Path, hook_library: Path) -> None:
+    state_dir.mkdir(parents=True)
+    make_record(state_dir, gpus=((simulated_uuid(0), 1 << 30, 0.8),))
+    proc = gemini_run(state_dir, hook_library, "--share", "0.5")
+    seen = probe_started(proc)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == simulated_uuid(1)
+    assert finish(proc)[0] == 0
+    refused = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "0.5")
+    code, err = finish(refused)
+    assert code == 125 and "kubelet" in err
+
+
+def test_sigterm_is_forwarded_and_the_record_removed(state_dir: Path,
+                                                     hook_library: Path) -> None:
+    trap = ("import signal, sys, time; "
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); "
+            "print('{}', flush=True); time.sleep(30)")
+    proc = gemini_run(state_dir, hook_library, command=[sys.executable, "-c", trap])
+    probe_started(proc)
+    assert len(live_records(state_dir)) == 1
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code == 7, err  # the child got SIGTERM and chose its status
+    assert live_records(state_dir) == []
+
+
+def test_child_killed_by_a_signal_gives_128_plus_n(state_dir: Path, hook_library: Path) -> None:
+    proc = gemini_run(state_dir, hook_library,
+                      command=["sh", "-c", "kill -KILL $$"])
+    code, err = finish(proc)
+    assert code == 128 + signal.SIGKILL, err
+    assert live_records(state_dir) == []
+
+
+def test_existing_ld_preload_is_kept_after_the_hook(state_dir: Path, hook_library: Path,
+                                                    tmp_path: Path) -> None:
+    other = tmp_path / "libother.so"
+    other.write_bytes(hook_library.read_bytes())
+    proc = gemini_run(state_dir, hook_library, env={**ENV, "LD_PRELOAD": str(other)})
+    seen = probe_started(proc)
+    assert seen["env"]["LD_PRELOAD"] == f"{hook_library}:{other}"
+    assert finish(proc)[0] == 0
+
+
+def test_stale_record_of_a_dead_owner_is_cleaned_by_the_next_run(
+        state_dir: Path, hook_library: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    state_dir.mkdir(parents=True)
+    stale = make_record(state_dir, allocation_id=allocation.new_run_id(), origin="gemini-run",
+                        owner_pid=dead.pid, gpus=((simulated_uuid(0), 1 << 30, 1.0),))
+    newer = subprocess.Popen(["sleep", "30"])  # its pid, "reused" after the record was written
+    reused = make_record(state_dir, allocation_id=allocation.new_run_id(), origin="gemini-run",
+                         owner_pid=newer.pid, created_at=time.time() - 60,
+                         gpus=((simulated_uuid(1), 1 << 30, 0.1),))
+    alive = make_record(state_dir, allocation_id=allocation.new_run_id(), origin="gemini-run",
+                        owner_pid=1, gpus=((simulated_uuid(1), 1 << 30, 0.1),))  # older: alive
+    kubelet = make_record(state_dir, gpus=((simulated_uuid(1), 1 << 30, 0.1),))
+    Path(stale.channel_dir).mkdir(parents=True)
+    proc = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "1.0")
+    probe_started(proc)  # admitted: the stale record's 1.0 no longer counts
+    newer.kill()
+    newer.wait()
+    ids = {r.id for r in live_records(state_dir)}
+    assert stale.id not in ids and reused.id not in ids
+    assert kubelet.id in ids and alive.id in ids
+    assert not Path(stale.channel_dir).exists()
+    assert finish(proc)[0] == 0
+
+
+def test_sigkill_of_gemini_run_leaves_a_record_the_next_run_removes(
+        state_dir: Path, hook_library: Path) -> None:
+    victim = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "1.0")
+    probe_started(victim)
+    victim.kill()
+    victim.wait()
+    assert len(live_records(state_dir)) == 1
+    proc = gemini_run(state_dir, hook_library, "--gpu", "0", "--share", "1.0")
+    probe_started(proc)
+    assert [r.owner_pid for r in live_records(state_dir)] == [proc.pid]
+    assert finish(proc)[0] == 0
+    victim.stdin.close()  # type: ignore[union-attr]  # lets its orphaned probe exit
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--share", "1.5"], "must be in (0, 1]"),
+    (["--limit", "0"], "must be in (0, 1]"),
+    (["--memory", "lots"], "expected a size"),
+    (["--simulate-gpus", "0"], "positive number of GPUs"),
+])
+def test_bad_arguments_are_refused_with_a_reason(state_dir: Path, hook_library: Path,
+                                                 args: list[str], message: str) -> None:
+    code, err = finish(gemini_run(state_dir, hook_library, *args))
+    assert code == 2 and message in err
+    assert not state_dir.exists()  # nothing written
+
+
+def test_no_command_unknown_gpu_and_too_much_memory(state_dir: Path, hook_library: Path) -> None:
+    no_command = subprocess.run(
+        [sys.executable, "-m", "vgpu_runtime.run", "--simulate-gpus", "1", "--"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+    assert no_command.returncode == 2 and "no COMMAND" in no_command.stderr
+    code, err = finish(gemini_run(state_dir, hook_library, "--gpu", "7"))
+    assert code == 125 and "no GPU '7'" in err and simulated_uuid(1) in err
+    code, err = finish(gemini_run(state_dir, hook_library, "--memory", "1TiB"))
+    assert code == 125 and "more than GPU 0 has" in err
+    assert live_records(state_dir) == []
+
+
+def test_missing_hook_library_is_a_clear_error(state_dir: Path, tmp_path: Path) -> None:
+    code, err = finish(gemini_run(state_dir, tmp_path / "nope.so"))
+    assert code == 125 and "nope.so does not exist" in err
+
+
+def test_memory_flag_and_simulated_gpus_from_the_environment(state_dir: Path,
+                                                             hook_library: Path) -> None:
+    argv = [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state_dir),
+            "--hook-library", str(hook_library), "--memory", "8GiB", "--share", "0.1", "--",
+            sys.executable, "-c", PROBE, "0"]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**ENV, "GEMINI_SIMULATE_GPUS": "1"}, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = probe_started(proc)
+    assert seen["memory_limit"] == 8 << 30
+    assert seen["env"]["GEMINI_VGPU_MEMORY_LIMIT"] == str(8 << 30)
+    assert finish(proc)[0] == 0
+
+
+def test_non_root_user_gets_a_private_per_user_state_dir(state_dir: Path,
+                                                         hook_library: Path) -> None:
+    # The test machine runs as root and /root is closed to other users, so the non-root path
+    # is exercised by faking the effective uid inside gemini-run's own process.
+    runtime = state_dir.parent / "xdg"  # short: socket paths must fit in 107 bytes
+    runtime.mkdir()
+    code = ("import os, sys; os.geteuid = lambda: 1000; from vgpu_runtime.run import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    argv = [sys.executable, "-c", code, "--simulate-gpus", "1", "--hook-library",
+            str(hook_library), "--", sys.executable, "-c", PROBE, "0"]
+    proc = subprocess.Popen(argv, cwd=REPO, env={**ENV, "XDG_RUNTIME_DIR": str(runtime)},
+                            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    state_dir = runtime / "gemini"  # what paths.default_state_dir() gives a non-root user
+    try:
+        seen = probe_started(proc)
+        assert seen["env"]["GEMINI_CHANNEL_DIR"].startswith(str(state_dir) + "/")
+        assert (state_dir.stat().st_mode & 0o777) == 0o700
+        assert (Path(seen["env"]["GEMINI_CHANNEL_DIR"]).stat().st_mode & 0o777) == 0o700
+        assert finish(proc)[0] == 0
+    finally:
+        proc.kill()
+        stop_daemon(state_dir)
+
+
+def test_default_state_dir_depends_on_the_user(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert paths.default_state_dir() == "/var/lib/gemini"
+    monkeypatch.setattr(os, "geteuid", lambda: 1234)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert paths.default_state_dir() == str(tmp_path / "gemini")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert paths.default_state_dir() == "/tmp/gemini-1234"
+
+
+def test_daemon_that_cannot_start_is_reported(state_dir: Path, hook_library: Path) -> None:
+    # A regular file where the control socket goes would not stop the daemon; a state dir
+    # whose lock file is a directory does.
+    state_dir.mkdir(parents=True)
+    (state_dir / lock.LOCK_NAME).mkdir()
+    start = time.monotonic()
+    code, err = finish(gemini_run(state_dir, hook_library))
+    assert code == 125 and "gemini-scheduler exited" in err and "scheduler.log" in err
+    assert time.monotonic() - start < 10
+    assert live_records(state_dir) == []

@@ -1,0 +1,425 @@
+"""gemini-run: GPU sharing without Kubernetes.
+
+    gemini-run [--gpu INDEX|UUID] [--share F] [--limit F] [--memory SIZE] [--state-dir DIR]
+               [--overcommit] [--simulate-gpus N] -- COMMAND...
+
+It writes an allocation record (origin "gemini-run") the way the device plugin's Allocate does,
+starts the node daemon in the background if none holds the state directory's lock, waits for the
+allocation's channel socket, and runs COMMAND with the interposer preloaded and the channel in
+its environment. When COMMAND ends (or gemini-run gets SIGTERM/SIGINT/SIGHUP) the record is
+removed, which ends the allocation. The exit status is COMMAND's (128+N if a signal N killed it);
+gemini-run's own errors (refused admission, no GPU, no daemon) exit with 125 and a message.
+
+Admission: the shares of the live records on the chosen GPU (both origins) plus the new one must
+not pass 1.0, unless --overcommit. Admissions by concurrent gemini-run commands are serialised by
+an flock on <state-dir>/run.lock; the device plugin does not take it, so a kubelet allocation
+racing a gemini-run on the same GPU can still overcommit (on a Kubernetes node gemini-run
+allocations are outside kubelet's accounting anyway).
+
+Stale records: a gemini-run that was SIGKILLed cannot remove its record. The next gemini-run on
+the same state directory removes records whose owner process is gone (or whose pid now belongs
+to a process started after the record: pid reuse). The daemon does not do it, because it may run
+in another pid namespace than the gemini-run commands and could not tell who is alive.
+
+Signals: SIGTERM, SIGHUP and a SIGINT sent with kill() are forwarded to COMMAND. A Ctrl-C typed
+at the terminal already reaches COMMAND (same process group), so it is not sent twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import vgpu_runtime
+from device_plugin.discovery import DiscoveryError, GpuInfo
+from device_plugin.discovery.nvml import NvmlBackend
+from device_plugin.discovery.simulated import SimulatedBackend
+from vgpu_runtime import allocation, paths
+from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.scheduler import lock as scheduler_lock
+
+ENV_STATE_DIR = "GEMINI_STATE_DIR"
+ENV_SIMULATE = "GEMINI_SIMULATE_GPUS"
+ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
+RUN_LOCK_NAME = "run.lock"
+DAEMON_LOG_NAME = "scheduler.log"
+DAEMON_START_TIMEOUT = 15.0
+SHARE_EPSILON = 1e-9
+SI_KERNEL = 0x80  # si_code of a signal the kernel raised itself (e.g. Ctrl-C at a terminal)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WATCHED = {*FORWARDED, signal.SIGCHLD}
+
+
+class RunError(Exception):
+    """Something stops gemini-run before COMMAND starts; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Request:
+    gpu: str | None
+    share: float
+    limit: float | None
+    memory: int | None
+    state_dir: Path
+    overcommit: bool
+    simulate_gpus: int | None
+    hook_library: str | None
+    command: list[str]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GPUs, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Request:
+    parser = argparse.ArgumentParser(
+        prog="gemini-run", description="Run COMMAND on a share of a GPU, without Kubernetes.",
+        usage="gemini-run [options] -- COMMAND...")
+    parser.add_argument("--gpu", help="GPU index or UUID (default: the first with room)")
+    parser.add_argument("--share", type=_fraction, default=1.0,
+                        help="guaranteed share of GPU time, in (0, 1] (default 1.0)")
+    parser.add_argument("--limit", type=_fraction, default=None,
+                        help="cap on the GPU-time share (default: the node default)")
+    parser.add_argument("--memory", type=_size, default=None,
+                        help="memory limit such as 8GiB (default: share x GPU memory)")
+    parser.add_argument("--state-dir", default=None,
+                        help=f"state directory (env {ENV_STATE_DIR}; default "
+                             f"{paths.default_state_dir()})")
+    parser.add_argument("--overcommit", action="store_true",
+                        help="allow the shares on the GPU to add up to more than 1.0")
+    parser.add_argument("--simulate-gpus", type=_count, default=None, metavar="N",
+                        help=f"use N simulated GPUs instead of NVML (env {ENV_SIMULATE})")
+    parser.add_argument("--hook-library", default=None, metavar="PATH",
+                        help=f"interposer to preload (env {ENV_HOOK_LIBRARY}; default: the "
+                             "installed versioned library)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("no COMMAND given: gemini-run [options] -- COMMAND...")
+    simulate = args.simulate_gpus
+    if simulate is None and os.environ.get(ENV_SIMULATE):
+        try:
+            simulate = _count(os.environ[ENV_SIMULATE])
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"{ENV_SIMULATE}: {err}")
+    state_dir = args.state_dir or os.environ.get(ENV_STATE_DIR) or paths.default_state_dir()
+    return Request(
+        gpu=args.gpu, share=args.share, limit=args.limit, memory=args.memory,
+        state_dir=Path(state_dir), overcommit=args.overcommit, simulate_gpus=simulate,
+        hook_library=args.hook_library or os.environ.get(ENV_HOOK_LIBRARY), command=command)
+
+
+# ---- GPUs ----
+
+def discover(request: Request) -> list[GpuInfo]:
+    if request.simulate_gpus:
+        return SimulatedBackend(request.simulate_gpus).discover()
+    try:
+        gpus = NvmlBackend().discover()
+    except DiscoveryError as err:
+        raise RunError(str(err)) from None
+    if not gpus:
+        raise RunError("NVML found no usable GPU; use --simulate-gpus N to run without one")
+    return gpus
+
+
+def shares_in_use(state_dir: Path, uuid: str) -> list[tuple[AllocationRecord, float]]:
+    used = []
+    for _path, record in allocation.scan_records(state_dir):
+        if isinstance(record, AllocationRecord):
+            used += [(record, g.share) for g in record.gpus if g.uuid == uuid]
+    return used
+
+
+def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: float) -> GpuInfo:
+    if wanted is not None:
+        for gpu in gpus:
+            if wanted in (str(gpu.index), gpu.uuid):
+                return gpu
+        known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
+        raise RunError(f"no GPU {wanted!r} on this machine; known: {known}")
+    for gpu in gpus:
+        if sum(s for _, s in shares_in_use(state_dir, gpu.uuid)) + share <= 1 + SHARE_EPSILON:
+            return gpu
+    return gpus[0]  # none has room: the admission check explains
+
+
+def admit(state_dir: Path, gpu: GpuInfo, share: float, overcommit: bool) -> None:
+    in_use = shares_in_use(state_dir, gpu.uuid)
+    total = sum(s for _, s in in_use)
+    if total + share <= 1 + SHARE_EPSILON or overcommit:
+        return
+    holders = "; ".join(
+        f"{r.id} ({r.origin}" + (f", pid {r.owner_pid}" if r.owner_pid else "")
+        + (f", pod {r.pod.namespace}/{r.pod.name}" if r.pod else "") + f"): {s:g}"
+        for r, s in in_use)
+    raise RunError(
+        f"GPU {gpu.index} ({gpu.uuid}) has {max(0.0, 1 - total):g} of its time free and "
+        f"--share {share:g} was asked; in use: {holders}. Ask for a smaller --share, another "
+        "--gpu, or pass --overcommit.")
+
+
+# ---- stale records ----
+
+def _boot_time() -> float | None:
+    with contextlib.suppress(OSError, ValueError), open("/proc/stat") as handle:
+        for line in handle:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return None
+
+
+def process_start_time(pid: int) -> float | None:
+    """When `pid` started (seconds since the epoch), or None when it cannot be told."""
+    boot = _boot_time()
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    if boot is None or len(fields) < 20:
+        return None
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def owner_alive(record: AllocationRecord) -> bool:
+    pid = record.owner_pid
+    if not pid:
+        return True  # nothing to judge by: keep it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    started = process_start_time(pid)
+    # Start times are in clock ticks since boot: allow a second of rounding.
+    return started is None or started <= record.created_at + 1
+
+
+def remove_allocation(state_dir: Path, record: AllocationRecord) -> None:
+    allocation.remove_record(state_dir, record.id)
+    channel = Path(record.channel_dir)
+    # Only a directory gemini-run made under this state directory; never anything else.
+    if channel.parent == paths.channels_dir(state_dir):
+        shutil.rmtree(channel, ignore_errors=True)
+
+
+def clean_stale(state_dir: Path) -> list[str]:
+    removed = []
+    for _path, record in allocation.scan_records(state_dir):
+        if (isinstance(record, AllocationRecord) and record.origin == "gemini-run"
+                and not owner_alive(record)):
+            remove_allocation(state_dir, record)
+            removed.append(record.id)
+    return removed
+
+
+# ---- state directory, admission lock, daemon ----
+
+def prepare_state_dir(state_dir: Path) -> None:
+    # Private to its user, unless it is the node's (root's, shared with the device plugin).
+    mode = 0o755 if os.geteuid() == 0 else 0o700
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True, mode=mode)
+        paths.allocations_dir(state_dir).mkdir(exist_ok=True, mode=0o755)
+        paths.channels_dir(state_dir).mkdir(exist_ok=True, mode=0o755)
+    except OSError as err:
+        raise RunError(f"cannot use state directory {state_dir}: {err.strerror}; pass "
+                       "--state-dir DIR") from None
+
+
+@contextlib.contextmanager
+def admission_lock(state_dir: Path) -> Iterator[None]:
+    fd = os.open(state_dir / RUN_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _unblock_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
+
+
+def ensure_daemon(state_dir: Path) -> subprocess.Popen[bytes] | None:
+    """Start gemini-scheduler detached (new session) unless one holds the lock already."""
+    if scheduler_lock.is_held(state_dir):
+        return None
+    package_root = str(Path(vgpu_runtime.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    log_path = state_dir / DAEMON_LOG_NAME
+    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+        # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
+        return subprocess.Popen(
+            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir)],
+            stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
+            preexec_fn=_unblock_signals)
+
+
+def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] | None,
+                     state_dir: Path) -> None:
+    socket_path = paths.channel_socket(record.channel_dir)
+    deadline = time.monotonic() + DAEMON_START_TIMEOUT
+    while not socket_path.exists():
+        pending = signal.sigtimedwait(FORWARDED, 0)
+        if pending is not None:
+            raise Interrupted(pending.si_signo)
+        if daemon is not None and daemon.poll() is not None and not scheduler_lock.is_held(
+                state_dir):
+            raise RunError(f"gemini-scheduler exited with status {daemon.returncode}; see "
+                           f"{state_dir / DAEMON_LOG_NAME}")
+        if time.monotonic() > deadline:
+            raise RunError(f"no channel socket {socket_path} after {DAEMON_START_TIMEOUT:g}s: is "
+                           f"gemini-scheduler serving {state_dir}? See "
+                           f"{state_dir / DAEMON_LOG_NAME}")
+        time.sleep(0.02)
+
+
+class Interrupted(Exception):
+    def __init__(self, signo: int) -> None:
+        super().__init__(signo)
+        self.signo = signo
+
+
+# ---- running the command ----
+
+def hook_library_path(request: Request) -> Path:
+    if request.hook_library:
+        path = Path(request.hook_library)
+    else:
+        try:
+            hooklib = importlib.import_module("vgpu_runtime.hooklib")
+        except ImportError as err:
+            raise RunError(f"the interposer is not available ({err}); build it or pass "
+                           "--hook-library PATH") from None
+        path = Path(hooklib.library_path())
+    if not path.is_file():
+        raise RunError(f"interposer library {path} does not exist")
+    return path.resolve()
+
+
+def child_environment(record: AllocationRecord, library: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    preload = env.get("LD_PRELOAD")
+    env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
+    gpu = record.gpus[0]
+    env[paths.ENV_CHANNEL_DIR] = record.channel_dir
+    env[paths.ENV_ALLOCATION_ID] = record.id
+    env[paths.ENV_SHARE] = f"{gpu.share:g}"
+    env[paths.ENV_MEMORY_LIMIT] = str(gpu.memory_limit)
+    env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+    return env
+
+
+def supervise(command: list[str], env: dict[str, str]) -> int:
+    """Run COMMAND, forwarding signals (they are blocked here and read with sigwaitinfo)."""
+    try:
+        child = subprocess.Popen(command, env=env, preexec_fn=_unblock_signals)
+    except OSError as err:
+        print(f"gemini-run: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        return 127 if isinstance(err, FileNotFoundError) else 126
+    while child.poll() is None:
+        info = signal.sigwaitinfo(WATCHED)
+        if info.si_signo == signal.SIGCHLD:
+            continue
+        from_terminal = info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL
+        if not from_terminal:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(info.si_signo)
+    code = child.returncode
+    return code if code >= 0 else 128 - code
+
+
+def build_record(request: Request, gpu: GpuInfo, library: Path) -> AllocationRecord:
+    allocation_id = allocation.new_run_id()
+    memory = request.memory if request.memory is not None else int(request.share
+                                                                    * gpu.memory_total)
+    if memory > gpu.memory_total and not request.overcommit:
+        raise RunError(f"--memory {format_size(memory)} is more than GPU {gpu.index} has "
+                       f"({format_size(gpu.memory_total)}); pass --overcommit to allow it")
+    channel = paths.channel_dir(request.state_dir, allocation_id)
+    if not paths.fits_unix_socket(paths.channel_socket(channel)):
+        raise RunError(f"state directory {request.state_dir} is too deep: the channel socket "
+                       f"path must fit in {paths.UNIX_PATH_MAX} bytes")
+    return AllocationRecord(
+        id=allocation_id, origin="gemini-run", device_ids=(),
+        gpus=(GpuShare(uuid=gpu.uuid, index=gpu.index, share=request.share,
+                       memory_limit=memory),),
+        channel_dir=str(channel), hook_library=library.name, created_at=time.time(),
+        limit=request.limit, owner_pid=os.getpid())
+
+
+def run(request: Request) -> int:
+    library = hook_library_path(request)
+    gpus = discover(request)
+    prepare_state_dir(request.state_dir)
+    # Block the signals before the record exists, so that no signal can leave it behind.
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+    record: AllocationRecord | None = None
+    try:
+        with admission_lock(request.state_dir):
+            clean_stale(request.state_dir)
+            gpu = choose_gpu(gpus, request.gpu, request.state_dir, request.share)
+            admit(request.state_dir, gpu, request.share, request.overcommit)
+            record = build_record(request, gpu, library)
+            Path(record.channel_dir).mkdir(mode=0o700)
+            allocation.write_record(request.state_dir, record)
+        daemon = ensure_daemon(request.state_dir)
+        wait_for_channel(record, daemon, request.state_dir)
+        return supervise(request.command, child_environment(record, library))
+    except Interrupted as stop:
+        return 128 + stop.signo
+    finally:
+        if record is not None:
+            remove_allocation(request.state_dir, record)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    request = parse_args(argv)
+    try:
+        return run(request)
+    except (RunError, allocation.RecordError) as err:
+        print(f"gemini-run: {err}", file=sys.stderr)
+        return 125
+
+
+if __name__ == "__main__":
+    sys.exit(main())
