@@ -25,7 +25,7 @@ from device_plugin.health import HealthTracker
 
 log = logging.getLogger(__name__)
 
-CONTROL_POLL_INTERVAL = 0.05
+CONTROL_POLL_INTERVAL = 0.02  # an os.listdir every 20 ms is cheap; keeps updates prompt
 
 
 async def recheck_forever(tracker: HealthTracker, backend: Backend, interval: float) -> None:
