@@ -314,3 +314,41 @@ def test_daemon_that_cannot_start_is_reported(state_dir: Path, hook_library: Pat
     assert code == 125 and "gemini-scheduler exited" in err and "scheduler.log" in err
     assert time.monotonic() - start < 10
     assert live_records(state_dir) == []
+
+
+def test_default_interposer_comes_from_hooklib(state_dir: Path) -> None:
+    """Without --hook-library, gemini-run preloads hooklib.library_path() (built on demand)."""
+    try:
+        import importlib
+        hooklib = importlib.import_module("vgpu_runtime.hooklib")
+    except ImportError:
+        # Until the hook engineer's vgpu_runtime/hooklib.py lands: a clear refusal, no record.
+        argv = [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state_dir),
+                "--simulate-gpus", "1", "--", "true"]
+        result = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True,
+                                timeout=30)
+        assert result.returncode == 125 and "--hook-library" in result.stderr
+        assert not state_dir.exists()
+        return
+    library = Path(hooklib.library_path())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state_dir),
+         "--simulate-gpus", "1", "--", sys.executable, "-c", PROBE, "0"],
+        cwd=REPO, env=ENV, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    seen = probe_started(proc)
+    assert seen["env"]["LD_PRELOAD"] == str(library.resolve())
+    assert live_records(state_dir)[0].hook_library == library.name == paths.HOOK_LIBRARY_NAME
+    assert finish(proc)[0] == 0
+
+
+def test_sigint_sent_with_kill_is_forwarded(state_dir: Path, hook_library: Path) -> None:
+    trap = ("import signal, sys, time; "
+            "signal.signal(signal.SIGINT, lambda *a: sys.exit(5)); "
+            "print('{}', flush=True); time.sleep(30)")
+    proc = gemini_run(state_dir, hook_library, command=[sys.executable, "-c", trap])
+    probe_started(proc)
+    proc.send_signal(signal.SIGINT)  # si_code SI_USER: not the terminal, so forwarded
+    code, err = finish(proc)
+    assert code == 5, err
+    assert live_records(state_dir) == []

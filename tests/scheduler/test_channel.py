@@ -317,3 +317,14 @@ def test_control_socket_rejects_bad_requests(daemon: DaemonProcess, state_dir: P
             sock.sendall(line)
             assert expected in sock.makefile().readline()
     assert "allocations" in daemon.status()
+
+
+def test_sigint_stops_the_daemon_cleanly(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True)
+    record = make_record(state_dir)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    wait_served(record)
+    assert daemon.stop(signal.SIGINT) == 0
+    assert not socket_of(record).exists()
+    assert not (state_dir / "scheduler.sock").exists()
+    assert allocation.load_record(state_dir, record.id) == record  # records are never touched

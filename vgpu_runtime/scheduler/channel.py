@@ -81,7 +81,13 @@ class AllocationChannel:
         log.info("allocation updated", extra={"allocation": record.id})
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        session = Session(self, reader, writer, peer_cred(writer.get_extra_info("socket")))
+        try:
+            peer = peer_cred(writer.get_extra_info("socket"))
+        except OSError as err:  # gone before we could ask who it was
+            log.info("client left before identification", extra={"error": str(err)})
+            writer.close()
+            return
+        session = Session(self, reader, writer, peer)
         self.sessions.add(session)
         task = asyncio.current_task()
         if task is not None:

@@ -96,6 +96,10 @@ class Session:
             await self._send_error(err.status, err.reason)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away mid-write; nothing to answer
+        except Exception:
+            # A bug must cost this one connection, never the daemon or the other clients.
+            log.exception("internal error; dropping client", extra=self._log_fields())
+            await self._send_error(C("GM_ERR_MALFORMED"), "internal daemon error")
         finally:
             self.channel.ledger.drop(self)
             self.writer.close()
