@@ -71,9 +71,27 @@ class Registrar:
     def _own_socket_present(self) -> bool:
         return _inode(self.server.socket_path) is not None
 
+    async def _serve_with_backoff(self) -> bool:
+        """Start serving; while the kubelet dir is missing or unusable, retry. False if stopping."""
+        delay = BACKOFF_FIRST
+        while not self._stopping.is_set():
+            try:
+                await self.server.start()
+            except (RuntimeError, OSError) as err:  # grpc raises RuntimeError when bind fails
+                log.warning("cannot serve on the plugin socket; retrying", extra={
+                    "socket": str(self.server.socket_path), "error": str(err),
+                    "retry_in_s": delay})
+            else:
+                return True
+            if await self._sleep(delay):
+                break
+            delay = min(delay * 2, BACKOFF_MAX)
+        return False
+
     async def run(self) -> None:
         while not self._stopping.is_set():
-            await self.server.start()
+            if not await self._serve_with_backoff():
+                break
             kubelet = await self._register_with_backoff()
             if kubelet is None:
                 continue  # our socket vanished while kubelet was away, or stopping

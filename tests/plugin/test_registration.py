@@ -85,3 +85,28 @@ async def test_serves_and_registers_again_when_own_socket_disappears(
         assert len(kubelet.requests) == 2
     finally:
         await kubelet.stop()
+
+
+async def test_waits_for_a_missing_kubelet_dir(make_config: Callable[..., PluginConfig]) -> None:
+    config = make_config()
+    kubelet_dir = Path(config.kubelet_dir)
+    kubelet_dir.rmdir()
+    gpus = SimulatedBackend(1, memory=config.simulate_memory).discover()
+    table = SliceTable(gpus, config.slices_per_gpu)
+    tracker = HealthTracker([g.uuid for g in gpus], (), 300)
+    service = DevicePluginService(DeviceList(table, tracker), Allocator(config, table, tracker),
+                                  config.placement)
+    plugin = Registrar(PluginServer(config.plugin_socket, service), config.kubelet_socket,
+                       config.resource_name)
+    task = asyncio.create_task(plugin.run())
+    try:
+        await asyncio.sleep(0.4)
+        assert not task.done(), "a missing kubelet dir is waited for, not fatal"
+        kubelet_dir.mkdir()
+        kubelet = FakeKubelet(kubelet_dir)
+        await kubelet.start()
+        await asyncio.wait_for(kubelet.registered.wait(), 15)
+        await kubelet.stop()
+    finally:
+        plugin.stop()
+        await asyncio.wait_for(task, 10)
