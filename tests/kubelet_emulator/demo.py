@@ -118,10 +118,17 @@ async def run_demo(root: Path, simulate_gpus: int) -> int:
         heading("4. A pod that fits the node's free count but no single GPU")
         free = free_per_gpu(kubelet)
         total = sum(free.values())
-        ask = min(max(free.values(), default=0) + 1, SLICES_PER_GPU)
-        split = " + ".join(f"{n} on {gpu_names.get(u, u)}" for u, n in sorted(free.items()))
-        print(f"  free slices: {total} ({split or 'none'}); asking for {ask}")
-        show_pod(await kubelet.admit_pod("too-big-d", containers=[("main", ask)]), gpu_names)
+        if len(free) < 2:
+            # One GPU (e.g. a single real one): kubelet's own count already refuses pods that
+            # do not fit, so the split case cannot arise; say so rather than fake it.
+            print(f"  only {len(free)} GPU has free slices here, so no request can fit the "
+                  "node's free count without fitting one GPU.\n  Run ./scripts/demo "
+                  "--simulate-gpus 2 to see the plugin refuse a pod split across GPUs.")
+        else:
+            ask = min(max(free.values()) + 1, SLICES_PER_GPU)
+            split = " + ".join(f"{n} on {gpu_names.get(u, u)}" for u, n in sorted(free.items()))
+            print(f"  free slices: {total} ({split}); asking for {ask}")
+            show_pod(await kubelet.admit_pod("too-big-d", containers=[("main", ask)]), gpu_names)
 
         heading("Node after admission")
         print(indent(describe_node(kubelet), "  "))
