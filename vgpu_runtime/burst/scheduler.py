@@ -1,0 +1,274 @@
+"""One GPU's token scheduler: the single authority on who may launch work, and for how long.
+
+Exactly one tenant (a container: all of its processes) holds the GPU's token at a time, for a
+quota sized from its estimated kernel burst. Every tenant has a request (guaranteed share, k/N)
+and a limit (cap). GPU time is charged per tenant over a sliding window:
+
+* the holder pays from grant to release at least; overuse (work that ran past the release,
+  measured by the hook) is added, and can only lengthen a charge, never shorten it;
+* a token not returned by its expiry plus a grace period is revoked, and charged in full;
+* the next holder is the waiting tenant furthest below its request, else the least-used
+  waiting tenant still under its limit; a tenant at its limit waits until the window frees
+  capacity; a tenant that is not waiting holds nobody back;
+* requests that add up to more than 1.0 (only `gemini-run --overcommit` allows it) are scaled
+  down in proportion, so each tenant is guaranteed request / sum(requests).
+
+Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
+nothing, and the choice never depends on how often anyone asked.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from vgpu_runtime.burst.estimator import BurstEstimator
+from vgpu_runtime.burst.window import UsageWindow
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    window: float = 10.0          # seconds of history a share is measured over
+    min_quota: float = 0.02       # shortest token: bounds the number of handoffs per second
+    max_quota: float = 0.2        # longest token: bounds how long others wait
+    cycle: float = 0.2            # a round: each tenant's base quota is request x cycle
+    catch_up: float = 0.25        # part of its deficit a tenant below request recovers per grant
+    revoke_grace: float = 0.05    # a holder may overrun its quota this long before revocation
+    burst_merge_gap: float = 0.002
+    burst_history: float = 3.0
+
+
+@dataclass(frozen=True)
+class Grant:
+    tenant: str
+    generation: int
+    granted_at: float
+    quota: float
+
+    @property
+    def expires_at(self) -> float:
+        return self.granted_at + self.quota
+
+
+@dataclass
+class Tenant:
+    id: str
+    request: float
+    limit: float
+    usage: UsageWindow
+    bursts: BurstEstimator
+    waiting_since: float | None = None
+    burst_hint: float | None = None
+    last_release: float | None = None
+    revocations: int = 0
+    waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+
+
+@dataclass(frozen=True)
+class TenantView:
+    id: str
+    request: float            # effective (scaled) request
+    limit: float
+    used: float               # share of the window used
+    waiting: bool
+    holder: bool
+    wait_p50: float | None
+    wait_p99: float | None
+    revocations: int
+
+
+class TokenScheduler:
+    def __init__(self, config: SchedulerConfig, now: float) -> None:
+        self.config = config
+        self.started = now
+        self.tenants: dict[str, Tenant] = {}
+        self.holder: Grant | None = None
+        self.generation = 0
+
+    # ---- membership ----
+
+    def add(self, tenant: str, request: float, limit: float, now: float) -> Grant | None:
+        if not (0 < request <= 1) or not (request <= limit <= 1):
+            raise ValueError(f"need 0 < request <= limit <= 1, got {request}, {limit}")
+        if tenant in self.tenants:
+            raise ValueError(f"tenant {tenant} is already scheduled on this GPU")
+        self.tenants[tenant] = Tenant(
+            tenant, request, limit, UsageWindow(self.config.window),
+            BurstEstimator(self.config.burst_merge_gap, self.config.burst_history))
+        return self._dispatch(now)
+
+    def remove(self, tenant: str, now: float) -> Grant | None:
+        """A tenant leaves (its last connection closed): what it held is released at once."""
+        if self.holder and self.holder.tenant == tenant:
+            self._end_grant(now)
+        self.tenants.pop(tenant, None)
+        return self._dispatch(now)
+
+    def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
+        state = self.tenants[tenant]
+        state.limit = max(limit, state.request)
+        return self._dispatch(now)
+
+    def needs_token(self) -> bool:
+        """A GPU given whole to one tenant needs no token: its launches go straight through."""
+        return not (len(self.tenants) == 1 and next(iter(self.tenants.values())).request >= 1.0)
+
+    # ---- the token ----
+
+    def request(self, tenant: str, now: float, burst_hint: float | None = None,
+                work_end: float | None = None) -> Grant | None:
+        """The tenant wants the token. Returns a grant if the token changed hands now.
+
+        `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
+        last grant finished; work past the release is overuse and is charged.
+        """
+        state = self.tenants[tenant]
+        if burst_hint is not None and burst_hint > 0:
+            state.burst_hint = burst_hint
+        if self.holder and self.holder.tenant == tenant:
+            if now < self.holder.expires_at:
+                return None        # still valid: asking again changes nothing
+            self._end_grant(now)   # quota used up: back to the queue like everyone else
+        self._charge_overuse(state, work_end, now)
+        if state.waiting_since is None:
+            state.waiting_since = now
+        return self._dispatch(now)
+
+    def release(self, tenant: str, now: float, work_end: float | None = None) -> Grant | None:
+        """The holder gives the token back (idle, or done). A stale release changes nothing."""
+        state = self.tenants.get(tenant)
+        if state is None:
+            return None
+        if self.holder and self.holder.tenant == tenant:
+            self._end_grant(now)
+        self._charge_overuse(state, work_end, now)
+        return self._dispatch(now)
+
+    def observe_burst(self, tenant: str, start: float, end: float) -> None:
+        self.tenants[tenant].bursts.observe(start, end)
+
+    def tick(self, now: float) -> Grant | None:
+        """Revoke an overdue token and wake tenants whose window freed capacity."""
+        if self.holder and now >= self.holder.expires_at + self.config.revoke_grace:
+            self.tenants[self.holder.tenant].revocations += 1
+            self._end_grant(now)
+        return self._dispatch(now)
+
+    def next_deadline(self, now: float) -> float | None:
+        """When tick() must run next: a revocation, or a limited tenant becoming eligible."""
+        if self.holder:
+            return self.holder.expires_at + self.config.revoke_grace
+        wakes = [self._eligible_at(t, now) for t in self.tenants.values()
+                 if t.waiting_since is not None]
+        return min(wakes) if wakes else None
+
+    # ---- views ----
+
+    def requests(self) -> dict[str, float]:
+        """Effective requests: scaled down in proportion where they add up to more than 1."""
+        total = sum(t.request for t in self.tenants.values())
+        scale = 1.0 / total if total > 1.0 else 1.0
+        return {t.id: t.request * scale for t in self.tenants.values()}
+
+    def used(self, tenant: str, now: float) -> float:
+        span = self._span(now)
+        return self.tenants[tenant].usage.usage(now) / span if span > 0 else 0.0
+
+    def snapshot(self, now: float) -> list[TenantView]:
+        requests = self.requests()
+        views = []
+        for t in self.tenants.values():
+            waits = sorted(t.waits)
+            views.append(TenantView(
+                t.id, requests[t.id], t.limit, self.used(t.id, now), t.waiting_since is not None,
+                bool(self.holder and self.holder.tenant == t.id),
+                statistics.median(waits) if waits else None,
+                waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
+                t.revocations))
+        return views
+
+    # ---- internals ----
+
+    def _span(self, now: float) -> float:
+        return min(self.config.window, now - self.started)
+
+    def _charge_overuse(self, state: Tenant, work_end: float | None, now: float) -> None:
+        """Charge work that ran past the last release. A report can only add charge, and
+        never beyond the present."""
+        if work_end is None or state.last_release is None or work_end <= state.last_release:
+            return
+        state.usage.charge(state.last_release, min(work_end, now))
+
+    def _end_grant(self, now: float) -> None:
+        assert self.holder is not None
+        state = self.tenants[self.holder.tenant]
+        state.usage.charge(self.holder.granted_at, max(now, self.holder.granted_at))
+        state.last_release = now
+        self.holder = None
+
+    def _eligible_at(self, tenant: Tenant, now: float) -> float:
+        """Earliest time the tenant is under its limit, if nothing more is charged."""
+        if tenant.limit >= 1.0:
+            return now
+        usage = tenant.usage.usage(now)
+        if self._span(now) < self.config.window:
+            # Window still filling: the share falls as the span grows.
+            needed_span = usage / tenant.limit
+            if needed_span < self.config.window:
+                return max(now, self.started + needed_span + 1e-9)
+        target = tenant.limit * self.config.window
+        return now + tenant.usage.time_until_usage_at_most(now, target) + 1e-9
+
+    def _choose(self, now: float) -> Tenant | None:
+        requests = self.requests()
+        waiting = [t for t in self.tenants.values() if t.waiting_since is not None]
+        used = {t.id: self.used(t.id, now) for t in waiting}
+        below_request = [t for t in waiting if used[t.id] < requests[t.id]]
+        if below_request:
+            return max(below_request,
+                       key=lambda t: (requests[t.id] - used[t.id], -(t.waiting_since or 0.0)))
+        below_limit = [t for t in waiting if t.limit >= 1.0 or used[t.id] < t.limit]
+        if below_limit:
+            return min(below_limit, key=lambda t: (used[t.id], t.waiting_since or 0.0))
+        return None
+
+    def _quota(self, tenant: Tenant, now: float) -> float:
+        """A tenant's part of one round (its part of all requests x cycle), plus part of what
+        it lacks of its request, stretched to fit its kernel bursts when they are short enough
+        to fit in a quota at all.
+        """
+        cfg = self.config
+        if len(self.tenants) == 1:
+            quota = cfg.max_quota   # alone: no one to hand over to, so hand over rarely
+        else:
+            requests = self.requests()
+            request = requests[tenant.id]
+            deficit = max(0.0, request - self.used(tenant.id, now))
+            # Spare capacity is shared in proportion too, so size the round on the
+            # tenant's part of all requests rather than its request alone.
+            part = request / sum(requests.values())
+            quota = part * cfg.cycle + deficit * cfg.window * cfg.catch_up
+            burst = tenant.bursts.estimate(now) or tenant.burst_hint
+            if burst is not None and burst < cfg.max_quota:
+                quota = max(quota, burst)
+            quota = min(max(quota, cfg.min_quota), cfg.max_quota)
+        if tenant.limit < 1.0:
+            # A capped tenant may not run past its cap within the window.
+            span_after = min(cfg.window, self._span(now) + quota)
+            headroom = tenant.limit * span_after - tenant.usage.usage(now)
+            quota = min(quota, max(headroom, cfg.min_quota / 4))
+        return quota
+
+    def _dispatch(self, now: float) -> Grant | None:
+        if self.holder is not None:
+            return None
+        chosen = self._choose(now)
+        if chosen is None:
+            return None
+        self.generation += 1
+        self.holder = Grant(chosen.id, self.generation, now, self._quota(chosen, now))
+        if chosen.waiting_since is not None:
+            chosen.waits.append(now - chosen.waiting_since)
+        chosen.waiting_since = None
+        return self.holder

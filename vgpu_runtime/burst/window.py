@@ -1,0 +1,50 @@
+"""GPU time charged to one tenant, over a sliding window."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class UsageWindow:
+    """Charged intervals [start, end); usage(now) is their overlap with [now - span, now]."""
+
+    def __init__(self, span: float) -> None:
+        self.span = span
+        self._intervals: deque[tuple[float, float]] = deque()
+
+    def charge(self, start: float, end: float) -> None:
+        if end <= start:
+            return
+        if self._intervals and start < self._intervals[-1][1]:
+            # Never count the same instant twice: overlapping charges merge.
+            last_start, last_end = self._intervals.pop()
+            start, end = min(start, last_start), max(end, last_end)
+        self._intervals.append((start, end))
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.span
+        while self._intervals and self._intervals[0][1] <= horizon:
+            self._intervals.popleft()
+
+    def usage(self, now: float) -> float:
+        self._expire(now)
+        horizon = now - self.span
+        return sum(min(end, now) - max(start, horizon)
+                   for start, end in self._intervals if min(end, now) > max(start, horizon))
+
+    def time_until_usage_at_most(self, now: float, target: float) -> float:
+        """How long until usage drops to `target` if nothing more is charged (0 if already)."""
+        excess = self.usage(now) - target
+        if excess <= 0:
+            return 0.0
+        # Usage falls as the window's trailing edge moves over charged time.
+        horizon = now - self.span
+        for start, end in self._intervals:
+            lo = max(start, horizon)
+            length = min(end, now) - lo
+            if length <= 0:
+                continue
+            if length >= excess:
+                return lo + excess - horizon
+            excess -= length
+        return self.span
