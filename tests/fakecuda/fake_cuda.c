@@ -1,0 +1,531 @@
+/*
+ * fake_cuda.c: a stand-in libcuda.so.1 for the hook's tests (no GPU needed).
+ *
+ * Devices: FAKE_CUDA_UUIDS (comma-separated "GPU-<uuid>"; default one device),
+ * FAKE_CUDA_TOTAL_MEM bytes each (default 16 GiB), FAKE_CUDA_CONTEXT_BYTES charged by a
+ * device's first context. Allocations are bookkept for real (cuMemGetInfo is consistent);
+ * device pointers are invented addresses, never dereferenceable. Pools grow by 2 MiB
+ * chunks and trim at synchronisation (release threshold 0) or cuMemPoolTrimTo. Graph memory:
+ * cuGraphLaunch treats the graph handle's value as the bytes the graph allocates.
+ * Launches just count. cuGetProcAddress answers by version and flags like the driver.
+ * fake_cuda_calls(name) says how often an entry point was called.
+ *
+ * Built with -Bsymbolic so the pointers it hands out are its own, whatever is preloaded.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_types.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEVICES 8
+#define MAX_CALL_NAMES 256
+#define MAX_ALLOCS 4096
+#define CHUNK (2ull << 20)
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* ---- call counters ---- */
+static struct { const char *name; unsigned long count; } calls[MAX_CALL_NAMES];
+
+static void record_call(const char *name) {
+    pthread_mutex_lock(&lock);
+    int i = 0;
+    while (i < MAX_CALL_NAMES && calls[i].name != NULL && strcmp(calls[i].name, name) != 0) i++;
+    if (i < MAX_CALL_NAMES) {
+        calls[i].name = name;
+        calls[i].count++;
+    }
+    pthread_mutex_unlock(&lock);
+}
+#define CALLED() record_call(__func__)
+
+EXPORT unsigned long fake_cuda_calls(const char *name) {
+    unsigned long count = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_CALL_NAMES && calls[i].name != NULL; i++)
+        if (strcmp(calls[i].name, name) == 0) count = calls[i].count;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+/* ---- devices ---- */
+static int device_count = -1;
+static CUuuid uuids[MAX_DEVICES];
+static uint64_t total_mem, context_bytes;
+static uint64_t used_mem[MAX_DEVICES];
+static int context_charged[MAX_DEVICES];
+static int current_device = -1;   /* one context per process is enough for the tests */
+static int initialised;
+
+static int hex(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+static void load_devices(void) {
+    if (device_count >= 0) return;
+    const char *env = getenv("FAKE_CUDA_UUIDS");
+    const char *list = env ? env : "GPU-00000000-0000-4000-8000-000000000000";
+    device_count = 0;
+    while (*list && device_count < MAX_DEVICES) {
+        if (strncmp(list, "GPU-", 4) == 0) list += 4;
+        int n = 0;
+        while (*list && *list != ',' && n < 16) {
+            if (*list == '-') { list++; continue; }
+            uuids[device_count].bytes[n++] = (char)(hex(list[0]) << 4 | hex(list[1]));
+            list += 2;
+        }
+        device_count++;
+        while (*list && *list != ',') list++;
+        if (*list == ',') list++;
+    }
+    const char *total = getenv("FAKE_CUDA_TOTAL_MEM");
+    total_mem = total ? strtoull(total, NULL, 10) : (16ull << 30);
+    const char *ctx = getenv("FAKE_CUDA_CONTEXT_BYTES");
+    context_bytes = ctx ? strtoull(ctx, NULL, 10) : 0;
+}
+
+/* ---- allocations: address -> (size, device); pointers are invented ---- */
+static struct { uint64_t key; uint64_t bytes; int dev; int pool; } allocs[MAX_ALLOCS];
+static uint64_t next_address = 0x700000000000ull;
+
+static CUresult take_memory(int dev, uint64_t bytes) {
+    if (used_mem[dev] + bytes > total_mem) return CUDA_ERROR_OUT_OF_MEMORY;
+    used_mem[dev] += bytes;
+    return CUDA_SUCCESS;
+}
+
+static uint64_t book(uint64_t bytes, int dev, int pool) {
+    uint64_t key = next_address;
+    next_address += (bytes + CHUNK - 1) / CHUNK * CHUNK + CHUNK;
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].key == 0) {
+            allocs[i].key = key;
+            allocs[i].bytes = bytes;
+            allocs[i].dev = dev;
+            allocs[i].pool = pool;
+            return key;
+        }
+    }
+    return 0;
+}
+
+static int unbook(uint64_t key, uint64_t *bytes, int *dev, int *pool) {
+    for (int i = 0; i < MAX_ALLOCS; i++) {
+        if (allocs[i].key == key && key != 0) {
+            *bytes = allocs[i].bytes;
+            *dev = allocs[i].dev;
+            *pool = allocs[i].pool;
+            allocs[i].key = 0;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ---- pools: pool i+1 is device i's default pool; created pools follow ---- */
+#define MAX_POOLS 16
+static struct { int dev; uint64_t used, reserved; } pools[MAX_POOLS + 1];
+static uint64_t graph_reserved[MAX_DEVICES];
+
+static void pool_trim(int p, uint64_t keep) {
+    uint64_t target = pools[p].used > keep ? pools[p].used : keep;
+    target = (target + CHUNK - 1) / CHUNK * CHUNK;
+    if (target < pools[p].reserved) {
+        used_mem[pools[p].dev] -= pools[p].reserved - target;
+        pools[p].reserved = target;
+    }
+}
+
+static void trim_all_pools(void) {
+    for (int p = 1; p <= MAX_POOLS; p++) if (pools[p].reserved) pool_trim(p, 0);
+}
+
+/* ================= driver entry points ================= */
+
+EXPORT CUresult cuInit(unsigned int flags) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    load_devices();
+    initialised = 1;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *version) { CALLED(); *version = 13000; return 0; }
+
+EXPORT CUresult cuDeviceGetCount(int *count) {
+    CALLED();
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    *count = device_count;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+    CALLED();
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    *dev = ordinal;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    CALLED();
+    snprintf(name, (size_t)len, "Fake GPU %d", dev);
+    return CUDA_SUCCESS;
+}
+
+static CUresult get_uuid(CUuuid *uuid, CUdevice dev) {
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    *uuid = uuids[dev];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { CALLED(); return get_uuid(uuid, dev); }
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { CALLED(); return get_uuid(uuid, dev); }
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    CALLED();
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = total_mem;
+    return CUDA_SUCCESS;
+}
+
+static CUresult make_current(CUcontext *pctx, CUdevice dev) {
+    if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    if (!context_charged[dev]) {
+        context_charged[dev] = 1;
+        used_mem[dev] += context_bytes;
+    }
+    current_device = dev;
+    pthread_mutex_unlock(&lock);
+    *pctx = (CUcontext)(uintptr_t)(0x1000 + dev);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CALLED();
+    return make_current(pctx, dev);
+}
+EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CALLED();
+    return make_current(pctx, dev);
+}
+EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
+    CALLED();
+    current_device = ctx ? (int)((uintptr_t)ctx - 0x1000) : -1;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuCtxGetDevice(CUdevice *dev) {
+    CALLED();
+    if (current_device < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *dev = current_device;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
+    CALLED();
+    if (current_device < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    *total = total_mem;
+    *free = total_mem - used_mem[current_device];
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+/* The pre-3.2 variant, with 32-bit sizes: must never be taken for the _v2 one. */
+EXPORT CUresult cuMemGetInfo(unsigned int *free, unsigned int *total) {
+    CALLED();
+    *free = 1;
+    *total = 2;
+    return CUDA_SUCCESS;
+}
+
+static CUresult alloc_plain(CUdeviceptr *dptr, uint64_t bytes) {
+    if (current_device < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    CUresult result = take_memory(current_device, bytes);
+    if (result == CUDA_SUCCESS) *dptr = book(bytes, current_device, 0);
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) { CALLED(); return alloc_plain(dptr, bytesize); }
+EXPORT CUresult cuMemAlloc(unsigned int *dptr, unsigned int bytesize) {
+    CALLED();   /* the 32-bit original: distinct, never hooked */
+    CUdeviceptr p;
+    CUresult r = alloc_plain(&p, bytesize);
+    if (r == CUDA_SUCCESS) *dptr = (unsigned int)p;
+    return r;
+}
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    CALLED();
+    return alloc_plain(dptr, bytesize);
+}
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                   unsigned int element) {
+    CALLED();
+    *pitch = (width + 255) / 256 * 256;
+    return alloc_plain(dptr, (uint64_t)*pitch * height);
+}
+
+static CUresult free_any(uint64_t key) {
+    uint64_t bytes;
+    int dev, pool;
+    pthread_mutex_lock(&lock);
+    int found = unbook(key, &bytes, &dev, &pool);
+    if (found && pool) pools[pool].used -= bytes;
+    else if (found) used_mem[dev] -= bytes;
+    pthread_mutex_unlock(&lock);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) { CALLED(); return free_any(dptr); }
+
+/* ---- stream-ordered pools ---- */
+static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, int p) {
+    pthread_mutex_lock(&lock);
+    CUresult result = CUDA_SUCCESS;
+    uint64_t need = pools[p].used + bytes;
+    if (need > pools[p].reserved) {
+        uint64_t grow = (need - pools[p].reserved + CHUNK - 1) / CHUNK * CHUNK;
+        result = take_memory(pools[p].dev, grow);
+        if (result == CUDA_SUCCESS) pools[p].reserved += grow;
+    }
+    if (result == CUDA_SUCCESS) {
+        pools[p].used += bytes;
+        *dptr = book(bytes, pools[p].dev, p);
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+static int default_pool(void) {
+    if (current_device < 0) return -1;
+    pools[current_device + 1].dev = current_device;
+    return current_device + 1;
+}
+#define ASYNC_ALLOC(name)                                                            \
+    EXPORT CUresult name(CUdeviceptr *dptr, size_t bytesize, CUstream stream) {       \
+        CALLED();                                                                     \
+        int p = default_pool();                                                       \
+        return p < 0 ? CUDA_ERROR_INVALID_CONTEXT : pool_alloc(dptr, bytesize, p);    \
+    }
+ASYNC_ALLOC(cuMemAllocAsync)
+ASYNC_ALLOC(cuMemAllocAsync_ptsz)
+#define POOL_ALLOC(name)                                                                       \
+    EXPORT CUresult name(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream s) { \
+        CALLED();                                                                              \
+        int p = (int)(uintptr_t)pool;                                                          \
+        return p < 1 || p > MAX_POOLS ? CUDA_ERROR_INVALID_VALUE : pool_alloc(dptr, bytesize, p); \
+    }
+POOL_ALLOC(cuMemAllocFromPoolAsync)
+POOL_ALLOC(cuMemAllocFromPoolAsync_ptsz)
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s) { CALLED(); return free_any(dptr); }
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream s) { CALLED(); return free_any(dptr); }
+EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev) {
+    CALLED();
+    pools[dev + 1].dev = dev;
+    *pool = (CUmemoryPool)(uintptr_t)(dev + 1);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value) {
+    CALLED();
+    int p = (int)(uintptr_t)pool;
+    if (p < 1 || p > MAX_POOLS || attr != CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    *(cuuint64_t *)value = pools[p].reserved;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    pool_trim((int)(uintptr_t)pool, keep);
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+#define SYNC(name, params)                \
+    EXPORT CUresult name params {         \
+        CALLED();                         \
+        pthread_mutex_lock(&lock);        \
+        trim_all_pools();                 \
+        pthread_mutex_unlock(&lock);      \
+        return CUDA_SUCCESS;              \
+    }
+SYNC(cuStreamSynchronize, (CUstream s))
+SYNC(cuStreamSynchronize_ptsz, (CUstream s))
+SYNC(cuCtxSynchronize, (void))
+
+/* ---- VMM and arrays ---- */
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                            const CUmemAllocationProp *prop, unsigned long long flags) {
+    CALLED();
+    int dev = prop->location.id;
+    pthread_mutex_lock(&lock);
+    CUresult result = take_memory(dev, size);
+    if (result == CUDA_SUCCESS) *handle = book(size, dev, 0);
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle) { CALLED(); return free_any(handle); }
+EXPORT CUresult cuArrayCreate_v2(CUarray *array, const CUDA_ARRAY_DESCRIPTOR *d) {
+    CALLED();
+    CUdeviceptr p;
+    CUresult r = alloc_plain(&p, (uint64_t)d->Width * (d->Height ? d->Height : 1) * d->NumChannels);
+    *array = (CUarray)(uintptr_t)p;
+    return r;
+}
+EXPORT CUresult cuArrayDestroy(CUarray array) { CALLED(); return free_any((uintptr_t)array); }
+
+/* ---- graphs: the exec handle's value is the memory the graph allocates ---- */
+#define GRAPH_LAUNCH(name)                                                   \
+    EXPORT CUresult name(CUgraphExec exec, CUstream s) {                     \
+        CALLED();                                                            \
+        uint64_t bytes = (uintptr_t)exec;                                    \
+        pthread_mutex_lock(&lock);                                           \
+        if (current_device >= 0 && bytes > graph_reserved[current_device]) { \
+            used_mem[current_device] += bytes - graph_reserved[current_device]; \
+            graph_reserved[current_device] = bytes;                          \
+        }                                                                    \
+        pthread_mutex_unlock(&lock);                                         \
+        return CUDA_SUCCESS;                                                 \
+    }
+GRAPH_LAUNCH(cuGraphLaunch)
+GRAPH_LAUNCH(cuGraphLaunch_ptsz)
+EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
+    CALLED();
+    *(cuuint64_t *)value = attr == CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT ? graph_reserved[dev] : 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    used_mem[dev] -= graph_reserved[dev];
+    graph_reserved[dev] = 0;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+/* ---- launches and capture: the stream handle 0x5eed is "capturing" once begun ---- */
+static int capturing;
+#define LAUNCH(name, params) EXPORT CUresult name params { CALLED(); return CUDA_SUCCESS; }
+LAUNCH(cuLaunchKernel, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned shm, CUstream s, void **p, void **e))
+LAUNCH(cuLaunchKernel_ptsz, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                             unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e))
+LAUNCH(cuLaunchCooperativeKernel, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                   unsigned by, unsigned bz, unsigned shm, CUstream s, void **p))
+LAUNCH(cuLaunchCooperativeKernel_ptsz, (CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                        unsigned bx, unsigned by, unsigned bz, unsigned shm,
+                                        CUstream s, void **p))
+LAUNCH(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e))
+LAUNCH(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **p, void **e))
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int mode) { CALLED(); capturing = 1; return 0; }
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { CALLED(); capturing = 0; return 0; }
+static CUresult is_capturing(CUstream s, CUstreamCaptureStatus *status) {
+    *status = capturing && (uintptr_t)s == 0x5eed;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
+EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
+
+/* An entry point the hook does not know: must pass through untouched. */
+EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
+    CALLED();
+    static const int export_table[4] = {0x5ec7e7, 1, 2, 3};
+    *table = export_table;
+    return CUDA_SUCCESS;
+}
+
+/* ---- cuGetProcAddress: the answer depends on version and flags ---- */
+EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
+EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                                    CUdriverProcAddressQueryResult *status);
+
+static const struct variant {
+    const char *name;
+    int min_version;      /* this row applies from this version on */
+    int per_thread;       /* 1: only with the per-thread flag, 0: only without, -1: either */
+    void *fn;
+} variants[] = {
+    /* later rows win; per-thread rows only with flag 2 */
+    {"cuMemAlloc", 2000, -1, (void *)&cuMemAlloc},
+    {"cuMemAlloc", 3020, -1, (void *)&cuMemAlloc_v2},
+    {"cuMemGetInfo", 2000, -1, (void *)&cuMemGetInfo},
+    {"cuMemGetInfo", 3020, -1, (void *)&cuMemGetInfo_v2},
+    {"cuMemFree", 3020, -1, (void *)&cuMemFree_v2},
+    {"cuMemAllocPitch", 3020, -1, (void *)&cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", 6000, -1, (void *)&cuMemAllocManaged},
+    {"cuDeviceTotalMem", 3020, -1, (void *)&cuDeviceTotalMem_v2},
+    {"cuCtxCreate", 3020, -1, (void *)&cuCtxCreate_v2},
+    {"cuDeviceGetUuid", 9020, -1, (void *)&cuDeviceGetUuid},
+    {"cuDeviceGetUuid", 11040, -1, (void *)&cuDeviceGetUuid_v2},
+    {"cuLaunchKernel", 4000, 0, (void *)&cuLaunchKernel},
+    {"cuLaunchKernel", 7000, 1, (void *)&cuLaunchKernel_ptsz},
+    {"cuLaunchKernelEx", 11060, 0, (void *)&cuLaunchKernelEx},
+    {"cuLaunchKernelEx", 11060, 1, (void *)&cuLaunchKernelEx_ptsz},
+    {"cuLaunchCooperativeKernel", 9000, 0, (void *)&cuLaunchCooperativeKernel},
+    {"cuLaunchCooperativeKernel", 9000, 1, (void *)&cuLaunchCooperativeKernel_ptsz},
+    {"cuGraphLaunch", 10000, 0, (void *)&cuGraphLaunch},
+    {"cuGraphLaunch", 10000, 1, (void *)&cuGraphLaunch_ptsz},
+    {"cuMemAllocAsync", 11020, 0, (void *)&cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, (void *)&cuMemAllocAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", 11020, 0, (void *)&cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, (void *)&cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, (void *)&cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, (void *)&cuMemFreeAsync_ptsz},
+    {"cuStreamSynchronize", 2000, 0, (void *)&cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, 1, (void *)&cuStreamSynchronize_ptsz},
+    {"cuStreamBeginCapture", 10010, 0, (void *)&cuStreamBeginCapture_v2},
+    {"cuStreamEndCapture", 10000, 0, (void *)&cuStreamEndCapture},
+    {"cuStreamIsCapturing", 10000, 0, (void *)&cuStreamIsCapturing},
+    {"cuStreamIsCapturing", 10000, 1, (void *)&cuStreamIsCapturing_ptsz},
+    {"cuGetProcAddress", 11030, -1, (void *)&cuGetProcAddress},
+    {"cuGetProcAddress", 12000, -1, (void *)&cuGetProcAddress_v2},
+    {"cuGetExportTable", 3000, -1, (void *)&cuGetExportTable},
+    {"cuDeviceGetName", 2000, -1, (void *)&cuDeviceGetName},
+    {"cuInit", 2000, -1, (void *)&cuInit},
+    {"cuMemCreate", 10020, -1, (void *)&cuMemCreate},
+    {"cuMemRelease", 10020, -1, (void *)&cuMemRelease},
+};
+
+static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status) {
+    int per_thread = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    void *found = NULL;
+    int known = 0;
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) {
+        const struct variant *v = &variants[i];
+        if (strcmp(v->name, symbol) != 0) continue;
+        known = 1;
+        if (version < v->min_version) continue;
+        if (v->per_thread >= 0 && v->per_thread != per_thread) {
+            /* a name with no per-thread variant falls back to its default one */
+            int has_pt = 0;
+            for (size_t j = 0; j < sizeof variants / sizeof variants[0]; j++)
+                has_pt |= strcmp(variants[j].name, symbol) == 0 && variants[j].per_thread == 1;
+            if (has_pt || v->per_thread == 1) continue;
+        }
+        found = v->fn;
+    }
+    *pfn = found;
+    *status = found ? 0 : known ? 2 : 1;
+    return found ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags) {
+    CALLED();
+    int status;
+    return resolve(symbol, pfn, version, flags, &status);
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *status) {
+    CALLED();
+    int st;
+    CUresult r = resolve(symbol, pfn, version, flags, &st);
+    if (status) *status = st;
+    return r;
+}

@@ -1,0 +1,89 @@
+"""The interposer builds with gcc alone, under its versioned name, and loads on glibc 2.17+."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vgpu_runtime import hooklib, paths
+from vgpu_runtime.hook import build
+
+OLDEST_GLIBC = (2, 17)
+
+
+def test_library_has_the_versioned_name(hook_lib: Path) -> None:
+    assert hook_lib.name == paths.HOOK_LIBRARY_NAME
+    assert build.library_name() == paths.HOOK_LIBRARY_NAME
+
+
+def required_glibc_versions(library: Path) -> set[tuple[int, ...]]:
+    tool = shutil.which("objdump")
+    if tool is None:
+        pytest.skip("objdump is not installed")
+    out = subprocess.run([tool, "-T", str(library)], capture_output=True, text=True,
+                         check=True).stdout
+    return {tuple(int(p) for p in m.split(".")) for m in re.findall(r"GLIBC_([0-9.]+)", out)}
+
+
+def test_no_glibc_version_newer_than_2_17_is_required(hook_lib: Path) -> None:
+    versions = required_glibc_versions(hook_lib)
+    assert versions, "objdump found no GLIBC versions at all: the check would be vacuous"
+    too_new = sorted(v for v in versions if v > OLDEST_GLIBC)
+    assert not too_new, f"requires GLIBC {too_new}; CUDA 11 images ship glibc 2.31"
+
+
+def test_dlsym_and_dlopen_are_bound_to_their_old_versions(hook_lib: Path) -> None:
+    out = subprocess.run(["objdump", "-T", str(hook_lib)], capture_output=True, text=True).stdout
+    for name in ("dlopen", "dlvsym", "pthread_once"):
+        line = next(l for l in out.splitlines() if l.endswith(f" {name}"))
+        assert "GLIBC_2.34" not in line and "GLIBC_2." in line, line
+    # dlsym itself is defined (exported) by the hook, not imported.
+    assert re.search(r"\.text.*\sdlsym$", out, re.M)
+
+
+def test_the_check_catches_a_new_symbol_version(tmp_path: Path) -> None:
+    """Proof the version test can fail: an unpinned dlsym caller requires GLIBC_2.34 here."""
+    src = tmp_path / "unpinned.c"
+    src.write_text('#include <dlfcn.h>\nvoid *f(void *h) { return dlsym(h, "x"); }\n')
+    lib = tmp_path / "unpinned.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(lib), "-ldl"], check=True)
+    version = os.confstr("CS_GNU_LIBC_VERSION") or "glibc 0.0"
+    if tuple(int(p) for p in version.split()[1].split(".")[:2]) < (2, 34):
+        pytest.skip("this machine's glibc predates 2.34")
+    assert max(required_glibc_versions(lib)) >= (2, 34)
+
+
+def test_rebuild_with_same_sources_keeps_the_file(hook_lib: Path) -> None:
+    inode = os.stat(hook_lib).st_ino
+    again = build.build_library(hook_lib.parent, strict=True)
+    assert again == hook_lib and os.stat(again).st_ino == inode
+
+
+def test_different_content_replaces_by_rename_never_in_place(tmp_path: Path) -> None:
+    target = tmp_path / paths.HOOK_LIBRARY_NAME
+    target.write_bytes(b"an older build that a running program has mapped")
+    with open(target, "rb") as mapped:
+        built = build.build_library(tmp_path)
+        assert mapped.read() == b"an older build that a running program has mapped"
+    assert built.read_bytes().startswith(b"\x7fELF")
+    assert not list(tmp_path.glob(".*.tmp")), "temporary files left behind"
+
+
+def test_compiler_missing_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(build.HookBuildError, match="C compiler"):
+        build.build_library(tmp_path, compiler="no-such-gcc")
+    assert not list(tmp_path.iterdir())
+
+
+def test_hooklib_builds_into_a_cache_keyed_by_the_sources(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hooklib, "installed_library", lambda: None)
+    first = hooklib.library_path()
+    assert first.is_file() and build.sources_digest() in first.parts
+    assert hooklib.library_path() == first

@@ -1,0 +1,265 @@
+/*
+ * client.c: the hook's one connection to the node daemon, <GEMINI_CHANNEL_DIR>/sched.sock.
+ *
+ * Opened lazily, when something first needs the daemon (an allocation, a memory query, a
+ * device check), with SOCK_CLOEXEC so an exec'd program does not inherit it. Requests from
+ * all threads are serialised on one mutex: one request, one reply.
+ *
+ * Fork: a child never talks over its parent's connection. pthread_atfork resets the child's
+ * state (and a pid check catches forks that skip atfork handlers); the child holds no
+ * memory (its parent's context is not usable there) and connects on its first need.
+ *
+ * Daemon away (policy). The first need waits for the daemon with backoff (10 ms doubling to
+ * 500 ms) for GEMINI_HOOK_DAEMON_WAIT seconds (default 30; the daemon may create the socket
+ * just after the container starts). If it is still away, the request fails CLOSED:
+ * allocations return CUDA_ERROR_OUT_OF_MEMORY, memory queries fall back to the last known
+ * limit and this process's own use. Later needs try once without waiting, until the daemon
+ * answers again; nothing ever crashes the application. Frees never wait: they update the
+ * hook's own bookkeeping, and every (re)connection re-declares from it what this process
+ * holds (MEM_SET per GPU per kind), so a restarted daemon loses nothing.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "hook.h"
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int fd = -1;
+static pid_t owner;               /* the process that opened fd */
+static uint32_t next_seq = 1;
+static int gave_up;               /* a full wait failed: later needs try once, no wait */
+static struct gm_grant_view grants[GM_MAX_GPUS];
+static int grant_count = -1;      /* -1: no hello answered yet */
+
+static double env_seconds(const char *name, double fallback) {
+    const char *text = getenv(name);
+    if (text == NULL || text[0] == '\0') return fallback;
+    char *end;
+    double value = strtod(text, &end);
+    if (*end != '\0' || value < 0) {
+        gm_warn("%s=%s is not a number of seconds; using %.1f", name, text, fallback);
+        return fallback;
+    }
+    return value;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int send_all(int sock, const void *data, size_t len) {
+    const char *p = data;
+    while (len > 0) {
+        ssize_t n = send(sock, p, len, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int recv_all(int sock, void *data, size_t len) {
+    char *p = data;
+    while (len > 0) {
+        ssize_t n = recv(sock, p, len, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        p += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+static void fill_header(struct gm_header *h, uint16_t type, uint32_t length) {
+    memset(h, 0, sizeof *h);
+    h->length = length;
+    h->type = type;
+    h->version = GM_WIRE_VERSION;
+    h->seq = next_seq++;
+}
+
+/* Send `request`, receive a frame of `reply_type` and exactly `reply_len` bytes into reply. */
+static int exchange(int sock, void *request, void *reply, uint16_t reply_type, size_t reply_len) {
+    const struct gm_header *sent = request;
+    if (send_all(sock, request, sent->length) < 0) return -1;
+    union {
+        struct gm_header h;
+        char bytes[GM_MAX_FRAME];
+    } frame;
+    if (recv_all(sock, &frame.h, sizeof frame.h) < 0) return -1;
+    if (frame.h.version != GM_WIRE_VERSION || frame.h.length < sizeof frame.h ||
+        frame.h.length > GM_MAX_FRAME) {
+        gm_warn("daemon sent a malformed frame header; dropping the connection");
+        return -1;
+    }
+    if (recv_all(sock, frame.bytes + sizeof frame.h, frame.h.length - sizeof frame.h) < 0)
+        return -1;
+    if (frame.h.type == GM_MSG_ERROR && frame.h.length == sizeof(struct gm_error)) {
+        struct gm_error *error = (struct gm_error *)frame.bytes;
+        error->reason[GM_REASON_BYTES - 1] = '\0';
+        gm_warn("daemon refused the connection (status %u): %s", error->status, error->reason);
+        return -1;
+    }
+    if (frame.h.type != reply_type || frame.h.length != reply_len || frame.h.seq != sent->seq) {
+        gm_warn("daemon answered type %u (%u bytes, seq %u) to a request expecting type %u",
+                frame.h.type, frame.h.length, frame.h.seq, reply_type);
+        return -1;
+    }
+    memcpy(reply, frame.bytes, reply_len);
+    return 0;
+}
+
+static int connect_and_hello(void) {
+    const char *dir = getenv("GEMINI_CHANNEL_DIR");
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (dir == NULL ||
+        (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sched.sock", dir) >=
+            sizeof addr.sun_path)
+        return -1;
+    int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (sock < 0) return -1;
+    double io_timeout = env_seconds("GEMINI_HOOK_IO_TIMEOUT", 10.0);
+    struct timeval tv = {(time_t)io_timeout, (suseconds_t)((io_timeout - (time_t)io_timeout) * 1e6)};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(sock);
+        return -1;
+    }
+    struct gm_hello hello;
+    memset(&hello, 0, sizeof hello);
+    fill_header(&hello.h, GM_MSG_HELLO, sizeof hello);
+    hello.proto_version = GM_WIRE_VERSION;
+    hello.pid = (uint32_t)getpid();
+    struct gm_hello_reply reply;
+    if (exchange(sock, &hello, &reply, GM_MSG_HELLO_REPLY, sizeof reply) < 0 ||
+        reply.status != GM_OK || reply.gpu_count > GM_MAX_GPUS) {
+        close(sock);
+        return -1;
+    }
+    for (uint32_t i = 0; i < reply.gpu_count; i++) {
+        memcpy(grants[i].uuid, reply.gpus[i].uuid, GM_UUID_BYTES);
+        grants[i].memory_limit = reply.gpus[i].memory_limit;
+    }
+    grant_count = (int)reply.gpu_count;
+    GM_COUNT(daemon_connects, 1);
+    return sock;
+}
+
+/* After a (re)connection: tell the daemon everything this process holds. */
+static int redeclare(int sock) {
+    for (int gpu = 0; gpu < grant_count; gpu++) {
+        for (uint32_t kind = 1; kind < GM_MEM_KIND_COUNT; kind++) {
+            uint64_t bytes = gm_held_get((uint32_t)gpu, kind);
+            if (bytes == 0) continue;
+            struct gm_mem_request set = {.gpu = (uint32_t)gpu, .kind = kind, .bytes = bytes};
+            fill_header(&set.h, GM_MSG_MEM_SET, sizeof set);
+            struct gm_mem_reply reply;
+            if (exchange(sock, &set, &reply, GM_MSG_MEM_REPLY, sizeof reply) < 0) return -1;
+            gm_debug("re-declared gpu %d kind %u: %llu bytes (status %u)", gpu, kind,
+                     (unsigned long long)bytes, reply.status);
+        }
+    }
+    return 0;
+}
+
+static void drop_connection(void) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+}
+
+/* Lock held. 0 when connected; *fresh says whether this call (re)connected. */
+static int ensure_connected(int may_wait, int *fresh) {
+    if (fd >= 0 && owner != getpid()) {   /* a fork that skipped the atfork handler */
+        drop_connection();
+        gm_ledger_reset();
+    }
+    if (fd >= 0) return 0;
+    double wait = (may_wait && !gave_up) ? env_seconds("GEMINI_HOOK_DAEMON_WAIT", 30.0) : 0;
+    double deadline = now_s() + wait;
+    long backoff_ms = 10;
+    for (;;) {
+        int sock = connect_and_hello();
+        if (sock >= 0) {
+            if (redeclare(sock) == 0) {
+                fd = sock;
+                owner = getpid();
+                if (gave_up) gm_warn("daemon is back; re-declared what this process holds");
+                gave_up = 0;
+                *fresh = 1;
+                return 0;
+            }
+            close(sock);
+        }
+        if (now_s() >= deadline) break;
+        struct timespec pause = {backoff_ms / 1000, (backoff_ms % 1000) * 1000000L};
+        nanosleep(&pause, NULL);
+        if (backoff_ms < 500) backoff_ms *= 2;
+    }
+    if (may_wait && !gave_up) {
+        gm_warn("no answer from the node daemon at %s/sched.sock after %.1f s: allocations "
+                "fail closed until it answers", getenv("GEMINI_CHANNEL_DIR"), wait);
+        gave_up = 1;
+    }
+    return -1;
+}
+
+int gm_channel_grants(struct gm_grant_view *out, int max, int may_wait) {
+    pthread_mutex_lock(&lock);
+    int fresh = 0;
+    if (grant_count < 0) ensure_connected(may_wait, &fresh);
+    int count = grant_count < max ? grant_count : max;
+    if (count > 0) memcpy(out, grants, (size_t)count * sizeof *out);
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_t bytes,
+                   struct gm_mem_reply *reply, int may_wait) {
+    pthread_mutex_lock(&lock);
+    /* The hook's own bookkeeping changes first: it is the truth re-declared on reconnection. */
+    if (type == GM_MSG_MEM_RELEASE) gm_held_add(gpu, kind, -(int64_t)bytes);
+    if (type == GM_MSG_MEM_SET) gm_held_set(gpu, kind, bytes);
+    int rc = -1;
+    for (int attempt = 0; attempt < 2 && rc < 0; attempt++) {
+        int fresh = 0;
+        if (ensure_connected(may_wait, &fresh) < 0) break;
+        if (type == GM_MSG_MEM_RELEASE && fresh) {   /* the re-declaration already said it */
+            memset(reply, 0, sizeof *reply);
+            rc = 0;
+            break;
+        }
+        struct gm_mem_request request = {.gpu = gpu, .kind = kind, .bytes = bytes};
+        fill_header(&request.h, type, sizeof request);
+        if (exchange(fd, &request, reply, GM_MSG_MEM_REPLY, sizeof *reply) == 0) rc = 0;
+        else drop_connection();
+    }
+    /* Booked while the lock is held, so a re-declaration never misses an acknowledged one. */
+    if (rc == 0 && type == GM_MSG_MEM_RESERVE && reply->status == GM_OK)
+        gm_held_add(gpu, kind, (int64_t)bytes);
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+void gm_channel_after_fork_child(void) {
+    pthread_mutex_init(&lock, NULL);   /* another parent thread may have held it at fork */
+    if (fd >= 0) close(fd);            /* our copy only: the parent's stays open */
+    fd = -1;
+    gave_up = 0;
+    gm_ledger_reset();
+}
+
+static void atfork_child(void) { gm_channel_after_fork_child(); }
+
+__attribute__((constructor)) static void register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, atfork_child);
+}

@@ -1,0 +1,96 @@
+/*
+ * table.c: real-function slots and the two lookups, all expanded from hooks.def.
+ *
+ * Real symbols are resolved lazily, once per library (pthread_once), from libcuda.so.1
+ * or libnvidia-ml.so.1 through the real dlsym. A missing symbol gets a stub that answers
+ * "not found", so an exported wrapper never calls through NULL.
+ */
+#include <dlfcn.h>
+#include <string.h>
+
+#include "hook.h"
+
+struct gm_entry {
+    const char *name;
+    enum gm_lib lib;
+    void *wrapper;   /* NULL for GM_CALL rows */
+};
+
+#define GM_LIB_OF_core GM_LIB_CUDA
+#define GM_LIB_OF_launch GM_LIB_CUDA
+#define GM_LIB_OF_memory GM_LIB_CUDA
+#define GM_LIB_OF_nvml GM_LIB_NVML
+
+static const struct gm_entry entries[GM_ENTRY_COUNT] = {
+#define GM_HOOK(name, family, ret, params, what) {#name, GM_LIB_OF_##family, (void *)&name},
+#define GM_CALL(name, family, ret, params) {#name, GM_LIB_OF_##family, NULL},
+#include "../hooks.def"
+};
+
+static void *slots[GM_ENTRY_COUNT];
+static pthread_once_t lib_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
+static const char *const lib_names[2] = {"libcuda.so.1", "libnvidia-ml.so.1"};
+
+static void load_lib(enum gm_lib lib) {
+    gm_in_loader = 1;   /* dlsym calls made while the driver loads pass straight through */
+    void *handle = dlopen(lib_names[lib], RTLD_LAZY | RTLD_NOLOAD);
+    if (handle == NULL) handle = dlopen(lib_names[lib], RTLD_LAZY);
+    if (handle == NULL) {
+        gm_debug("%s not loadable: its entry points answer not-found", lib_names[lib]);
+    } else {
+        for (int i = 0; i < GM_ENTRY_COUNT; i++) {
+            if (entries[i].lib == lib) slots[i] = gm_real_dlsym(handle, entries[i].name);
+        }
+    }
+    gm_in_loader = 0;
+}
+
+static void load_cuda(void) { load_lib(GM_LIB_CUDA); }
+static void load_nvml(void) { load_lib(GM_LIB_NVML); }
+
+static int ensure_lib(enum gm_lib lib) {
+    if (gm_in_loader) return 0;   /* called back from inside a load: do not wait on ourselves */
+    pthread_once(&lib_once[lib], lib == GM_LIB_CUDA ? load_cuda : load_nvml);
+    return 1;
+}
+
+static CUresult missing_entry(void) { return CUDA_ERROR_NOT_FOUND; }
+static nvmlReturn_t missing_nvml_entry(void) { return NVML_ERROR_FUNCTION_NOT_FOUND; }
+
+void *gm_real_raw(enum gm_entry_id id) {
+    if (!ensure_lib(entries[id].lib)) return NULL;
+    return slots[id];
+}
+
+void *gm_real(enum gm_entry_id id) {
+    void *fn = gm_real_raw(id);
+    if (fn != NULL) return fn;
+    /* Both stubs return int; callers pass arguments the stub ignores, as the C ABI allows. */
+    return entries[id].lib == GM_LIB_NVML ? (void *)&missing_nvml_entry : (void *)&missing_entry;
+}
+
+int gm_lookup_name(const char *name) {
+    if (name == NULL || (name[0] != 'c' && name[0] != 'n')) return -1;   /* cu* / nvml* only */
+    for (int i = 0; i < GM_ENTRY_COUNT; i++) {
+        if (entries[i].wrapper != NULL && strcmp(entries[i].name, name) == 0) return i;
+    }
+    return -1;
+}
+
+void *gm_wrapper_for(const char *name, void *real) {
+    int id = gm_lookup_name(name);
+    if (id < 0 || real == NULL) return real;
+    if (real == entries[id].wrapper) return real;
+    void *slot = gm_real_raw((enum gm_entry_id)id);
+    if (slot != NULL && slot == real) return entries[id].wrapper;
+    return real;   /* another library's symbol of that name: not ours to wrap */
+}
+
+void *gm_wrapper_for_pointer(void *real) {
+    if (real == NULL || !ensure_lib(GM_LIB_CUDA)) return real;
+    for (int i = 0; i < GM_ENTRY_COUNT; i++) {
+        if (entries[i].wrapper != NULL && entries[i].lib == GM_LIB_CUDA && slots[i] == real)
+            return entries[i].wrapper;
+    }
+    return real;
+}

@@ -1,0 +1,85 @@
+/* hook.h: declarations shared by the interposer's families (internal). */
+#ifndef GEMINI_HOOK_H
+#define GEMINI_HOOK_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "cuda_types.h"
+#include "gemini_hook.h"
+#include "gemini_wire.h"
+
+#define GM_EXPORT __attribute__((visibility("default")))
+#define GM_HIDDEN __attribute__((visibility("hidden")))
+
+/* From the table: a function-pointer type and an id per entry, and the wrappers' prototypes
+ * (so a wrapper whose signature drifts from the table does not compile). */
+#define GM_HOOK(name, family, ret, params, what) typedef ret(*gm_fn_##name) params;
+#define GM_CALL(name, family, ret, params) typedef ret(*gm_fn_##name) params;
+#include "../hooks.def"
+
+#define GM_HOOK(name, family, ret, params, what) GM_EXPORT ret name params;
+#include "../hooks.def"
+
+enum gm_entry_id {
+#define GM_HOOK(name, family, ret, params, what) GM_ID_##name,
+#define GM_CALL(name, family, ret, params) GM_ID_##name,
+#include "../hooks.def"
+    GM_ENTRY_COUNT
+};
+
+enum gm_lib { GM_LIB_CUDA = 0, GM_LIB_NVML = 1 };
+
+/* core/table.c */
+GM_HIDDEN void *gm_real(enum gm_entry_id id);       /* never NULL: a "not found" stub instead */
+GM_HIDDEN void *gm_real_raw(enum gm_entry_id id);   /* NULL when the driver lacks it */
+#define GM_REAL(name) ((gm_fn_##name)gm_real(GM_ID_##name))
+#define GM_HAS_REAL(name) (gm_real_raw(GM_ID_##name) != NULL)
+GM_HIDDEN int gm_lookup_name(const char *name);     /* entry id of a hooked name, or -1 */
+GM_HIDDEN void *gm_wrapper_for(const char *name, void *real); /* wrapper if real is that entry's */
+GM_HIDDEN void *gm_wrapper_for_pointer(void *real);   /* wrapper of whichever variant it is */
+
+/* core/init.c */
+GM_HIDDEN int gm_active(void);               /* GEMINI_CHANNEL_DIR set */
+GM_HIDDEN void gm_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+GM_HIDDEN void gm_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+GM_HIDDEN extern __thread int gm_in_loader;  /* this thread is resolving real symbols */
+GM_HIDDEN void *gm_real_dlsym(void *handle, const char *name);
+
+/* counters (core/stats.c) */
+struct gm_counters {
+    _Atomic uint64_t kernel_launches, graph_launches, captured_launches, gate_ns;
+    _Atomic uint64_t wrapped_by_dlsym, wrapped_by_procaddress, mem_refused, daemon_connects;
+};
+GM_HIDDEN extern struct gm_counters gm_counters;
+#define GM_COUNT(field, n) atomic_fetch_add_explicit(&gm_counters.field, (n), memory_order_relaxed)
+
+/* channel/client.c: one connection per process to <GEMINI_CHANNEL_DIR>/sched.sock */
+struct gm_grant_view {
+    uint8_t uuid[GM_UUID_BYTES];
+    uint64_t memory_limit;
+};
+GM_HIDDEN int gm_channel_grants(struct gm_grant_view *out, int max, int may_wait);
+/* A memory request; returns 0 with *reply filled, or -1 when the daemon cannot be reached. */
+GM_HIDDEN int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_t bytes,
+                             struct gm_mem_reply *reply, int may_wait);
+GM_HIDDEN void gm_channel_after_fork_child(void);
+
+/* memory/ledger.c: what this process holds (the daemon's view is rebuilt from it) */
+GM_HIDDEN void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta);
+GM_HIDDEN void gm_held_set(uint32_t gpu, uint32_t kind, uint64_t bytes);
+GM_HIDDEN uint64_t gm_held_get(uint32_t gpu, uint32_t kind);
+GM_HIDDEN uint64_t gm_held_total(void);
+GM_HIDDEN void gm_ledger_put(uint64_t key, uint64_t bytes, uint32_t kind, uint32_t gpu);
+GM_HIDDEN int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu);
+GM_HIDDEN void gm_ledger_reset(void);
+
+/* memory/devices.c: CUdevice <-> index into the hello reply's GPUs */
+#define GM_NO_GPU (-1)
+#define GM_UNKNOWN_GPU (-2)   /* the daemon cannot be reached, so the allocation is unknown */
+#define GM_NO_CONTEXT (-3)    /* no current context: the driver call itself will say so */
+GM_HIDDEN int gm_gpu_of_device(CUdevice dev);
+GM_HIDDEN int gm_current_gpu(CUdevice *dev_out);
+
+#endif

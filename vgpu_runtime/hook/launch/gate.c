@@ -1,0 +1,85 @@
+/*
+ * gate.c: THE launch gate. Every kernel and graph launch passes through gm_gate().
+ *
+ * In this issue the gate counts and times; the token scheduler (next issue) waits for a
+ * token here. Fast path: relaxed atomics and CLOCK_MONOTONIC (a vDSO read), no system call
+ * and no lock.
+ *
+ * Stream capture: a launch into a capturing stream only records a graph node, so it is
+ * passed straight through, neither gated nor counted as a burst. Asking the driver costs
+ * a call per launch, so we only ask while a capture is open somewhere in the process
+ * (counted by the cuStreamBeginCapture* / cuStreamEndCapture* wrappers); with no capture
+ * open no stream can be capturing.
+ */
+#include <time.h>
+
+#include "gate.h"
+
+static _Atomic long captures_open;
+
+void gm_capture_opened(CUresult result) {
+    if (result == CUDA_SUCCESS) atomic_fetch_add_explicit(&captures_open, 1, memory_order_relaxed);
+}
+
+void gm_capture_closed(CUresult result) {
+    /* An invalidated or unjoined capture still ends (errors 900-907); a stream that was not
+     * capturing, or the wrong thread (908), ends nothing. */
+    if (result != CUDA_SUCCESS && !(result >= 900 && result <= 907)) return;
+    long open = atomic_load_explicit(&captures_open, memory_order_relaxed);
+    while (open > 0 && !atomic_compare_exchange_weak_explicit(
+                           &captures_open, &open, open - 1, memory_order_relaxed,
+                           memory_order_relaxed)) {
+    }
+}
+
+static int stream_capturing(const struct gm_launch *launch) {
+    if (atomic_load_explicit(&captures_open, memory_order_relaxed) == 0) return 0;
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult result = launch->per_thread
+                          ? GM_REAL(cuStreamIsCapturing_ptsz)(launch->stream, &status)
+                          : GM_REAL(cuStreamIsCapturing)(launch->stream, &status);
+    return result == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+static CUresult call_real(const struct gm_launch *l) {
+    switch (l->kind) {
+    case GM_LAUNCH_KERNEL:
+        return ((gm_fn_cuLaunchKernel)l->real)(
+            l->args.kernel.f, l->args.kernel.grid[0], l->args.kernel.grid[1],
+            l->args.kernel.grid[2], l->args.kernel.block[0], l->args.kernel.block[1],
+            l->args.kernel.block[2], l->args.kernel.shared_mem, l->stream, l->args.kernel.params,
+            l->args.kernel.extra);
+    case GM_LAUNCH_COOPERATIVE:
+        return ((gm_fn_cuLaunchCooperativeKernel)l->real)(
+            l->args.kernel.f, l->args.kernel.grid[0], l->args.kernel.grid[1],
+            l->args.kernel.grid[2], l->args.kernel.block[0], l->args.kernel.block[1],
+            l->args.kernel.block[2], l->args.kernel.shared_mem, l->stream, l->args.kernel.params);
+    case GM_LAUNCH_KERNEL_EX:
+        return ((gm_fn_cuLaunchKernelEx)l->real)(l->args.ex.config, l->args.ex.f,
+                                                 l->args.ex.params, l->args.ex.extra);
+    case GM_LAUNCH_GRAPH:
+        return ((gm_fn_cuGraphLaunch)l->real)(l->args.graph, l->stream);
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static inline uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+CUresult gm_gate(const struct gm_launch *launch) {
+    if (!gm_active()) return call_real(launch);
+    if (stream_capturing(launch)) {
+        GM_COUNT(captured_launches, 1);
+        return call_real(launch);
+    }
+    /* Seam for the token scheduler: acquire (or confirm) the token here. */
+    uint64_t start = now_ns();
+    CUresult result = call_real(launch);
+    GM_COUNT(gate_ns, now_ns() - start);
+    if (launch->kind == GM_LAUNCH_GRAPH) GM_COUNT(graph_launches, 1);
+    else GM_COUNT(kernel_launches, 1);
+    return result;
+}

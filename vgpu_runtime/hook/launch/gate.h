@@ -1,0 +1,34 @@
+/* gate.h: the one launch gate (internal to launch/). */
+#ifndef GEMINI_GATE_H
+#define GEMINI_GATE_H
+
+#include "hook.h"
+
+enum gm_launch_kind { GM_LAUNCH_KERNEL, GM_LAUNCH_KERNEL_EX, GM_LAUNCH_COOPERATIVE, GM_LAUNCH_GRAPH };
+
+/* One launch, whichever entry point it came through: the gate calls `real` with `args`. */
+struct gm_launch {
+    enum gm_launch_kind kind;
+    int per_thread;          /* a _ptsz entry point: stream 0 is the per-thread stream */
+    CUstream stream;
+    void *real;
+    union {
+        struct {
+            CUfunction f;
+            unsigned int grid[3], block[3], shared_mem;
+            void **params, **extra;
+        } kernel;            /* KERNEL and COOPERATIVE (extra unused) */
+        struct {
+            const CUlaunchConfig *config;
+            CUfunction f;
+            void **params, **extra;
+        } ex;
+        CUgraphExec graph;
+    } args;
+};
+
+GM_HIDDEN CUresult gm_gate(const struct gm_launch *launch);
+GM_HIDDEN void gm_capture_opened(CUresult result);
+GM_HIDDEN void gm_capture_closed(CUresult result);
+
+#endif

@@ -1,0 +1,88 @@
+/*
+ * info.c: what the application is told about memory, and the devices it may use.
+ *
+ * cuMemGetInfo_v2: total = the limit (never more than the real total), free = limit -
+ * container-wide use (never negative, never more than the real free). The container's use
+ * comes from the daemon (a zero-byte reservation answers with it); with the daemon away,
+ * this process's own use stands in. cuDeviceTotalMem_v2 reports the limit.
+ *
+ * Contexts: creating one on a device outside the allocation is refused with
+ * CUDA_ERROR_INVALID_DEVICE.
+ */
+#include "memory.h"
+
+static uint64_t limit_of(int gpu) {
+    struct gm_grant_view grants[GM_MAX_GPUS];
+    int count = gm_channel_grants(grants, GM_MAX_GPUS, 1);
+    return gpu < count ? grants[gpu].memory_limit : 0;
+}
+
+/* Container-wide use and limit on `gpu`; 0 when known from the daemon, -1 for a local guess. */
+GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit) {
+    struct gm_mem_reply reply;
+    if (gm_channel_mem(GM_MSG_MEM_RESERVE, (uint32_t)gpu, GM_MEM_DEVICE, 0, &reply, 1) == 0 &&
+        reply.status == GM_OK) {
+        *used = reply.used;
+        *limit = reply.limit;
+        return 0;
+    }
+    *used = 0;
+    for (uint32_t kind = 1; kind < GM_MEM_KIND_COUNT; kind++) *used += gm_held_get((uint32_t)gpu, kind);
+    *limit = limit_of(gpu);
+    return -1;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
+    CUresult result = GM_REAL(cuMemGetInfo_v2)(free, total);
+    if (result != CUDA_SUCCESS || !gm_active() || free == NULL || total == NULL) return result;
+    int gpu = gm_current_gpu(NULL);
+    if (gpu < 0) return result;   /* unknown to the allocation: the real figures stand */
+    uint64_t used, limit;
+    gm_usage(gpu, &used, &limit);
+    if (limit < *total) *total = (size_t)limit;
+    uint64_t left = limit > used ? limit - used : 0;
+    if (left < *free) *free = (size_t)left;
+    if (*free > *total) *free = *total;
+    return result;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    CUresult result = GM_REAL(cuDeviceTotalMem_v2)(bytes, dev);
+    if (result != CUDA_SUCCESS || !gm_active() || bytes == NULL) return result;
+    int gpu = gm_gpu_of_device(dev);
+    if (gpu < 0) return result;
+    uint64_t limit = limit_of(gpu);
+    if (limit < *bytes) *bytes = (size_t)limit;
+    return result;
+}
+
+/* ---- contexts ---- */
+
+static CUresult check_device(CUdevice dev) {
+    if (!gm_active()) return CUDA_SUCCESS;
+    return gm_gpu_of_device(dev) == GM_NO_GPU ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CUresult refused = check_device(dev);
+    return refused != CUDA_SUCCESS ? refused : GM_REAL(cuCtxCreate_v2)(pctx, flags, dev);
+}
+
+CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                        unsigned int flags, CUdevice dev) {
+    CUresult refused = check_device(dev);
+    return refused != CUDA_SUCCESS ? refused
+                                   : GM_REAL(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev);
+}
+
+CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                        CUdevice dev) {
+    CUresult refused = check_device(dev);
+    return refused != CUDA_SUCCESS ? refused
+                                   : GM_REAL(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev);
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CUresult refused = check_device(dev);
+    return refused != CUDA_SUCCESS ? refused : GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+}

@@ -1,0 +1,134 @@
+/*
+ * ledger.c: what this process holds, which is what it re-declares to a restarted daemon.
+ *
+ * - held[gpu][kind]: bytes per GPU (index into the hello reply) per gm_mem_kind;
+ * - a small open-addressing table: allocation key -> (bytes, kind, gpu), so a free knows
+ *   what to release. Keys are device pointers, VMM handles or array handles; the kind is
+ *   part of the key, so a pointer and a handle with the same value never collide.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "hook.h"
+
+struct slot {
+    uint64_t key;     /* 0: empty */
+    uint64_t bytes;
+    uint32_t kind;
+    uint32_t gpu;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t held[GM_MAX_GPUS][GM_MEM_KIND_COUNT];
+static struct slot *table;
+static size_t capacity, used;   /* capacity: a power of two, or 0 */
+
+static size_t home(uint64_t key, uint32_t kind) {
+    uint64_t h = (key ^ ((uint64_t)kind << 56)) * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 17) & (capacity - 1);
+}
+
+static int grow(void) {
+    size_t old_capacity = capacity;
+    struct slot *old = table;
+    size_t new_capacity = capacity ? capacity * 2 : 256;
+    struct slot *fresh = calloc(new_capacity, sizeof *fresh);
+    if (fresh == NULL) return -1;
+    table = fresh;
+    capacity = new_capacity;
+    used = 0;
+    for (size_t i = 0; i < old_capacity; i++) {
+        if (old[i].key == 0) continue;
+        size_t at = home(old[i].key, old[i].kind);
+        while (table[at].key != 0) at = (at + 1) & (capacity - 1);
+        table[at] = old[i];
+        used++;
+    }
+    free(old);
+    return 0;
+}
+
+void gm_ledger_put(uint64_t key, uint64_t bytes, uint32_t kind, uint32_t gpu) {
+    pthread_mutex_lock(&lock);
+    if ((used + 1) * 4 > capacity * 3 && grow() < 0) {
+        pthread_mutex_unlock(&lock);
+        gm_warn("out of host memory for the allocation table; a free of %llx will not be "
+                "released to the daemon until exit", (unsigned long long)key);
+        return;
+    }
+    size_t at = home(key, kind);
+    while (table[at].key != 0 && !(table[at].key == key && table[at].kind == kind))
+        at = (at + 1) & (capacity - 1);
+    if (table[at].key == 0) used++;
+    table[at] = (struct slot){key, bytes, kind, gpu};
+    pthread_mutex_unlock(&lock);
+}
+
+int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu) {
+    int found = 0;
+    pthread_mutex_lock(&lock);
+    if (capacity != 0) {
+        size_t at = home(key, *kind);
+        while (table[at].key != 0 && !(table[at].key == key && table[at].kind == *kind))
+            at = (at + 1) & (capacity - 1);
+        if (table[at].key != 0) {
+            found = 1;
+            *bytes = table[at].bytes;
+            *gpu = table[at].gpu;
+            /* Backward-shift deletion keeps every probe chain intact without tombstones. */
+            size_t hole = at, next = (at + 1) & (capacity - 1);
+            while (table[next].key != 0) {
+                size_t want = home(table[next].key, table[next].kind);
+                if (((next - want) & (capacity - 1)) >= ((next - hole) & (capacity - 1))) {
+                    table[hole] = table[next];
+                    hole = next;
+                }
+                next = (next + 1) & (capacity - 1);
+            }
+            table[hole].key = 0;
+            used--;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return found;
+}
+
+void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta) {
+    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return;
+    pthread_mutex_lock(&lock);
+    if (delta < 0 && (uint64_t)(-delta) > held[gpu][kind]) held[gpu][kind] = 0;
+    else held[gpu][kind] += (uint64_t)delta;
+    pthread_mutex_unlock(&lock);
+}
+
+void gm_held_set(uint32_t gpu, uint32_t kind, uint64_t bytes) {
+    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return;
+    pthread_mutex_lock(&lock);
+    held[gpu][kind] = bytes;
+    pthread_mutex_unlock(&lock);
+}
+
+uint64_t gm_held_get(uint32_t gpu, uint32_t kind) {
+    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return 0;
+    pthread_mutex_lock(&lock);
+    uint64_t bytes = held[gpu][kind];
+    pthread_mutex_unlock(&lock);
+    return bytes;
+}
+
+uint64_t gm_held_total(void) {
+    uint64_t total = 0;
+    pthread_mutex_lock(&lock);
+    for (int g = 0; g < GM_MAX_GPUS; g++)
+        for (int k = 0; k < GM_MEM_KIND_COUNT; k++) total += held[g][k];
+    pthread_mutex_unlock(&lock);
+    return total;
+}
+
+/* In a forked child: nothing is held (the parent's context is not usable there). */
+void gm_ledger_reset(void) {
+    pthread_mutex_init(&lock, NULL);
+    memset(held, 0, sizeof held);
+    if (table != NULL) memset(table, 0, capacity * sizeof *table);
+    used = 0;
+}
