@@ -47,6 +47,10 @@ STRUCT_OF_TYPE: dict[int, str] = {
     const("GM_MSG_MEM_SET"): "struct gm_mem_request",
     const("GM_MSG_MEM_REPLY"): "struct gm_mem_reply",
     const("GM_MSG_ERROR"): "struct gm_error",
+    const("GM_MSG_TOKEN_REQUEST"): "struct gm_token_request",
+    const("GM_MSG_TOKEN_GRANT"): "struct gm_token_grant",
+    const("GM_MSG_TOKEN_RELEASE"): "struct gm_token_release",
+    const("GM_MSG_USAGE_REPORT"): "struct gm_usage_report",
 }
 
 

@@ -122,6 +122,72 @@ struct gm_error {
     uint32_t reserved;
     char reason[96];          /* GM_REASON_BYTES, NUL-terminated */
 };
+/*
+ * GPU-time tokens (issue 4). One token per GPU; the holder is a container (all its
+ * processes). The daemon publishes the grant in a shared page per allocation and GPU,
+ * <channel>/token.<gpu>, which hooks map read-only: a launch checks
+ * `now < valid_until_ns` (CLOCK_MONOTONIC) with one atomic load and a vDSO clock read.
+ * Only when that fails does the hook send TOKEN_REQUEST and block on the socket for the
+ * TOKEN_GRANT. Hooks write their activity to <channel>/activity.<gpu>, so the daemon can
+ * take the token back from an idle holder without any message on the launch path.
+ * All times are CLOCK_MONOTONIC nanoseconds; -1 means unknown.
+ */
+#define GM_TOKEN_PAGE_MAGIC 1196250187
+#define GM_ACTIVITY_PAGE_MAGIC 1196245321
+#define GM_PAGE_BYTES 4096
+
+enum gm_gate {
+    GM_GATE_OPEN = 0,       /* no token needed: the GPU is this container's alone */
+    GM_GATE_TOKEN = 1       /* launches need a valid token */
+};
+
+struct gm_token_page {      /* written by the daemon only */
+    uint32_t magic;         /* GM_TOKEN_PAGE_MAGIC */
+    uint32_t version;       /* GM_WIRE_VERSION */
+    uint32_t gate;          /* enum gm_gate */
+    uint32_t reserved;
+    uint64_t generation;    /* grant counter; changes with every grant */
+    int64_t valid_until_ns; /* launches may start while now < valid_until_ns */
+};
+
+struct gm_activity_page {   /* written by the hooks of the allocation */
+    uint32_t magic;         /* GM_ACTIVITY_PAGE_MAGIC */
+    uint32_t version;
+    int64_t last_launch_ns; /* the latest launch by any process of the allocation */
+    int64_t last_sync_ns;   /* the latest host synchronisation that returned */
+    uint64_t launches;
+};
+
+struct gm_token_request {
+    struct gm_header h;
+    uint32_t gpu;
+    uint32_t flags;         /* zero */
+    int64_t burst_ns;       /* the hook's estimate of its kernel burst, or -1 */
+    int64_t work_end_ns;    /* when the work of its previous grant finished, or -1 */
+};
+
+struct gm_token_grant {
+    struct gm_header h;
+    uint32_t gpu;
+    uint32_t status;        /* GM_OK */
+    uint64_t generation;
+    int64_t valid_until_ns;
+};
+
+struct gm_token_release {  /* the holder gives the token back early; no reply */
+    struct gm_header h;
+    uint32_t gpu;
+    uint32_t reserved;
+    int64_t work_end_ns;
+};
+
+struct gm_usage_report {   /* one observed kernel burst, for quota sizing; no reply */
+    struct gm_header h;
+    uint32_t gpu;
+    uint32_t reserved;
+    int64_t burst_start_ns;
+    int64_t burst_end_ns;
+};
 /* GM_CDEF_END */
 
 #endif /* GEMINI_WIRE_H */
