@@ -18,7 +18,14 @@ from device_plugin.slices import Slice, SliceTable
 
 
 class PlacementError(ValueError):
-    """Nothing fits; the message says exactly why (kubelet shows it on the pod)."""
+    """No answer; the message says exactly why (kubelet shows it on the pod).
+
+    `exhausted` is True when the request is sound but too few slices are free right now.
+    """
+
+    def __init__(self, message: str, exhausted: bool = False) -> None:
+        super().__init__(message)
+        self.exhausted = exhausted
 
 
 def _group_by_gpu(slices: Sequence[Slice]) -> dict[str, list[Slice]]:
@@ -78,7 +85,7 @@ def _one_gpu(groups: dict[str, list[Slice]], index: dict[str, int], must: list[S
         raise PlacementError(
             f"no GPU has {size} free slices{where}: the most free on one GPU is {most} of "
             f"{per_gpu}; a request of {size} must fit on one GPU. Ask for fewer slices or wait "
-            "for running pods to finish")
+            "for running pods to finish", exhausted=True)
     if policy == "spread":
         chosen = min(candidates, key=lambda u: (-len(groups[u]), index[u]))
     else:
@@ -99,12 +106,12 @@ def _whole_gpus(groups: dict[str, list[Slice]], index: dict[str, int], must: lis
     busy = [u for u in must_gpus if u not in free]
     if busy:
         raise PlacementError(f"must-include GPU(s) {', '.join(busy)} are not wholly free, but "
-                             f"a request of {size} slices takes whole GPUs")
+                             f"a request of {size} slices takes whole GPUs", exhausted=True)
     if len(must_gpus) > wanted:
         raise PlacementError(f"must-include devices span {len(must_gpus)} GPUs, more than the "
                              f"{wanted} whole GPU(s) requested")
     chosen = must_gpus + [u for u in free if u not in must_gpus][: wanted - len(must_gpus)]
     if len(chosen) < wanted:
         raise PlacementError(f"a request of {size} slices needs {wanted} wholly free GPUs; only "
-                             f"{len(free)} GPU(s) have all {per_gpu} slices free")
+                             f"{len(free)} GPU(s) have all {per_gpu} slices free", exhausted=True)
     return [s.id for u in sorted(chosen, key=index.__getitem__) for s in groups[u]]

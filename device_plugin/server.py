@@ -124,7 +124,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             except placement.PlacementError as err:
                 log.warning("no preferred allocation", extra={"reason": str(err),
                                                               "size": ask.allocation_size})
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if err.exhausted
+                        else grpc.StatusCode.INVALID_ARGUMENT)
+                await context.abort(code, str(err))
             answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
 

@@ -124,6 +124,14 @@ async def test_preferred_allocation_over_grpc(plugin: Plugin) -> None:
             container_requests=[api_pb2.ContainerPreferredAllocationRequest(
                 available_deviceIDs=available, allocation_size=15)]))
     assert "not a multiple of 10" in (caught.value.details() or "")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.GetPreferredAllocation(api_pb2.PreferredAllocationRequest(
+            container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=available[:12], allocation_size=7)]))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no GPU has 7 free slices" in (caught.value.details() or "")
 
 
 async def test_prestart_container_answers(plugin: Plugin) -> None:
