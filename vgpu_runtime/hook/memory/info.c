@@ -20,8 +20,8 @@ static uint64_t limit_of(int gpu) {
 /* Container-wide use and limit on `gpu`; 0 when known from the daemon, -1 for a local guess. */
 GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit) {
     struct gm_mem_reply reply;
-    if (gm_channel_mem(GM_MSG_MEM_RESERVE, (uint32_t)gpu, GM_MEM_DEVICE, 0, &reply, 1) == 0 &&
-        reply.status == GM_OK) {
+    /* A refused zero-byte reservation still answers with use and limit (use > limit). */
+    if (gm_channel_mem(GM_MSG_MEM_RESERVE, (uint32_t)gpu, GM_MEM_DEVICE, 0, &reply, 1) == 0) {
         *used = reply.used;
         *limit = reply.limit;
         return 0;
