@@ -16,6 +16,7 @@ from tests.fakecuda.builder import build_fake_driver
 from vgpu_runtime.hook import build
 
 REPO = Path(__file__).resolve().parents[2]
+PRELUDE = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n"
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +53,7 @@ class Hooked:
     def python(self, code: str, extra: Mapping[str, str] | None = None,
                preload: bool = True, timeout: float = 30) -> dict[str, object]:
         """Run `code` under the hook; it must print one JSON object last, which is returned."""
-        source = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n" + textwrap.dedent(code)
+        source = PRELUDE + textwrap.dedent(code)
         proc = self.run([sys.executable, "-c", source], extra, preload, timeout)
         assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr}"
         last = proc.stdout.strip().splitlines()[-1]

@@ -25,6 +25,9 @@ class HookStats(ctypes.Structure):
     ]
 
 
+STAT_NAMES = [str(field[0]) for field in HookStats._fields_]
+
+
 def cuda() -> Any:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.fake_cuda_calls.restype = ctypes.c_ulong
@@ -40,7 +43,7 @@ def stats() -> dict[str, int]:
     hook = ctypes.CDLL(os.environ["GEMINI_TEST_HOOK"])
     out = HookStats()
     assert hook.gemini_hook_stats(ctypes.byref(out)) == 0
-    return {name: getattr(out, name) for name, _ in HookStats._fields_}
+    return {name: int(getattr(out, name)) for name in STAT_NAMES}
 
 
 def context(lib: Any, device: int = 0) -> Any:

@@ -40,7 +40,7 @@ def test_no_glibc_version_newer_than_2_17_is_required(hook_lib: Path) -> None:
 def test_dlsym_and_dlopen_are_bound_to_their_old_versions(hook_lib: Path) -> None:
     out = subprocess.run(["objdump", "-T", str(hook_lib)], capture_output=True, text=True).stdout
     for name in ("dlopen", "dlvsym", "pthread_once"):
-        line = next(l for l in out.splitlines() if l.endswith(f" {name}"))
+        line = next(row for row in out.splitlines() if row.endswith(f" {name}"))
         assert "GLIBC_2.34" not in line and "GLIBC_2." in line, line
     # dlsym itself is defined (exported) by the hook, not imported.
     assert re.search(r"\.text.*\sdlsym$", out, re.M)

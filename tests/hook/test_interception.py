@@ -126,7 +126,8 @@ HOOKED = sorted({c[3] for c in CASES if c[3]})
 
 def test_cuGetProcAddress_returns_the_wrapper_of_exactly_the_driver_variant(
         hooked: Hooked) -> None:
-    code = f"CASES = {[c[:3] for c in CASES]!r}\nHOOKED = {HOOKED!r}\n" + textwrap.dedent(PROCADDRESS)
+    header = f"CASES = {[c[:3] for c in CASES]!r}\nHOOKED = {HOOKED!r}\n"
+    code = header + textwrap.dedent(PROCADDRESS)
     result = hooked.python(code, ACTIVE)
     answers = result["answers"]
     assert isinstance(answers, dict)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from device_plugin.discovery.simulated import simulated_uuid
-from tests.hook.conftest import Hooked
+from tests.hook.conftest import PRELUDE, Hooked
 from tests.scheduler.helpers import DaemonProcess, make_record, wait_for, wait_served
 from vgpu_runtime.allocation import AllocationRecord
 
@@ -105,7 +105,7 @@ HOLDER = """
 
 
 def start_holder(hooked: Hooked, node: Node, *sizes: int, **env: str) -> subprocess.Popen[str]:
-    source = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n" + textwrap.dedent(HOLDER)
+    source = PRELUDE + textwrap.dedent(HOLDER)
     proc = subprocess.Popen([sys.executable, "-c", source, *map(str, sizes)],
                             env=hooked.env(node.env(**env)), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -214,7 +214,7 @@ def test_pool_growth_and_trim_are_declared_and_overflow_is_undone(
         print(json.dumps({"rc": rc, "free": free, "stats": stats()}), flush=True)
         sys.stdin.readline()
     """
-    source = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n" + textwrap.dedent(holder_code)
+    source = PRELUDE + textwrap.dedent(holder_code)
     proc = subprocess.Popen([sys.executable, "-c", source], env=hooked.env(node.env()),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -252,12 +252,14 @@ def test_vmm_managed_pitch_and_arrays_count_and_free(hooked: Hooked, node: Node)
                                           ctypes.c_size_t(600 * 2**20), ctypes.byref(prop),
                                           ctypes.c_ulonglong(0))
         managed = ctypes.c_uint64()
-        out["managed"] = lib.cuMemAllocManaged(ctypes.byref(managed), ctypes.c_size_t(100 * 2**20), 1)
+        out["managed"] = lib.cuMemAllocManaged(ctypes.byref(managed),
+                                               ctypes.c_size_t(100 * 2**20), 1)
         pitched, pitch = ctypes.c_uint64(), ctypes.c_size_t()
         out["pitch"] = lib.cuMemAllocPitch_v2(ctypes.byref(pitched), ctypes.byref(pitch),
                                               ctypes.c_size_t(1000), ctypes.c_size_t(1024), 4)
         array = ctypes.c_void_p()
-        out["array"] = lib.cuArrayCreate_v2(ctypes.byref(array), ctypes.byref(Array(1024, 1024, 0x20, 4)))
+        desc = Array(1024, 1024, 0x20, 4)
+        out["array"] = lib.cuArrayCreate_v2(ctypes.byref(array), ctypes.byref(desc))
         out["held"] = stats()["bytes_held"]
         out["frees"] = [lib.cuMemRelease(handle), lib.cuMemFree_v2(managed),
                         lib.cuMemFree_v2(pitched), lib.cuArrayDestroy(array)]

@@ -75,7 +75,8 @@ def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -
     """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings)."""
     includes = [f"-I{HOOK_DIR / 'include'}",
                 f"-include{HOOK_DIR / 'include' / 'glibc_compat.h'}"]
-    return [compiler, *CFLAGS, *(["-Werror"] if strict else []), *includes, f"-Wl,-soname,{library_name()}",
+    werror = ["-Werror"] if strict else []
+    return [compiler, *CFLAGS, *werror, *includes, f"-Wl,-soname,{library_name()}",
             *map(str, source_files()), "-o", str(output), *LDFLAGS]
 
 
@@ -91,7 +92,8 @@ def build_library(out_dir: Path, compiler: str | None = None, strict: bool = Fal
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        proc = subprocess.run(compile_command(tmp, compiler, strict), capture_output=True, text=True)
+        command = compile_command(tmp, compiler, strict)
+        proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             raise HookBuildError(f"building {target.name} failed:\n{proc.stderr}")
         if target.exists() and target.read_bytes() == tmp.read_bytes():
