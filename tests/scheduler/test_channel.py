@@ -42,7 +42,8 @@ def test_hello_reply_matches_the_record(daemon: DaemonProcess, state_dir: Path) 
                                             uuid.UUID(UUID_B[4:]).bytes]
     assert [g.memory_limit for g in reply.gpus] == [300 * MiB, 700 * MiB]
     assert [g.share_ppm for g in reply.gpus] == [300_000, 1_000_000]
-    assert [g.limit_ppm for g in reply.gpus] == [600_000, 600_000]
+    # A cap is never below the guarantee: the whole-GPU share keeps 1.0.
+    assert [g.limit_ppm for g in reply.gpus] == [600_000, 1_000_000]
 
 
 def test_limit_defaults_to_the_node_default(daemon: DaemonProcess, state_dir: Path) -> None:
@@ -166,8 +167,8 @@ def test_protocol_errors_name_their_status(daemon: DaemonProcess, state_dir: Pat
         (lambda c: c.reserve(0, 1), C("GM_ERR_NOT_READY")),           # before hello
         (lambda c: (c.hello(), c.reserve(1, 1)), C("GM_ERR_BAD_GPU")),
         (lambda c: (c.hello(), c.reserve(0, 1, kind=99)), C("GM_ERR_MALFORMED")),
-        (lambda c: c.hello() and c._call(  # a token request: known, not served yet
-            _token_frame(), C("GM_MSG_HELLO_REPLY")), C("GM_ERR_UNSUPPORTED")),
+        (lambda c: c.hello() and c._call(  # a token request with a hello's length
+            _token_frame(), C("GM_MSG_TOKEN_GRANT")), C("GM_ERR_MALFORMED")),
     ]
     for action, status in cases:
         with ChannelClient(path) as client, pytest.raises(ChannelClosed) as err:

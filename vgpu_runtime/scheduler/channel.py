@@ -1,4 +1,7 @@
-"""One allocation's channel: its Unix socket, its connected sessions and its memory ledger.
+"""One allocation's channel: its Unix socket, its sessions, its memory ledger and its tokens.
+
+For each GPU i of the allocation the channel owns the shared pages token.<i> and activity.<i>
+(pages.py) and is a tenant of that GPU's token scheduler (tokens.py) for as long as it exists.
 
 Socket modes: the channel directory is created 0755 when missing (an allocator that wants it
 private, like gemini-run, creates it 0700 first; existing modes are left alone) and the socket is
@@ -21,8 +24,16 @@ from vgpu_runtime import paths, wire
 from vgpu_runtime.allocation import AllocationRecord, RecordError
 from vgpu_runtime.scheduler.grants import GpuGrant
 from vgpu_runtime.scheduler.ledger import MemoryLedger
+from vgpu_runtime.scheduler.pages import (
+    GATE_TOKEN,
+    ActivityPage,
+    TokenPage,
+    activity_page_path,
+    token_page_path,
+)
 from vgpu_runtime.scheduler.peer import peer_cred
 from vgpu_runtime.scheduler.session import Session
+from vgpu_runtime.scheduler.tokens import GpuTokens, TenantSlot, TokenService
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +42,13 @@ SOCKET_MODE = 0o666
 
 
 class AllocationChannel:
-    def __init__(self, record: AllocationRecord, grants: tuple[GpuGrant, ...]) -> None:
+    def __init__(self, record: AllocationRecord, grants: tuple[GpuGrant, ...],
+                 tokens: TokenService) -> None:
         self.record = record
         self.grants = grants
+        self.tokens = tokens
+        self.token_gpus: list[GpuTokens] = []      # by GPU index, once started
+        self.slots: list[TenantSlot] = []
         self.ledger = MemoryLedger([g.memory_limit for g in grants])
         self.sessions: set[Session] = set()
         self.socket_path = paths.channel_socket(record.channel_dir)
@@ -53,13 +68,57 @@ class AllocationChannel:
                 os.chmod(directory, CHANNEL_DIR_MODE)  # mkdir's mode is filtered by the umask
                 self._created_dir = True
             self._remove_stale_socket()
+            self._open_pages()
             self._server = await asyncio.start_unix_server(self._accept, path=str(self.socket_path))
             os.chmod(self.socket_path, SOCKET_MODE)
         except OSError as err:
+            self._close_pages(remove=True)
             raise RecordError(f"cannot serve channel {self.socket_path}: {err}") from None
+        self._join_token_schedulers()
         log.info("serving allocation", extra={
             "allocation": self.record.id, "origin": self.record.origin,
             "socket": str(self.socket_path), "gpus": [g.uuid for g in self.grants]})
+
+    def _open_pages(self) -> None:
+        for index in range(len(self.grants)):
+            self.slots.append(TenantSlot(
+                self.record.id, index,
+                TokenPage(token_page_path(self.record.channel_dir, index), GATE_TOKEN),
+                ActivityPage(activity_page_path(self.record.channel_dir, index)), self.ledger))
+
+    def _close_pages(self, remove: bool) -> None:
+        for slot in self.slots:
+            slot.page.close(remove)
+            slot.activity.close(remove)
+        self.slots = []
+
+    def _join_token_schedulers(self) -> None:
+        for grant, slot in zip(self.grants, self.slots, strict=True):
+            gpu = self.tokens.gpu(grant.uuid)
+            gpu.add(slot, grant.share, grant.limit)
+            self.token_gpus.append(gpu)
+
+    def _leave_token_schedulers(self) -> None:
+        for gpu in self.token_gpus:
+            gpu.remove(self.record.id)
+        self.token_gpus = []
+
+    # ---- what sessions ask of the tokens (the session has checked the GPU index) ----
+
+    def token_request(self, session: Session, gpu: int, seq: int, burst: float | None,
+                      work_end: float | None) -> None:
+        self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end)
+
+    def token_release(self, gpu: int, work_end: float | None) -> None:
+        self.token_gpus[gpu].release(self.record.id, work_end)
+
+    def usage_report(self, gpu: int, start: float, end: float) -> None:
+        self.token_gpus[gpu].observe_burst(self.record.id, start, end)
+
+    def connection_closed(self, session: Session) -> None:
+        last = not (self.sessions - {session})
+        for gpu in self.token_gpus:
+            gpu.connection_closed(session, self.record.id, last)
 
     def _remove_stale_socket(self) -> None:
         """A socket left by a daemon that died; we hold the lock, so nobody serves it."""
@@ -77,8 +136,18 @@ class AllocationChannel:
             raise RecordError(f"allocation {record.id} changed its GPUs; an allocation's GPUs "
                               "are fixed for its life")
         self.ledger.set_limits([g.memory_limit for g in grants])
+        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.grants, grants,
+                                       strict=True):
+            if old.share != new.share:
+                # The algorithm has no way to change a request in place: rejoin (the tenant's
+                # usage history on this GPU starts again).
+                gpu.remove(record.id)
+                gpu.add(slot, new.share, new.limit)
+            elif old.limit != new.limit:
+                gpu.set_limit(record.id, new.limit)
         self.record, self.grants = record, grants
-        log.info("allocation updated", extra={"allocation": record.id})
+        log.info("allocation updated", extra={"allocation": record.id,
+                                              "limits": [g.limit for g in grants]})
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -99,10 +168,15 @@ class AllocationChannel:
             if task is not None:
                 self._tasks.discard(task)
 
-    async def close(self, reason: str) -> None:
-        """Stop serving: no new clients, current ones told why and disconnected, socket gone."""
+    async def close(self, reason: str, removed: bool = True) -> None:
+        """Stop serving: no new clients, current ones told why and disconnected, socket gone.
+
+        `removed`: the record is gone, so its pages go too. A daemon that merely stops leaves
+        them (cleared) for the next one, which reuses the same files so hook mappings stay live.
+        """
         if self._server is not None:
             self._server.close()
+        self._leave_token_schedulers()
         status = wire.const("GM_ERR_NO_ALLOCATION")
         await asyncio.gather(*(s.close(status, reason) for s in list(self.sessions)),
                              return_exceptions=True)
@@ -110,7 +184,8 @@ class AllocationChannel:
             await asyncio.wait(list(self._tasks), timeout=2)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        if self._created_dir:
+        self._close_pages(remove=removed)
+        if self._created_dir and removed:
             with contextlib.suppress(OSError):
                 os.rmdir(self.record.channel_dir)  # only if empty
         log.info("stopped serving allocation", extra={"allocation": self.record.id,
@@ -126,6 +201,7 @@ class AllocationChannel:
             "pod": None if record.pod is None else dataclasses.asdict(record.pod),
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
                       "share_ppm": grant.share_ppm, "limit_ppm": grant.limit_ppm,
+                      "limit": grant.limit,
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i)}
                      for i, (g, grant) in enumerate(zip(record.gpus, self.grants, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],

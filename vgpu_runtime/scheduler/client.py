@@ -1,20 +1,24 @@
 """A small blocking client of the daemon, for tests, tools and gemini-run.
 
 `ChannelClient` speaks the hook's protocol on an allocation's channel socket (what the C hook
-does, in Python); `request` asks the control socket one JSON question.
+does, in Python), tokens included; `TokenPageReader` and `ActivityPageWriter` map the shared
+pages the way a hook does; `request` asks the control socket one JSON question.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.control import control_socket
+from vgpu_runtime.scheduler.pages import PAGE_BYTES, activity_page_path, token_page_path
 
 C = wire.const
 
@@ -53,6 +57,18 @@ class MemReply:
     @property
     def granted(self) -> bool:
         return self.status == C("GM_OK")
+
+
+@dataclass(frozen=True)
+class TokenGrant:
+    seq: int
+    gpu: int
+    status: int
+    generation: int
+    valid_until_ns: int
+
+    def valid(self, now_ns: int | None = None) -> bool:
+        return (time.monotonic_ns() if now_ns is None else now_ns) < self.valid_until_ns
 
 
 class ChannelClient:
@@ -129,6 +145,102 @@ class ChannelClient:
 
     def set(self, gpu: int, nbytes: int, kind: int = C("GM_MEM_DEVICE")) -> MemReply:
         return self._memory("GM_MSG_MEM_SET", gpu, kind, nbytes)
+
+    # ---- tokens ----
+
+    def send_token_request(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1) -> int:
+        """Ask for the token without waiting; returns the seq the grant will echo."""
+        self._seq += 1
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_REQUEST"), seq=self._seq, gpu=gpu,
+                                           burst_ns=burst_ns, work_end_ns=work_end_ns)))
+        return self._seq
+
+    def recv_grant(self) -> TokenGrant:
+        """The next TOKEN_GRANT; raises ChannelClosed on an error or EOF, or socket.timeout."""
+        reply = self.recv_frame()
+        if reply is None:
+            raise ChannelClosed("the daemon closed the connection")
+        if wire.frame_type(reply) == C("GM_MSG_ERROR"):
+            reason = wire.text_field(reply.reason)
+            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
+        if wire.frame_type(reply) != C("GM_MSG_TOKEN_GRANT"):
+            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
+        return TokenGrant(int(reply.h.seq), int(reply.gpu), int(reply.status),
+                          int(reply.generation), int(reply.valid_until_ns))
+
+    def request_token(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1) -> TokenGrant:
+        """Ask and block until the token is granted (what a hook does when its page says no)."""
+        seq = self.send_token_request(gpu, burst_ns, work_end_ns)
+        grant = self.recv_grant()
+        if grant.seq != seq:
+            raise ChannelClosed(f"grant echoes seq {grant.seq}, expected {seq}")
+        return grant
+
+    def release_token(self, gpu: int, work_end_ns: int = -1) -> None:
+        self._seq += 1
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_RELEASE"), seq=self._seq, gpu=gpu,
+                                           work_end_ns=work_end_ns)))
+
+    def report_usage(self, gpu: int, burst_start_ns: int, burst_end_ns: int) -> None:
+        self._seq += 1
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_USAGE_REPORT"), seq=self._seq, gpu=gpu,
+                                           burst_start_ns=burst_start_ns,
+                                           burst_end_ns=burst_end_ns)))
+
+
+class _PageMap:
+    def __init__(self, path: Path, struct: str, writable: bool) -> None:
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        fd = os.open(path, flags | os.O_CLOEXEC)
+        try:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, prot)
+        finally:
+            os.close(fd)
+        self._buffer = wire.ffi.from_buffer(self._map)   # read-only maps are fine to read
+        self.page: Any = wire.ffi.cast(struct + " *", self._buffer)
+
+    def close(self) -> None:
+        del self.page
+        wire.ffi.release(self._buffer)
+        self._map.close()
+
+
+class TokenPageReader(_PageMap):
+    """<channel>/token.<gpu>, mapped read-only as a hook maps it."""
+
+    def __init__(self, channel_dir: str | Path, gpu: int) -> None:
+        super().__init__(token_page_path(channel_dir, gpu), "struct gm_token_page", False)
+
+    @property
+    def gate(self) -> int:
+        return int(self.page.gate)
+
+    @property
+    def generation(self) -> int:
+        return int(self.page.generation)
+
+    @property
+    def valid_until_ns(self) -> int:
+        return int(self.page.valid_until_ns)
+
+    def valid(self) -> bool:
+        """The hook's fast path: one load and a clock read."""
+        return time.monotonic_ns() < self.valid_until_ns
+
+
+class ActivityPageWriter(_PageMap):
+    """<channel>/activity.<gpu>, mapped read-write as a hook maps it."""
+
+    def __init__(self, channel_dir: str | Path, gpu: int) -> None:
+        super().__init__(activity_page_path(channel_dir, gpu), "struct gm_activity_page", True)
+
+    def launched(self, now_ns: int | None = None) -> None:
+        self.page.last_launch_ns = time.monotonic_ns() if now_ns is None else now_ns
+        self.page.launches += 1
+
+    def synced(self, now_ns: int | None = None) -> None:
+        self.page.last_sync_ns = time.monotonic_ns() if now_ns is None else now_ns
 
 
 def request(state_dir: str | Path, op: str = "status", timeout: float = 5.0,

@@ -2,8 +2,15 @@
 
 Request: one line of JSON, {"op": "status"}. Answer: one line of JSON, then the daemon closes.
 `status` returns the daemon, every allocation with its GPUs (share, limits, memory used), its
-connections (peer credentials, what each holds) and the corrupt records. A bad request gets
-{"error": "..."}. The socket is 0660: root (or the gemini-run user) and its group may ask.
+connections (peer credentials, what each holds), every GPU's token (holder, and per tenant:
+request, limit, achieved share over the window, token waits p50/p99, revocations, memory) and
+the corrupt records. A bad request gets {"error": "..."}.
+
+Who may ask: the socket is 0600, owned by the daemon's user. On a node the daemon runs as root
+in /var/lib/gemini, so only root reaches it (it shows every tenant's usage). A non-root user of
+gemini-run gets a per-user state directory (paths.default_state_dir: $XDG_RUNTIME_DIR/gemini or
+/tmp/gemini-<uid>) in which gemini-run starts a daemon of that user's own, so the same mode lets
+that user, and only that user (and root), read it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CONTROL_SOCKET_NAME = "scheduler.sock"
-CONTROL_MODE = 0o660
+CONTROL_MODE = 0o600
 MAX_REQUEST = 64 * 1024
 
 
@@ -37,8 +44,13 @@ class ControlServer:
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # left by a daemon that died; we hold the lock
-        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
-                                                       limit=MAX_REQUEST)
+        # Created under a umask that leaves it private from the first instant, not after chmod.
+        old_umask = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path),
+                                                           limit=MAX_REQUEST)
+        finally:
+            os.umask(old_umask)
         os.chmod(self.path, CONTROL_MODE)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -2,13 +2,15 @@
 
 State lives in the state directory only. On start (including a restart) every record is served
 again; clients reconnect and re-declare what they hold with MEM_SET, so nothing is doubled: the
-new daemon starts from an empty ledger.
+new daemon starts from an empty ledger. Tokens start afresh too: every page is cleared, and a
+hook whose token vanished asks again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -22,6 +24,7 @@ from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.control import ControlServer, control_socket
 from vgpu_runtime.scheduler.grants import grants_of
 from vgpu_runtime.scheduler.records import RecordWatcher
+from vgpu_runtime.scheduler.tokens import TokenService
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ class Daemon:
         self.config = config
         self.state_dir = Path(config.state_dir)
         self.channels: dict[str, AllocationChannel] = {}
+        self.tokens = TokenService(config)
         self.watcher = RecordWatcher(self.state_dir)
         self.corrupt: dict[str, str] = {}
         self.started_at = time.time()
@@ -71,26 +75,31 @@ class Daemon:
                     str(err))
 
     async def _serve(self, current: AllocationChannel | None, record: AllocationRecord) -> None:
-        grants = grants_of(record, self.config.default_limit)
+        grants = grants_of(record, self.config.limit_for)
         if current is not None:
             current.update(record, grants)
             return
-        channel = AllocationChannel(record, grants)
+        channel = AllocationChannel(record, grants, self.tokens)
         await channel.start()
         self.channels[record.id] = channel
 
     async def shutdown(self) -> None:
         await self.control.close()
-        await asyncio.gather(*(c.close("gemini-scheduler stopping")
+        await asyncio.gather(*(c.close("gemini-scheduler stopping", removed=False)
                                for c in self.channels.values()), return_exceptions=True)
         self.channels.clear()
+        self.tokens.close()
         log.info("gemini-scheduler stopped")
 
     def status(self, _request: dict[str, Any]) -> dict[str, Any]:
         return {
             "daemon": {"pid": os.getpid(), "version": __version__,
                        "state_dir": str(self.state_dir), "started_at": self.started_at,
-                       "default_limit": self.config.default_limit},
+                       "default_limit": self.config.default_limit,
+                       "limit_policy": self.config.limit_policy,
+                       "token_settings": dataclasses.asdict(self.config.algorithm())
+                       | {"idle_release": self.config.idle_release}},
             "allocations": [c.snapshot() for _, c in sorted(self.channels.items())],
+            "gpus": self.tokens.snapshot(),
             "corrupt_records": [{"path": p, "error": e} for p, e in sorted(self.corrupt.items())],
         }

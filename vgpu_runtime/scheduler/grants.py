@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vgpu_runtime import wire
@@ -16,6 +17,8 @@ class GpuGrant:
     memory_limit: int
     share_ppm: int
     limit_ppm: int
+    share: float = 1.0    # the request on this GPU, as the token scheduler takes it
+    limit: float = 1.0    # the cap on this GPU (never below the request)
 
 
 def uuid_bytes(text: str) -> bytes:
@@ -32,14 +35,23 @@ def to_ppm(fraction: float) -> int:
     return max(1, min(wire.PPM, round(fraction * wire.PPM)))
 
 
-def grants_of(record: AllocationRecord, default_limit: float) -> tuple[GpuGrant, ...]:
-    """Raises RecordError when the record cannot be served (bad UUID, too many GPUs)."""
+LimitRule = Callable[[float | None, float], float]  # (record's limit, request) -> cap
+
+
+def grants_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[GpuGrant, ...]:
+    """Raises RecordError when the record cannot be served (bad UUID, too many GPUs, the same
+    GPU twice)."""
+    uuids = [g.uuid for g in record.gpus]
+    if len(set(uuids)) != len(uuids):
+        raise RecordError(f"allocation {record.id} names one GPU twice: {uuids}")
     if len(record.gpus) > wire.MAX_GPUS:
         raise RecordError(f"allocation {record.id} names {len(record.gpus)} GPUs; "
                           f"the wire carries at most {wire.MAX_GPUS}")
     if len(record.id.encode()) >= wire.const("GM_ALLOCATION_ID_BYTES"):
         raise RecordError(f"allocation id {record.id!r} is too long for the wire")
-    limit = record.limit if record.limit is not None else default_limit
-    return tuple(
-        GpuGrant(g.uuid, uuid_bytes(g.uuid), g.memory_limit, to_ppm(g.share), to_ppm(limit))
-        for g in record.gpus)
+    grants = []
+    for g in record.gpus:
+        limit = limit_for(record.limit, g.share)
+        grants.append(GpuGrant(g.uuid, uuid_bytes(g.uuid), g.memory_limit, to_ppm(g.share),
+                               to_ppm(limit), g.share, limit))
+    return tuple(grants)

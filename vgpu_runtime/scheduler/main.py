@@ -29,8 +29,9 @@ async def _serve(config: SchedulerConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = cfg.load(SchedulerConfig, argv, prog="gemini-scheduler",
-                          description="gemini.ai/vgpu node daemon: per-allocation channels "
-                                      "and the memory ledger")
+                          description="gemini.ai/vgpu node daemon: per-allocation channels"
+                                      ", the memory ledger and GPU-time tokens")
+        config.check()
     except cfg.ConfigError as err:
         print(f"gemini-scheduler: {err}", file=sys.stderr)
         return 2

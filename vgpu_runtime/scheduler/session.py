@@ -6,9 +6,12 @@ the kernel's SO_PEERCRED. Nothing it sends identifies it; the pid in HELLO is on
 Framing: the 16-byte header is read and validated (version, type, exact length for the type,
 reserved zero, hence at most GM_MAX_FRAME) before a single body byte is read. A frame that breaks
 the protocol gets GM_MSG_ERROR with a reason, then that connection alone is closed; everything
-it held is released in the ledger. Types 16..31 (GPU-time tokens) are known but not served
-before issue 4: they get GM_MSG_ERROR with GM_ERR_UNSUPPORTED, and the connection is closed,
-as the header prescribes after an error. Issue 4 adds its handlers to `Session.handlers`.
+it held is released in the ledger, and a token its allocation held is passed on if this was the
+allocation's last connection.
+
+Tokens (issue 4): TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
+valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
+USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.ledger import LedgerError, MemoryResult
 from vgpu_runtime.scheduler.peer import PeerCred
+from vgpu_runtime.scheduler.tokens import Waiter, from_ns
 
 if TYPE_CHECKING:
     from vgpu_runtime.scheduler.channel import AllocationChannel
@@ -34,7 +38,8 @@ MSG_HELLO, MSG_HELLO_REPLY = C("GM_MSG_HELLO"), C("GM_MSG_HELLO_REPLY")
 MSG_RESERVE, MSG_RELEASE, MSG_SET = C("GM_MSG_MEM_RESERVE"), C("GM_MSG_MEM_RELEASE"), C(
     "GM_MSG_MEM_SET")
 MSG_MEM_REPLY, MSG_ERROR = C("GM_MSG_MEM_REPLY"), C("GM_MSG_ERROR")
-TOKEN_TYPES = range(16, 32)
+MSG_TOKEN_REQUEST, MSG_TOKEN_GRANT = C("GM_MSG_TOKEN_REQUEST"), C("GM_MSG_TOKEN_GRANT")
+MSG_TOKEN_RELEASE, MSG_USAGE_REPORT = C("GM_MSG_TOKEN_RELEASE"), C("GM_MSG_USAGE_REPORT")
 KIND_NAMES = {C(name): name.removeprefix("GM_MEM_").lower() for name in (
     "GM_MEM_DEVICE", "GM_MEM_MANAGED", "GM_MEM_ARRAY", "GM_MEM_VMM", "GM_MEM_POOL",
     "GM_MEM_GRAPH", "GM_MEM_CONTEXT")}
@@ -56,7 +61,7 @@ def _raw_header(data: bytes) -> Any:
     return header
 
 
-class Session:
+class Session(Waiter):
     def __init__(self, channel: AllocationChannel, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, peer: PeerCred) -> None:
         self.channel = channel
@@ -71,6 +76,9 @@ class Session:
             MSG_RESERVE: self._memory,
             MSG_RELEASE: self._memory,
             MSG_SET: self._memory,
+            MSG_TOKEN_REQUEST: self._token_request,
+            MSG_TOKEN_RELEASE: self._token_release,
+            MSG_USAGE_REPORT: self._usage_report,
         }
 
     def _log_fields(self, **more: Any) -> dict[str, Any]:
@@ -102,6 +110,7 @@ class Session:
             await self._send_error(C("GM_ERR_MALFORMED"), "internal daemon error")
         finally:
             self.channel.ledger.drop(self)
+            self.channel.connection_closed(self)
             self.writer.close()
             with contextlib.suppress(Exception):
                 await self.writer.wait_closed()
@@ -119,9 +128,6 @@ class Session:
         if self.closing_status is not None:
             return None
         raw = _raw_header(head)
-        if raw.version == wire.VERSION and raw.type in TOKEN_TYPES:
-            raise ProtocolError(C("GM_ERR_UNSUPPORTED"),
-                                f"frame type {raw.type} (GPU-time tokens) is not served yet")
         try:
             header = wire.parse_header(head)
         except wire.MalformedFrame as err:
@@ -192,6 +198,60 @@ class Session:
                          status=C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"),
                          gpu=gpu, used=result.used, limit=result.limit)
         await self._send(reply)
+
+    def _token_gpu(self, frame: Any, what: str) -> int:
+        """The GPU index of a token frame, checked; raises ProtocolError."""
+        if self.hello_pid is None:
+            raise ProtocolError(C("GM_ERR_NOT_READY"), f"{what} before hello")
+        gpu = int(frame.gpu)
+        if gpu >= len(self.channel.grants):
+            raise ProtocolError(C("GM_ERR_BAD_GPU"), f"{what}: GPU index {gpu} is outside the "
+                                f"allocation ({len(self.channel.grants)} GPU(s))")
+        return gpu
+
+    @staticmethod
+    def _time(value: int, name: str) -> float | None:
+        """A CLOCK_MONOTONIC nanosecond field: -1 is unknown, other negatives are malformed."""
+        if value < -1:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), f"{name} is {value}: a time is >= 0, "
+                                "or -1 for unknown")
+        return from_ns(value)
+
+    async def _token_request(self, frame: Any) -> None:
+        gpu = self._token_gpu(frame, "token request")
+        if frame.flags != 0:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), "token request flags must be zero")
+        burst = self._time(int(frame.burst_ns), "burst_ns")
+        work_end = self._time(int(frame.work_end_ns), "work_end_ns")
+        self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end)
+        await self.writer.drain()   # a flooding client waits on its own replies, nobody else
+
+    async def _token_release(self, frame: Any) -> None:
+        gpu = self._token_gpu(frame, "token release")
+        if frame.reserved != 0:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), "token release reserved field not zero")
+        self.channel.token_release(gpu, self._time(int(frame.work_end_ns), "work_end_ns"))
+
+    async def _usage_report(self, frame: Any) -> None:
+        gpu = self._token_gpu(frame, "usage report")
+        if frame.reserved != 0:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report reserved field not zero")
+        start = self._time(int(frame.burst_start_ns), "burst_start_ns")
+        end = self._time(int(frame.burst_end_ns), "burst_end_ns")
+        if start is not None and end is not None:
+            if end < start:
+                raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report: the burst ends "
+                                    "before it starts")
+            self.channel.usage_report(gpu, start, end)
+
+    def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
+        """Queue a TOKEN_GRANT without waiting: the token code calls this from any context,
+        and at most one grant is owed per request, so the buffer stays small."""
+        if self.closing_status is not None or self.writer.is_closing():
+            return
+        self.writer.write(wire.encode(wire.new(
+            MSG_TOKEN_GRANT, seq=seq, gpu=gpu, status=C("GM_OK"), generation=generation,
+            valid_until_ns=valid_until_ns)))
 
     async def close(self, status: int, reason: str) -> None:
         """The allocation is going away: tell the client why, then close its connection."""
