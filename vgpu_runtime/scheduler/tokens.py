@@ -264,8 +264,10 @@ class GpuTokens:
             self._arm_idle_check(now, reference + self.config.idle_release)  # launched since
         elif last_sync < last_launch:
             # Work in flight (no sync since the last launch): look again later, backing off so
-            # that a long kernel costs a few wake-ups, not a poll loop.
-            self._idle_backoff = min(self._idle_backoff * 2, self.config.max_quota)
+            # that a long kernel costs a few wake-ups (at most one per 16 x idle_release), not
+            # a poll loop, and a finished one is still noticed within that.
+            self._idle_backoff = min(self._idle_backoff * 2, 16 * self.config.idle_release,
+                                     self.config.max_quota)
             self._arm_idle_check(now, now + self._idle_backoff)
         else:
             self.idle_releases += 1
