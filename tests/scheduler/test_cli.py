@@ -1,0 +1,85 @@
+"""`gemini-vgpu status`, run as a process against the real daemon."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.scheduler.helpers import (
+    REPO,
+    UUID_A,
+    UUID_B,
+    DaemonProcess,
+    MiB,
+    make_record,
+    wait_served,
+)
+from vgpu_runtime.scheduler.client import ChannelClient
+
+
+def run_status(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status", "--state-dir",
+                           str(state_dir), *args], capture_output=True, text=True, timeout=30,
+                          cwd=REPO)
+
+
+def test_status_prints_a_table_per_gpu_and_container(daemon: DaemonProcess,
+                                                     state_dir: Path) -> None:
+    holder = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.3),), limit=0.6)
+    waiter = make_record(state_dir, gpus=((UUID_A, 200 * MiB, 0.7),), origin="gemini-run",
+                         owner_pid=4242)
+    whole = make_record(state_dir, gpus=((UUID_B, 300 * MiB, 1.0),))
+    wait_served(whole)
+    with ChannelClient(wait_served(holder)) as first, ChannelClient(wait_served(waiter)) as other:
+        first.hello()
+        other.hello()
+        first.reserve(0, 10 * MiB)
+        first.request_token(0)
+        result = run_status(state_dir)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert f"GPU {UUID_A}  gate: token  holder now: {holder.id}" in out
+    assert f"GPU {UUID_B}  gate: open" in out
+    for column in ("REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT", "WAIT P50", "WAIT P99",
+                   "HOLDER"):
+        assert column in out
+    (holder_row,) = [line for line in out.splitlines() if holder.id in line and "GPU" not in line]
+    assert "0.30" in holder_row and "0.60" in holder_row and holder_row.rstrip().endswith("*")
+    assert "10.0 MiB / 100.0 MiB" in holder_row
+    (waiter_row,) = [line for line in out.splitlines() if waiter.id in line]
+    assert "gemini-run pid 4242" in waiter_row and "0.70" in waiter_row
+    assert "1.00" in next(line for line in out.splitlines() if whole.id in line)
+
+
+def test_status_json_parses(daemon: DaemonProcess, state_dir: Path) -> None:
+    record = make_record(state_dir)
+    with ChannelClient(wait_served(record)) as client:
+        client.hello()
+        client.request_token(0)
+        result = run_status(state_dir, "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    (gpu,) = answer["gpus"]
+    assert gpu["uuid"] == UUID_A and gpu["holder"] == record.id
+    (tenant,) = gpu["tenants"]
+    assert tenant["request"] == 0.5 and tenant["limit"] == 1.0 and tenant["wait_p50_ms"] >= 0
+    assert tenant["memory_limit"] == 100 * MiB
+
+
+def test_status_without_a_daemon_says_so(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True)
+    result = run_status(state_dir)
+    assert result.returncode == 1
+    assert "no gemini-scheduler serves" in result.stderr and "--state-dir" in result.stderr
+    assert result.stdout == ""
+
+
+def test_status_after_the_daemon_was_killed_says_so(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True)
+    DaemonProcess(state_dir).wait_ready().stop(signal.SIGKILL)  # leaves a stale socket
+    result = run_status(state_dir)
+    assert result.returncode == 1
+    assert "not running" in result.stderr

@@ -1,0 +1,123 @@
+"""gemini-vgpu: the operator's view of a node. `gemini-vgpu status` asks the node daemon.
+
+The daemon's control socket (<state-dir>/scheduler.sock) is private to the daemon's user: on a
+node that is root, with gemini-run it is the user who ran it (a per-user state directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from vgpu_runtime import paths
+from vgpu_runtime.common.sizes import format_size
+from vgpu_runtime.scheduler import client
+from vgpu_runtime.scheduler.control import control_socket
+
+COLUMNS = ("CONTAINER", "ALLOCATION", "REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT",
+           "WAIT P50", "WAIT P99", "REVOKED", "HOLDER")
+
+
+class StatusError(RuntimeError):
+    """The daemon could not be asked; the message says why and what to do."""
+
+
+def fetch_status(state_dir: str) -> dict[str, Any]:
+    socket_path = control_socket(state_dir)
+    try:
+        answer = client.request(state_dir, "status")
+    except FileNotFoundError:
+        raise StatusError(f"no gemini-scheduler serves {state_dir}: {socket_path} does not "
+                          "exist. Start the daemon (gemini-scheduler --state-dir "
+                          f"{state_dir}), or pass the --state-dir it uses.") from None
+    except PermissionError:
+        raise StatusError(f"permission denied on {socket_path}: the control socket is private "
+                          "to the daemon's user (root on a node); run as that user.") from None
+    except ConnectionRefusedError:
+        raise StatusError(f"no gemini-scheduler answers on {socket_path} (a stale socket: the "
+                          "daemon is not running). Start it again.") from None
+    except OSError as err:
+        raise StatusError(f"cannot ask gemini-scheduler on {socket_path}: {err}") from None
+    except ValueError as err:
+        raise StatusError(f"gemini-scheduler on {socket_path} gave no valid answer: {err}") \
+            from None
+    if not isinstance(answer, dict) or "error" in answer:
+        raise StatusError(f"gemini-scheduler refused the status request: {answer}")
+    return answer
+
+
+def _container(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "?"
+    pod = entry.get("pod")
+    if pod:
+        return f"{pod['namespace']}/{pod['name']}/{pod['container']}"
+    if entry.get("owner_pid"):
+        return f"{entry['origin']} pid {entry['owner_pid']}"
+    return str(entry.get("origin", "?"))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def render(status: dict[str, Any]) -> str:
+    daemon = status["daemon"]
+    settings = daemon.get("token_settings", {})
+    lines = [f"gemini-scheduler pid {daemon['pid']} (version {daemon['version']}), state "
+             f"{daemon['state_dir']}, limit policy {daemon.get('limit_policy', '?')}, "
+             f"share window {settings.get('window', '?')} s"]
+    allocations = {a["id"]: a for a in status.get("allocations", [])}
+    gpus = status.get("gpus", [])
+    if not gpus:
+        lines.append("no allocations: no GPU is shared yet")
+    for gpu in gpus:
+        holder = gpu["holder"] or "nobody"
+        if gpu["holder"] and gpu.get("holder_remaining_ms") is not None:
+            holder += f" ({gpu['holder_remaining_ms']:.1f} ms left)"
+        gate = "open (one container owns it whole)" if gpu["gate"] == "open" else "token"
+        lines.append("")
+        lines.append(f"GPU {gpu['uuid']}  gate: {gate}  holder now: {holder}")
+        rows: list[tuple[str, ...]] = [COLUMNS]
+        for t in gpu["tenants"]:
+            rows.append((
+                _container(allocations.get(t["allocation"])), t["allocation"],
+                f"{t['request']:.2f}", f"{t['limit']:.2f}", f"{t['achieved']:.2f}",
+                f"{format_size(t['memory_used'])} / {format_size(t['memory_limit'])}",
+                _ms(t["wait_p50_ms"]), _ms(t["wait_p99_ms"]), str(t["revocations"]),
+                "*" if t["holder"] else ("waiting" if t["waiting"] else "")))
+        lines.extend(_table(rows))
+    for bad in status.get("corrupt_records", []):
+        lines.append(f"corrupt record {bad['path']}: {bad['error']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gemini-vgpu", description="gemini.ai/vgpu tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    status = commands.add_parser("status", help="per GPU and container: shares, memory, "
+                                 "token waits and the holder now, from the node daemon")
+    status.add_argument("--state-dir", default=paths.default_state_dir(),
+                        help="the daemon's state directory (default: %(default)s)")
+    status.add_argument("--json", action="store_true", help="the daemon's answer as JSON")
+    args = parser.parse_args(argv)
+    try:
+        answer = fetch_status(args.state_dir)
+    except StatusError as err:
+        print(f"gemini-vgpu: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=1) if args.json else render(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
