@@ -2,8 +2,8 @@
  * fake_cuda.c: a stand-in libcuda.so.1 for the hook's tests (no GPU needed).
  *
  * Devices: FAKE_CUDA_UUIDS (comma-separated "GPU-<uuid>"; default one device),
- * FAKE_CUDA_TOTAL_MEM bytes each (default 16 GiB), FAKE_CUDA_CONTEXT_BYTES charged by a
- * device's first context. Allocations are bookkept for real (cuMemGetInfo is consistent);
+ * FAKE_CUDA_TOTAL_MEM bytes each (default 16 GiB), FAKE_CUDA_CONTEXT_BYTES charged by every
+ * cuCtxCreate and by a device's primary context while retained. Allocations are bookkept for real (cuMemGetInfo is consistent);
  * device pointers are invented addresses, never dereferenceable. Pools grow by 2 MiB
  * chunks and trim at synchronisation (release threshold 0) or cuMemPoolTrimTo. Graph memory:
  * cuGraphLaunch treats the graph handle's value as the bytes the graph allocates.
@@ -57,7 +57,6 @@ static int device_count = -1;
 static CUuuid uuids[MAX_DEVICES];
 static uint64_t total_mem, context_bytes;
 static uint64_t used_mem[MAX_DEVICES];
-static int context_charged[MAX_DEVICES];
 static int current_device = -1;   /* one context per process is enough for the tests */
 static int initialised;
 
@@ -193,26 +192,61 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     return CUDA_SUCCESS;
 }
 
-static CUresult make_current(CUcontext *pctx, CUdevice dev) {
+/* Every cuCtxCreate costs FAKE_CUDA_CONTEXT_BYTES; a primary context costs it once, from its
+ * first retain to its last release (or a reset). */
+static int primary_refs[MAX_DEVICES];
+
+static CUresult make_current(CUcontext *pctx, CUdevice dev, int primary) {
     if (!initialised) return CUDA_ERROR_NOT_INITIALIZED;
     if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&lock);
-    if (!context_charged[dev]) {
-        context_charged[dev] = 1;
-        used_mem[dev] += context_bytes;
-    }
-    current_device = dev;
+    if (!primary || primary_refs[dev]++ == 0) used_mem[dev] += context_bytes;
+    if (!primary) current_device = dev;   /* a retain does not make the context current */
     pthread_mutex_unlock(&lock);
     *pctx = (CUcontext)(uintptr_t)(0x1000 + dev);
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
     CALLED();
-    return make_current(pctx, dev);
+    return make_current(pctx, dev, 0);
 }
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     CALLED();
-    return make_current(pctx, dev);
+    return make_current(pctx, dev, 1);
+}
+EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    CALLED();
+    int dev = (int)((uintptr_t)ctx - 0x1000);
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    used_mem[dev] -= context_bytes;
+    if (current_device == dev) current_device = -1;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    CALLED();
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    if (primary_refs[dev] > 0 && --primary_refs[dev] == 0) used_mem[dev] -= context_bytes;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    CALLED();
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    if (primary_refs[dev] > 0) used_mem[dev] -= context_bytes;
+    primary_refs[dev] = 0;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+/* What the fake NVML reports as used: the same bookkeeping, device by device. */
+EXPORT unsigned long long fake_cuda_used_bytes(int dev) {
+    pthread_mutex_lock(&lock);
+    unsigned long long used = dev >= 0 && dev < MAX_DEVICES ? used_mem[dev] : 0;
+    pthread_mutex_unlock(&lock);
+    return used;
 }
 EXPORT CUresult cuCtxSetCurrent(CUcontext ctx) {
     CALLED();

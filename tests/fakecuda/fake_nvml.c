@@ -1,7 +1,10 @@
 /*
  * fake_nvml.c: a stand-in libnvidia-ml.so.1. Devices and UUIDs from FAKE_CUDA_UUIDS, total
- * from FAKE_CUDA_TOTAL_MEM, used from FAKE_NVML_USED (bytes, default 0).
+ * from FAKE_CUDA_TOTAL_MEM, used from FAKE_NVML_USED (bytes, default 0) plus what the fake
+ * libcuda.so.1 holds on that device, when the process has it loaded.
  */
+#include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,21 +41,45 @@ EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *out, unsigned i
     return NVML_SUCCESS;
 }
 
-static void figures(unsigned long long *total, unsigned long long *free, unsigned long long *used) {
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+    const char *p = uuid_list();
+    size_t n = strlen(uuid);
+    for (unsigned int index = 0; p && *p; index++) {
+        if (strncmp(p, uuid, n) == 0 && (p[n] == ',' || p[n] == '\0')) {
+            *device = (nvmlDevice_t)(uintptr_t)(index + 1);
+            return NVML_SUCCESS;
+        }
+        p = strchr(p, ',');
+        if (p) p++;
+    }
+    return 6; /* NVML_ERROR_NOT_FOUND */
+}
+
+static unsigned long long cuda_used(nvmlDevice_t device) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (cuda == NULL) return 0;
+    unsigned long long (*used)(int) = (unsigned long long (*)(int))dlsym(cuda, "fake_cuda_used_bytes");
+    unsigned long long bytes = used ? used((int)(uintptr_t)device - 1) : 0;
+    dlclose(cuda);
+    return bytes;
+}
+
+static void figures(nvmlDevice_t device, unsigned long long *total, unsigned long long *free,
+                    unsigned long long *used) {
     const char *t = getenv("FAKE_CUDA_TOTAL_MEM");
     const char *u = getenv("FAKE_NVML_USED");
     *total = t ? strtoull(t, NULL, 10) : (16ull << 30);
-    *used = u ? strtoull(u, NULL, 10) : 0;
+    *used = (u ? strtoull(u, NULL, 10) : 0) + cuda_used(device);
     *free = *total - *used;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
-    figures(&memory->total, &memory->free, &memory->used);
+    figures(device, &memory->total, &memory->free, &memory->used);
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
-    figures(&memory->total, &memory->free, &memory->used);
+    figures(device, &memory->total, &memory->free, &memory->used);
     memory->reserved = 0;
     return NVML_SUCCESS;
 }

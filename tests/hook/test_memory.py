@@ -3,63 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
-from device_plugin.discovery.simulated import simulated_uuid
-from tests.hook.conftest import PRELUDE, Hooked
-from tests.scheduler.helpers import DaemonProcess, make_record, wait_for, wait_served
-from vgpu_runtime.allocation import AllocationRecord
-
-MiB = 1 << 20
-GiB = 1 << 30
-LIMIT = 1 * GiB
-UUID = simulated_uuid(0)
-OTHER_UUID = simulated_uuid(1)
-
-
-@dataclass
-class Node:
-    state_dir: Path
-    daemon: DaemonProcess
-    record: AllocationRecord
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return {"GEMINI_CHANNEL_DIR": self.record.channel_dir, "FAKE_CUDA_UUIDS": UUID,
-                "FAKE_CUDA_TOTAL_MEM": str(16 * GiB), "GEMINI_HOOK_DAEMON_WAIT": "5", **extra}
-
-    def used(self) -> int:
-        entry = self.daemon.allocation(self.record.id)
-        return int(entry["gpus"][0]["memory_used"]) if entry else -1
-
-    def restart_daemon(self) -> None:
-        assert self.daemon.stop() == 0, self.daemon.logs()
-        self.daemon = DaemonProcess(self.state_dir).wait_ready()
-        wait_served(self.record)
-
-
-@pytest.fixture
-def node() -> Iterator[Node]:
-    root = Path(tempfile.mkdtemp(prefix="gmh-"))   # short: socket paths must fit 107 bytes
-    state_dir = root / "state"
-    state_dir.mkdir()
-    daemon = DaemonProcess(state_dir).wait_ready()
-    record = make_record(state_dir, gpus=((UUID, LIMIT, 0.5),))
-    wait_served(record)
-    node = Node(state_dir, daemon, record)
-    yield node
-    node.daemon.stop()
-    shutil.rmtree(root, ignore_errors=True)
+from tests.hook.conftest import LIMIT, OTHER_UUID, PRELUDE, UUID, GiB, Hooked, MiB, Node
+from tests.scheduler.helpers import DaemonProcess, wait_for
 
 
 def test_limit_oom_and_free(hooked: Hooked, node: Node) -> None:

@@ -256,6 +256,7 @@ void gm_channel_after_fork_child(void) {
     fd = -1;
     gave_up = 0;
     gm_ledger_reset();
+    gm_contexts_after_fork_child();
 }
 
 static void atfork_child(void) { gm_channel_after_fork_child(); }

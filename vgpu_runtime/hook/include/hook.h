@@ -74,6 +74,7 @@ GM_HIDDEN uint64_t gm_held_total(void);
 GM_HIDDEN void gm_ledger_put(uint64_t key, uint64_t bytes, uint32_t kind, uint32_t gpu);
 GM_HIDDEN int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu);
 GM_HIDDEN void gm_ledger_reset(void);
+GM_HIDDEN void gm_contexts_after_fork_child(void);   /* memory/context.c */
 
 /* memory/devices.c: CUdevice <-> index into the hello reply's GPUs */
 #define GM_NO_GPU (-1)

@@ -5,9 +5,7 @@
  * container-wide use (never negative, never more than the real free). The container's use
  * comes from the daemon (a zero-byte reservation answers with it); with the daemon away,
  * this process's own use stands in. cuDeviceTotalMem_v2 reports the limit.
- *
- * Contexts: creating one on a device outside the allocation is refused with
- * CUDA_ERROR_INVALID_DEVICE.
+ * Contexts (refusal of foreign devices, their cost) are in context.c.
  */
 #include "memory.h"
 
@@ -54,35 +52,4 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     uint64_t limit = limit_of(gpu);
     if (limit < *bytes) *bytes = (size_t)limit;
     return result;
-}
-
-/* ---- contexts ---- */
-
-static CUresult check_device(CUdevice dev) {
-    if (!gm_active()) return CUDA_SUCCESS;
-    return gm_gpu_of_device(dev) == GM_NO_GPU ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
-}
-
-CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
-    CUresult refused = check_device(dev);
-    return refused != CUDA_SUCCESS ? refused : GM_REAL(cuCtxCreate_v2)(pctx, flags, dev);
-}
-
-CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
-                        unsigned int flags, CUdevice dev) {
-    CUresult refused = check_device(dev);
-    return refused != CUDA_SUCCESS ? refused
-                                   : GM_REAL(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev);
-}
-
-CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
-                        CUdevice dev) {
-    CUresult refused = check_device(dev);
-    return refused != CUDA_SUCCESS ? refused
-                                   : GM_REAL(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev);
-}
-
-CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
-    CUresult refused = check_device(dev);
-    return refused != CUDA_SUCCESS ? refused : GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
 }

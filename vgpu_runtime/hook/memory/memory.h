@@ -10,6 +10,8 @@
 #define KEY_ARRAY GM_MEM_ARRAY
 #define KEY_VMM GM_MEM_VMM
 #define KEY_MIPMAPPED (GM_MEM_KIND_COUNT + 1)
+#define KEY_CONTEXT (GM_MEM_KIND_COUNT + 2)   /* cuCtxCreate*: the context handle */
+#define KEY_PRIMARY (GM_MEM_KIND_COUNT + 3)   /* a device's primary context: the device */
 
 /* The GPU an allocation lands on, or a CUresult to return at once (via *error). */
 GM_HIDDEN int gm_gpu_for_alloc(CUdevice *dev, CUresult *error);

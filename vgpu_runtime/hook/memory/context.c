@@ -1,0 +1,220 @@
+/*
+ * context.c: contexts. Creating one on a device outside the allocation is refused
+ * (CUDA_ERROR_INVALID_DEVICE); what one costs is charged to the container.
+ *
+ * The cost is measured, not guessed: the device's free memory just before and just after
+ * the driver creates the context. Both readings come from the same source:
+ * - cuMemGetInfo, when a context on that device is already current (a second context);
+ * - otherwise NVML by UUID (the usual case: the CUDA runtime retains the primary context
+ *   with no context current, and cuMemGetInfo needs one).
+ * With neither, GEMINI_HOOK_CONTEXT_BYTES (default 0) is charged. The readings are
+ * device-wide, so another process allocating in between skews them; a negative difference
+ * counts as 0. Where the daemon can see per-process figures in NVML, it may charge those
+ * instead; the hook reports what it measured.
+ *
+ * Charged as MEM_SET GM_MEM_CONTEXT (the sum over this process's contexts on that GPU):
+ * it is never refused, only accounted (like graph memory); it goes with cuCtxDestroy, the
+ * last cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxReset, and with the connection.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "memory.h"
+
+#define MAX_DEVICES 64
+
+static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
+static int primary_refs[MAX_DEVICES];   /* retains this process holds, per device */
+
+enum source { SOURCE_NONE, SOURCE_CUDA, SOURCE_NVML };
+
+struct reading {
+    enum source source;
+    nvmlDevice_t nvml;
+    int nvml_open;
+};
+
+static int nvml_free(nvmlDevice_t device, uint64_t *free) {
+    nvmlMemory_t memory;
+    if (GM_REAL(nvmlDeviceGetMemoryInfo)(device, &memory) != NVML_SUCCESS) return -1;
+    *free = memory.free;
+    return 0;
+}
+
+static int cuda_free(uint64_t *free) {
+    size_t f = 0, t = 0;
+    if (GM_REAL(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS) return -1;
+    *free = f;
+    return 0;
+}
+
+/* The first reading picks the source; the second must use the same one. */
+static int read_free(struct reading *r, CUdevice dev, uint64_t *free) {
+    if (r->source == SOURCE_CUDA) return cuda_free(free);
+    if (r->source == SOURCE_NVML) return nvml_free(r->nvml, free);
+    CUdevice current;
+    if (GM_REAL(cuCtxGetDevice)(&current) == CUDA_SUCCESS && current == dev &&
+        cuda_free(free) == 0) {
+        r->source = SOURCE_CUDA;
+        return 0;
+    }
+    CUuuid uuid;
+    if (GM_REAL(cuDeviceGetUuid)(&uuid, dev) != CUDA_SUCCESS) return -1;
+    if (GM_REAL(nvmlInit_v2)() != NVML_SUCCESS) return -1;
+    r->nvml_open = 1;
+    const unsigned char *b = (const unsigned char *)uuid.bytes;
+    char text[48];
+    snprintf(text, sizeof text,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+             b[14], b[15]);
+    if (GM_REAL(nvmlDeviceGetHandleByUUID)(text, &r->nvml) != NVML_SUCCESS ||
+        nvml_free(r->nvml, free) != 0)
+        return -1;
+    r->source = SOURCE_NVML;
+    return 0;
+}
+
+static uint64_t configured_cost(void) {
+    const char *text = getenv("GEMINI_HOOK_CONTEXT_BYTES");
+    return text != NULL ? strtoull(text, NULL, 10) : 0;
+}
+
+static void charge(int gpu, int64_t delta, int may_wait) {
+    if (delta == 0) return;
+    uint64_t held = gm_held_get((uint32_t)gpu, GM_MEM_CONTEXT);
+    uint64_t total = delta < 0 && (uint64_t)(-delta) > held ? 0 : held + (uint64_t)delta;
+    struct gm_mem_reply reply;
+    if (gm_channel_mem(GM_MSG_MEM_SET, (uint32_t)gpu, GM_MEM_CONTEXT, total, &reply, may_wait) ==
+            0 &&
+        reply.status != GM_OK)
+        gm_debug("contexts (%llu bytes) take gpu %d past its memory limit",
+                 (unsigned long long)total, gpu);
+}
+
+/* What `create` costs on `dev`: runs it between two readings of the device's free memory. */
+#define MEASURED(dev, cost, create)                                                  \
+    do {                                                                             \
+        struct reading reading_ = {SOURCE_NONE, NULL, 0};                            \
+        uint64_t before_ = 0, after_ = 0;                                            \
+        int measured_ = read_free(&reading_, (dev), &before_) == 0;                  \
+        result = (create);                                                           \
+        measured_ = measured_ && result == CUDA_SUCCESS &&                           \
+                    read_free(&reading_, (dev), &after_) == 0;                       \
+        if (reading_.nvml_open) GM_REAL(nvmlShutdown)();                             \
+        (cost) = !measured_ ? configured_cost() : before_ > after_ ? before_ - after_ : 0; \
+    } while (0)
+
+/* -1: pass the call through untouched; else the allocation's GPU index (refusals via *error). */
+static int gpu_for_context(CUdevice dev, CUresult *error) {
+    *error = CUDA_SUCCESS;
+    if (!gm_active()) return -1;
+    int gpu = gm_gpu_of_device(dev);
+    if (gpu == GM_NO_GPU) *error = CUDA_ERROR_INVALID_DEVICE;
+    return gpu;   /* GM_UNKNOWN_GPU (daemon away): created, nothing to charge it to */
+}
+
+static CUresult created(CUresult result, int gpu, CUcontext *pctx, uint64_t cost) {
+    if (result != CUDA_SUCCESS || gpu < 0) return result;
+    gm_ledger_put((uint64_t)(uintptr_t)*pctx, cost, KEY_CONTEXT, (uint32_t)gpu);
+    gm_debug("context %p on gpu %d costs %llu bytes", (void *)*pctx, gpu,
+             (unsigned long long)cost);
+    charge(gpu, (int64_t)cost, 1);
+    return result;
+}
+
+#define CREATE_CONTEXT(dev, call)                                  \
+    do {                                                           \
+        CUresult result;                                           \
+        int gpu = gpu_for_context((dev), &result);                 \
+        if (result != CUDA_SUCCESS) return result;                 \
+        if (gpu < 0) return (call);                                \
+        uint64_t cost;                                             \
+        MEASURED((dev), cost, (call));                             \
+        return created(result, gpu, pctx, cost);                   \
+    } while (0)
+
+CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev) {
+    CREATE_CONTEXT(dev, GM_REAL(cuCtxCreate_v2)(pctx, flags, dev));
+}
+
+CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *paramsArray, int numParams,
+                        unsigned int flags, CUdevice dev) {
+    CREATE_CONTEXT(dev, GM_REAL(cuCtxCreate_v3)(pctx, paramsArray, numParams, flags, dev));
+}
+
+CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, unsigned int flags,
+                        CUdevice dev) {
+    CREATE_CONTEXT(dev, GM_REAL(cuCtxCreate_v4)(pctx, ctxCreateParams, flags, dev));
+}
+
+CUresult cuCtxDestroy_v2(CUcontext ctx) {
+    CUresult result = GM_REAL(cuCtxDestroy_v2)(ctx);
+    if (result != CUDA_SUCCESS || !gm_active()) return result;
+    uint64_t bytes = 0;
+    uint32_t kind = KEY_CONTEXT, gpu = 0;
+    if (gm_ledger_take((uint64_t)(uintptr_t)ctx, &bytes, &kind, &gpu))
+        charge((int)gpu, -(int64_t)bytes, 0);
+    return result;
+}
+
+/* ---- primary contexts: charged while this process holds at least one retain ---- */
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+    CUresult result;
+    int gpu = gpu_for_context(dev, &result);
+    if (result != CUDA_SUCCESS) return result;
+    if (gpu < 0 || dev < 0 || dev >= MAX_DEVICES) return GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    pthread_mutex_lock(&primary_lock);   /* two first retains must not both measure */
+    if (primary_refs[dev] > 0) {
+        result = GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+        if (result == CUDA_SUCCESS) primary_refs[dev]++;
+        pthread_mutex_unlock(&primary_lock);
+        return result;
+    }
+    uint64_t cost;
+    MEASURED(dev, cost, GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev));
+    if (result == CUDA_SUCCESS) {
+        primary_refs[dev] = 1;
+        gm_ledger_put((uint64_t)dev + 1, cost, KEY_PRIMARY, (uint32_t)gpu);
+    }
+    pthread_mutex_unlock(&primary_lock);
+    if (result == CUDA_SUCCESS) {
+        gm_debug("primary context of device %d costs %llu bytes", dev, (unsigned long long)cost);
+        charge(gpu, (int64_t)cost, 1);
+    }
+    return result;
+}
+
+static void primary_gone(CUdevice dev) {
+    uint64_t bytes = 0;
+    uint32_t kind = KEY_PRIMARY, gpu = 0;
+    if (gm_ledger_take((uint64_t)dev + 1, &bytes, &kind, &gpu)) charge((int)gpu, -(int64_t)bytes, 0);
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    CUresult result = GM_REAL(cuDevicePrimaryCtxRelease_v2)(dev);
+    if (result != CUDA_SUCCESS || !gm_active() || dev < 0 || dev >= MAX_DEVICES) return result;
+    pthread_mutex_lock(&primary_lock);
+    int last = primary_refs[dev] > 0 && --primary_refs[dev] == 0;
+    pthread_mutex_unlock(&primary_lock);
+    if (last) primary_gone(dev);
+    return result;
+}
+
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    CUresult result = GM_REAL(cuDevicePrimaryCtxReset_v2)(dev);
+    if (result != CUDA_SUCCESS || !gm_active() || dev < 0 || dev >= MAX_DEVICES) return result;
+    pthread_mutex_lock(&primary_lock);
+    int held = primary_refs[dev] > 0;
+    primary_refs[dev] = 0;
+    pthread_mutex_unlock(&primary_lock);
+    if (held) primary_gone(dev);
+    return result;
+}
+
+/* In a forked child: the parent's contexts are not the child's. */
+GM_HIDDEN void gm_contexts_after_fork_child(void) {
+    pthread_mutex_init(&primary_lock, NULL);
+    for (int i = 0; i < MAX_DEVICES; i++) primary_refs[i] = 0;
+}
