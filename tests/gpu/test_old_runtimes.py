@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.helpers import DaemonProcess
+from tests.gpu.daemon import NodeDaemon, python_path
 from vgpu_runtime import allocation, hooklib
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,11 +74,12 @@ def run_probe(major: int, library: Path, root: Path) -> tuple[dict[str, Any], di
     """cudart_probe under gemini-run --memory 8GiB; returns its report and the exit stats."""
     state = root / "state"
     state.mkdir()
-    daemon = DaemonProcess(state).wait_ready()  # gemini-run finds it and starts none
+    daemon = NodeDaemon(state).wait_ready()  # gemini-run finds it and starts none
     stats_file = root / "stats"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GEMINI_") and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}
-    env.update(PYTHONPATH=str(REPO), GEMINI_HOOK_STATS=str(stats_file))
+    # python_path(): the carried wheels on the GPU machine stay reachable.
+    env.update(PYTHONPATH=python_path(), GEMINI_HOOK_STATS=str(stats_file))
     argv = [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state), "--gpu", "0",
             "--memory", "8GiB", "--hook-library", str(hooklib.library_path()), "--",
             sys.executable, "-m", "tests.gpu.cudart_probe", str(library), str(major)]
