@@ -210,7 +210,6 @@ def test_the_script_runs_in_a_namespace_and_leaves_the_host_as_it_was(tmp_path: 
 class Admitted:
     response: Any
     record: AllocationRecord
-    plugin_log: str
 
 
 async def _admit(root: Path, hook_dir: Path, simulate_gpus: int) -> Admitted:
@@ -226,13 +225,15 @@ async def _admit(root: Path, hook_dir: Path, simulate_gpus: int) -> Admitted:
             pod = await kubelet.admit_pod("replayed", containers=[("main", SLICES)])
             assert pod.admitted, pod.message
             reply = pod.containers["main"].response
+        except AssertionError as err:
+            raise AssertionError(f"{err}\nplugin log:\n{plugin.log_text()[-4000:]}") from None
         finally:
             await plugin.stop()
     finally:
         await kubelet.stop()
     record = allocation.load_record(root / "state", reply.envs[paths.ENV_ALLOCATION_ID])
     assert record is not None, "Allocate wrote no record"
-    return Admitted(reply, record, plugin.log_text())
+    return Admitted(reply, record)
 
 
 class ReplayNode:
@@ -281,9 +282,16 @@ class Contained:
 
     def __init__(self, reply: Any, code: str) -> None:
         script = replay_script(reply, [sys.executable, "-c", textwrap.dedent(code)])
+        # stderr to a file: a chatty program must not block on a pipe nobody reads yet.
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in kill()
+        # unshare and sh exec, so this pid ends up being the contained program's own.
         self.proc = subprocess.Popen(replay_argv(script), stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                      env=base_env())
+
+    def errors(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read()[-4000:]
 
     def read_report(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -291,9 +299,9 @@ class Contained:
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.proc.kill()
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.communicate(timeout=30)
             raise AssertionError(f"the contained program exited {self.proc.returncode} "
-                                 f"without a report:\n{err[-4000:]}")
+                                 f"without a report:\n{self.errors()}")
         report: dict[str, Any] = json.loads(line)
         return report
 
@@ -302,14 +310,15 @@ class Contained:
         self.proc.stdin.write("\n")
         self.proc.stdin.flush()
         report = self.read_report()
-        _, err = self.proc.communicate(timeout=LINE_TIMEOUT)
-        assert self.proc.returncode == 0, err[-4000:]
+        self.proc.communicate(timeout=LINE_TIMEOUT)
+        assert self.proc.returncode == 0, self.errors()
         return report
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate(timeout=30)
+        self.stderr.close()
 
 
 @pytest.fixture
@@ -383,8 +392,9 @@ def test_replayed_container_reaches_its_channel_through_the_mounts(
             assert facts["memory_limit"] == admitted.record.gpus[0].memory_limit
             assert facts["reserve"] == 1
             # The daemon knows the container's process by its socket's peer credentials.
-            (connection,) = connections_of(daemon, admitted.record.id)
-            assert connection["peer_pid"] == facts["pid"]
+            assert facts["pid"] == run.proc.pid
+            connections = connections_of(daemon, admitted.record.id)
+            assert [c["peer_pid"] for c in connections] == [facts["pid"]], daemon.logs()[-3000:]
             assert run.finish() == {"done": True}
             wait_for(lambda: not connections_of(daemon, admitted.record.id), 10,
                      "the connection to close")
@@ -427,8 +437,9 @@ def test_pytorch_in_a_replayed_container_gets_its_slice(contained_runs: list[Con
             check_container_facts(facts, admitted)
             assert facts["total"] == limit
             # The hook reached the daemon through /run/gemini: its process holds the tensor.
-            (connection,) = connections_of(daemon, admitted.record.id)
-            assert connection["peer_pid"] == facts["pid"]
+            connections = connections_of(daemon, admitted.record.id)
+            assert [c["peer_pid"] for c in connections] == [facts["pid"]], (
+                f"{connections}\n{run.errors()}\n{daemon.logs()[-3000:]}")
             entry = daemon.allocation(admitted.record.id)
             assert entry["gpus"][0]["memory_used"] >= facts["held"]
             assert run.finish() == {"oom": True, "after": float(1 << 20)}
