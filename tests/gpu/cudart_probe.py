@@ -40,11 +40,12 @@ CUDA_ENABLE_DEFAULT = 0x0                 # cudaEnableDefault
 CUDA_ENABLE_PER_THREAD_DEFAULT_STREAM = 0x2  # cudaEnablePerThreadDefaultStream
 DRIVER_ENTRY_POINT_SUCCESS = 0            # cudaDriverEntryPointSuccess
 
-# write_value(unsigned *out, unsigned value): *out = value. PTX ISA 7.0 for sm_70: every
-# driver since CUDA 11.0 JITs it, for any newer GPU (the H200 is sm_90).
+# write_value(unsigned *out, unsigned value): *out = value. PTX ISA 7.0 (CUDA 11.0) for sm_75,
+# the oldest architecture CUDA 13 still supports: the driver JITs it for any newer GPU (the H200
+# is sm_90), whichever runtime loaded it, since the JIT is the driver's.
 WRITE_VALUE_PTX = b"""
 .version 7.0
-.target sm_70
+.target sm_75
 .address_size 64
 
 .visible .entry write_value(
