@@ -390,7 +390,7 @@ def test_replayed_container_reaches_its_channel_through_the_mounts(
             check_container_facts(facts, admitted)
             assert facts["allocation_id"] == admitted.record.id
             assert facts["memory_limit"] == admitted.record.gpus[0].memory_limit
-            assert facts["reserve"] == 1
+            assert facts["reserve"] is True
             # The daemon knows the container's process by its socket's peer credentials.
             assert facts["pid"] == run.proc.pid
             connections = connections_of(daemon, admitted.record.id)
