@@ -30,7 +30,8 @@ class StubPlugin(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         self.preferred_calls: list[tuple[list[str], list[str], int]] = []
         self.pre_start_calls: list[list[str]] = []
         self.list_and_watch_calls = 0
-        self._updates: asyncio.Queue[bool] = asyncio.Queue()
+        # One queue per open stream: an update or an end goes to the streams open right now.
+        self._streams: list[asyncio.Queue[bool]] = []
         self._server: Any = None
 
     # ---- DevicePlugin service ----
@@ -40,12 +41,18 @@ class StubPlugin(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self.list_and_watch_calls += 1
-        while True:
-            yield dp.ListAndWatchResponse(devices=[
-                dp.Device(ID=i, health=h, topology=dp.TopologyInfo(nodes=[dp.NUMANode(ID=0)]))
-                for i, h in sorted(self.health.items())])
-            if not await self._updates.get():
-                return
+        updates: asyncio.Queue[bool] = asyncio.Queue()
+        self._streams.append(updates)
+        try:
+            while True:
+                yield dp.ListAndWatchResponse(devices=[
+                    dp.Device(ID=i, health=h,
+                              topology=dp.TopologyInfo(nodes=[dp.NUMANode(ID=0)]))
+                    for i, h in sorted(self.health.items())])
+                if not await updates.get():
+                    return
+        finally:
+            self._streams.remove(updates)
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         responses = []
@@ -85,10 +92,12 @@ class StubPlugin(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     def set_health(self, device: str, health: str) -> None:
         self.health[device] = health
-        self._updates.put_nowait(True)
+        for stream in self._streams:
+            stream.put_nowait(True)
 
     def end_stream(self) -> None:
-        self._updates.put_nowait(False)
+        for stream in self._streams:
+            stream.put_nowait(False)
 
     async def stop(self) -> None:
         if self._server is not None:
