@@ -207,7 +207,7 @@ def test_record_removal_closes_its_channel(daemon: DaemonProcess, state_dir: Pat
         assert reply is not None and reply.status == C("GM_ERR_NO_ALLOCATION")
         assert client.recv_frame() is None
         wait_for(lambda: not path.exists(), 5, "socket removal")
-        assert not Path(record.channel_dir).exists()
+        wait_for(lambda: not Path(record.channel_dir).exists(), 5, "channel dir removal")
         assert bystander.reserve(0, 1).granted
     assert daemon.allocation(record.id) is None
 

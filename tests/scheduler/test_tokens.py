@@ -526,3 +526,25 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon: DaemonProces
         assert abs(got - wanted) <= 0.05, (achieved, results)
     assert sum(achieved) >= 0.9, achieved   # handoffs between Python processes cost little
     assert all(t["revocations"] == 0 for t in tenants_of(daemon).values())
+
+
+def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProcess,
+                                                        state_dir: Path) -> None:
+    from vgpu_runtime.allocation import remove_record
+    a = Tenant(make_record(state_dir))
+    b = Tenant(make_record(state_dir))
+    try:
+        grant = a.client.request_token(0)
+        a.busy()
+        b.client.send_token_request(0)
+        assert b.pending(0.1)
+        remove_record(state_dir, a.record.id)
+        error = a.client.recv_frame()
+        assert error is not None and error.status == C("GM_ERR_NO_ALLOCATION")
+        b.client.recv_grant()
+        assert time.monotonic_ns() < grant.valid_until_ns
+        assert list(tenants_of(long_daemon)) == [b.record.id]
+        assert a.page.valid_until_ns == 0
+    finally:
+        a.close()
+        b.close()

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -69,15 +70,38 @@ class AllocationChannel:
                 self._created_dir = True
             self._remove_stale_socket()
             self._open_pages()
-            self._server = await asyncio.start_unix_server(self._accept, path=str(self.socket_path))
-            os.chmod(self.socket_path, SOCKET_MODE)
+            # Pages are right (gate, tenant registered) before the socket appears: a client
+            # that can connect finds them current.
+            self._join_token_schedulers()
+            self._server = await asyncio.start_unix_server(self._accept,
+                                                           sock=self._listening_socket())
         except OSError as err:
+            self._leave_token_schedulers()
             self._close_pages(remove=True)
             raise RecordError(f"cannot serve channel {self.socket_path}: {err}") from None
-        self._join_token_schedulers()
         log.info("serving allocation", extra={
             "allocation": self.record.id, "origin": self.record.origin,
             "socket": str(self.socket_path), "gpus": [g.uuid for g in self.grants]})
+
+    def _listening_socket(self) -> socket.socket:
+        """Bound, listening and 0666 under a temporary name, then renamed into place: a client
+        that sees the path can connect at once (no window between bind and listen)."""
+        temporary = self.socket_path.with_name(".sched.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(str(temporary))
+            sock.listen(128)
+            os.chmod(temporary, SOCKET_MODE)
+            os.rename(temporary, self.socket_path)
+        except OSError:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            raise
+        sock.setblocking(False)
+        return sock
 
     def _open_pages(self) -> None:
         for index in range(len(self.grants)):
@@ -105,15 +129,21 @@ class AllocationChannel:
 
     # ---- what sessions ask of the tokens (the session has checked the GPU index) ----
 
+    # A frame read while the channel is closing finds it gone from the schedulers: ignored,
+    # the client is about to be told GM_ERR_NO_ALLOCATION.
+
     def token_request(self, session: Session, gpu: int, seq: int, burst: float | None,
                       work_end: float | None) -> None:
-        self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end)
+        if self.token_gpus:
+            self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end)
 
     def token_release(self, gpu: int, work_end: float | None) -> None:
-        self.token_gpus[gpu].release(self.record.id, work_end)
+        if self.token_gpus:
+            self.token_gpus[gpu].release(self.record.id, work_end)
 
     def usage_report(self, gpu: int, start: float, end: float) -> None:
-        self.token_gpus[gpu].observe_burst(self.record.id, start, end)
+        if self.token_gpus:
+            self.token_gpus[gpu].observe_burst(self.record.id, start, end)
 
     def connection_closed(self, session: Session) -> None:
         last = not (self.sessions - {session})
@@ -182,9 +212,9 @@ class AllocationChannel:
                              return_exceptions=True)
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=2)
+        self._close_pages(remove=removed)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        self._close_pages(remove=removed)
         if self._created_dir and removed:
             with contextlib.suppress(OSError):
                 os.rmdir(self.record.channel_dir)  # only if empty
