@@ -548,3 +548,17 @@ def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProce
     finally:
         a.close()
         b.close()
+
+
+def test_rewritten_share_rejoins_with_the_new_request(daemon: DaemonProcess,
+                                                       state_dir: Path) -> None:
+    record = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),))
+    other = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),))
+    wait_served(record)
+    wait_served(other)
+    make_record(state_dir, allocation_id=record.id, gpus=((UUID_A, 100 * MiB, 0.2),))
+    wait_for(lambda: tenants_of(daemon)[record.id]["request"] == 0.2, 5, "new request")
+    assert tenants_of(daemon)[other.id]["request"] == 0.5
+    with ChannelClient(wait_served(record)) as client:
+        assert client.hello().gpus[0].share_ppm == 200_000
+        assert client.request_token(0).status == C("GM_OK")
