@@ -466,6 +466,37 @@ static CUresult is_capturing(CUstream s, CUstreamCaptureStatus *status) {
 EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
 EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
 
+/* ---- events and blocking copies: events complete at once; copies copy nothing ---- */
+static unsigned long events_live;
+EXPORT CUresult cuEventCreate(CUevent *event, unsigned int flags) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    events_live++;
+    pthread_mutex_unlock(&lock);
+    *event = (CUevent)(uintptr_t)(0xe0000 + events_live);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventRecord(CUevent event, CUstream s) {
+    CALLED();
+    /* The hook must never record on the legacy default stream. */
+    return s == CU_STREAM_LEGACY || s == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventQuery(CUevent event) { CALLED(); return CUDA_SUCCESS; }
+EXPORT CUresult cuEventSynchronize(CUevent event) { CALLED(); return CUDA_SUCCESS; }
+EXPORT CUresult cuEventDestroy_v2(CUevent event) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    events_live--;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+EXPORT unsigned long fake_cuda_events_live(void) { return events_live; }
+#define COPY(name, params) EXPORT CUresult name params { CALLED(); return CUDA_SUCCESS; }
+COPY(cuMemcpyDtoH_v2, (void *dst, CUdeviceptr src, size_t n))
+COPY(cuMemcpyDtoH_v2_ptds, (void *dst, CUdeviceptr src, size_t n))
+COPY(cuMemcpy, (CUdeviceptr dst, CUdeviceptr src, size_t n))
+COPY(cuMemcpy_ptds, (CUdeviceptr dst, CUdeviceptr src, size_t n))
+
 /* An entry point the hook does not know: must pass through untouched. */
 EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
     CALLED();
@@ -513,6 +544,11 @@ static const struct variant {
     {"cuMemFreeAsync", 11020, 1, (void *)&cuMemFreeAsync_ptsz},
     {"cuStreamSynchronize", 2000, 0, (void *)&cuStreamSynchronize},
     {"cuStreamSynchronize", 7000, 1, (void *)&cuStreamSynchronize_ptsz},
+    {"cuEventSynchronize", 2000, -1, (void *)&cuEventSynchronize},
+    {"cuMemcpyDtoH", 3020, 0, (void *)&cuMemcpyDtoH_v2},
+    {"cuMemcpyDtoH", 7000, 1, (void *)&cuMemcpyDtoH_v2_ptds},
+    {"cuMemcpy", 4000, 0, (void *)&cuMemcpy},
+    {"cuMemcpy", 7000, 1, (void *)&cuMemcpy_ptds},
     {"cuStreamBeginCapture", 10010, 0, (void *)&cuStreamBeginCapture_v2},
     {"cuStreamEndCapture", 10000, 0, (void *)&cuStreamEndCapture},
     {"cuStreamIsCapturing", 10000, 0, (void *)&cuStreamIsCapturing},

@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,14 +63,33 @@ class Hooked:
         return subprocess.run(argv, env=self.env(extra, preload), capture_output=True, text=True,
                               timeout=timeout)
 
+    def start(self, code: str, extra: Mapping[str, str] | None = None
+              ) -> subprocess.Popen[str]:
+        """Start `code` under the hook with pipes; drive it with Hooked.step."""
+        return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+                                env=self.env(extra), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def line(proc: subprocess.Popen[str], go: bool = False) -> dict[str, Any]:
+        """Optionally send a newline, then read one JSON line."""
+        assert proc.stdin is not None and proc.stdout is not None
+        if go:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        text = proc.stdout.readline()
+        assert text, proc.stderr.read() if proc.stderr else "no output"
+        result: dict[str, Any] = json.loads(text)
+        return result
+
     def python(self, code: str, extra: Mapping[str, str] | None = None,
-               preload: bool = True, timeout: float = 30) -> dict[str, object]:
+               preload: bool = True, timeout: float = 30) -> dict[str, Any]:
         """Run `code` under the hook; it must print one JSON object last, which is returned."""
         source = PRELUDE + textwrap.dedent(code)
         proc = self.run([sys.executable, "-c", source], extra, preload, timeout)
         assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr}"
         last = proc.stdout.strip().splitlines()[-1]
-        result: dict[str, object] = json.loads(last)
+        result: dict[str, Any] = json.loads(last)
         return result
 
 

@@ -22,6 +22,10 @@ class HookStats(ctypes.Structure):
         ("wrapped_by_dlsym", ctypes.c_uint64), ("wrapped_by_procaddress", ctypes.c_uint64),
         ("mem_refused", ctypes.c_uint64), ("daemon_connects", ctypes.c_uint64),
         ("bytes_held", ctypes.c_uint64),
+        ("token_requests", ctypes.c_uint64), ("token_wait_ns", ctypes.c_uint64),
+        ("token_timeouts", ctypes.c_uint64), ("ungated_launches", ctypes.c_uint64),
+        ("frames_sent", ctypes.c_uint64), ("usage_reports", ctypes.c_uint64),
+        ("syncs_observed", ctypes.c_uint64), ("drain_ns", ctypes.c_uint64),
     ]
 
 

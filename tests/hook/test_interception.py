@@ -7,7 +7,8 @@ from pathlib import Path
 
 from tests.hook.conftest import Hooked, compile_program
 
-ACTIVE = {"GEMINI_CHANNEL_DIR": "/nonexistent-gemini-channel"}   # launches need no daemon
+# No daemon: launches pass ungated at once (GPU time fails open after the wait, here none).
+ACTIVE = {"GEMINI_CHANNEL_DIR": "/nonexistent-gemini-channel", "GEMINI_HOOK_DAEMON_WAIT": "0"}
 
 LINKED_PROGRAM = r"""
     #include <stdio.h>

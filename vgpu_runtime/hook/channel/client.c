@@ -17,8 +17,16 @@
  * answers again; nothing ever crashes the application. Frees never wait: they update the
  * hook's own bookkeeping, and every (re)connection re-declares from it what this process
  * holds (MEM_SET per GPU per kind), so a restarted daemon loses nothing.
+ *
+ * Tokens (launch/token.c). Every hello maps the allocation's token and activity pages (once
+ * per process). TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
+ * connection, one request at a time, so a memory call made by another thread while this
+ * process waits for the token waits too (a known cost of one connection per process). A grant
+ * that arrives after its waiter gave up is skipped wherever it is read. USAGE_REPORT has no
+ * reply and is sent only when the lock is free and the connection open: never a wait for it.
  */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,28 +95,49 @@ static void fill_header(struct gm_header *h, uint16_t type, uint32_t length) {
     h->seq = next_seq++;
 }
 
-/* Send `request`, receive a frame of `reply_type` and exactly `reply_len` bytes into reply. */
-static int exchange(int sock, void *request, void *reply, uint16_t reply_type, size_t reply_len) {
-    const struct gm_header *sent = request;
-    if (send_all(sock, request, sent->length) < 0) return -1;
-    union {
-        struct gm_header h;
-        char bytes[GM_MAX_FRAME];
-    } frame;
-    if (recv_all(sock, &frame.h, sizeof frame.h) < 0) return -1;
-    if (frame.h.version != GM_WIRE_VERSION || frame.h.length < sizeof frame.h ||
-        frame.h.length > GM_MAX_FRAME) {
+union frame_buffer {
+    struct gm_header h;
+    char bytes[GM_MAX_FRAME];
+};
+
+static int send_frame(int sock, const void *frame) {
+    GM_COUNT(frames_sent, 1);
+    return send_all(sock, frame, ((const struct gm_header *)frame)->length);
+}
+
+/* One whole frame; -1 when the connection broke or the frame is unreadable. */
+static int read_frame(int sock, union frame_buffer *frame) {
+    if (recv_all(sock, &frame->h, sizeof frame->h) < 0) return -1;
+    if (frame->h.version != GM_WIRE_VERSION || frame->h.length < sizeof frame->h ||
+        frame->h.length > GM_MAX_FRAME) {
         gm_warn("daemon sent a malformed frame header; dropping the connection");
         return -1;
     }
-    if (recv_all(sock, frame.bytes + sizeof frame.h, frame.h.length - sizeof frame.h) < 0)
-        return -1;
-    if (frame.h.type == GM_MSG_ERROR && frame.h.length == sizeof(struct gm_error)) {
-        struct gm_error *error = (struct gm_error *)frame.bytes;
-        error->reason[GM_REASON_BYTES - 1] = '\0';
-        gm_warn("daemon refused the connection (status %u): %s", error->status, error->reason);
-        return -1;
-    }
+    return recv_all(sock, frame->bytes + sizeof frame->h, frame->h.length - sizeof frame->h);
+}
+
+static int is_error(union frame_buffer *frame) {
+    if (frame->h.type != GM_MSG_ERROR || frame->h.length != sizeof(struct gm_error)) return 0;
+    struct gm_error *error = (struct gm_error *)frame->bytes;
+    error->reason[GM_REASON_BYTES - 1] = '\0';
+    gm_warn("daemon refused the connection (status %u): %s", error->status, error->reason);
+    return 1;
+}
+
+/* A grant whose waiter timed out earlier: nobody waits for it any more. */
+static int is_stale_grant(const union frame_buffer *frame, uint32_t expected_seq) {
+    return frame->h.type == GM_MSG_TOKEN_GRANT && frame->h.seq != expected_seq;
+}
+
+/* Send `request`, receive a frame of `reply_type` and exactly `reply_len` bytes into reply. */
+static int exchange(int sock, void *request, void *reply, uint16_t reply_type, size_t reply_len) {
+    const struct gm_header *sent = request;
+    if (send_frame(sock, request) < 0) return -1;
+    union frame_buffer frame;
+    do {
+        if (read_frame(sock, &frame) < 0) return -1;
+    } while (is_stale_grant(&frame, sent->seq));
+    if (is_error(&frame)) return -1;
     if (frame.h.type != reply_type || frame.h.length != reply_len || frame.h.seq != sent->seq) {
         gm_warn("daemon answered type %u (%u bytes, seq %u) to a request expecting type %u",
                 frame.h.type, frame.h.length, frame.h.seq, reply_type);
@@ -152,6 +181,7 @@ static int connect_and_hello(void) {
     }
     grant_count = (int)reply.gpu_count;
     GM_COUNT(daemon_connects, 1);
+    gm_token_map_pages(dir, grant_count);
     return sock;
 }
 
@@ -250,6 +280,73 @@ int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_t bytes,
     return rc;
 }
 
+int gm_channel_ensure(int may_wait) {
+    pthread_mutex_lock(&lock);
+    int fresh = 0;
+    int count = ensure_connected(may_wait, &fresh) == 0 ? grant_count : -1;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+int gm_channel_token(uint32_t gpu, int64_t burst_ns, int64_t work_end_ns,
+                     struct gm_token_grant *out, double timeout_s) {
+    pthread_mutex_lock(&lock);
+    int rc = -1;
+    for (int attempt = 0; attempt < 2 && rc == -1; attempt++) {
+        int fresh = 0;
+        if (ensure_connected(1, &fresh) < 0) break;
+        struct gm_token_request request = {.gpu = gpu, .burst_ns = burst_ns,
+                                           .work_end_ns = work_end_ns};
+        fill_header(&request.h, GM_MSG_TOKEN_REQUEST, sizeof request);
+        if (send_frame(fd, &request) < 0) {
+            drop_connection();
+            continue;
+        }
+        double deadline = now_s() + timeout_s;
+        for (;;) {
+            double left = deadline - now_s();
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            int ready = left > 0 ? poll(&p, 1, (int)(left * 1000) + 1) : 0;
+            if (ready < 0 && errno == EINTR) continue;
+            if (ready == 0) {   /* the connection stays: a late grant is skipped when read */
+                rc = -2;
+                break;
+            }
+            union frame_buffer frame;
+            if (ready < 0 || read_frame(fd, &frame) < 0) {
+                drop_connection();
+                break;
+            }
+            if (is_stale_grant(&frame, request.h.seq)) continue;
+            if (frame.h.type == GM_MSG_TOKEN_GRANT && frame.h.length == sizeof *out) {
+                memcpy(out, frame.bytes, sizeof *out);
+                rc = 0;
+                break;
+            }
+            if (!is_error(&frame))
+                gm_warn("daemon answered type %u to a token request", frame.h.type);
+            drop_connection();
+            attempt = 2;   /* an error (an old daemon: unsupported) is not retried now */
+            break;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
+int gm_channel_notify(void *frame) {
+    if (pthread_mutex_trylock(&lock) != 0) return -1;
+    int rc = -1;
+    if (fd >= 0 && owner == getpid()) {
+        struct gm_header *h = frame;
+        fill_header(h, h->type, h->length);
+        rc = send_frame(fd, frame);
+        if (rc < 0) drop_connection();
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
 void gm_channel_after_fork_child(void) {
     pthread_mutex_init(&lock, NULL);   /* another parent thread may have held it at fork */
     if (fd >= 0) close(fd);            /* our copy only: the parent's stays open */
@@ -257,6 +354,7 @@ void gm_channel_after_fork_child(void) {
     gave_up = 0;
     gm_ledger_reset();
     gm_contexts_after_fork_child();
+    gm_token_after_fork_child();
 }
 
 static void atfork_child(void) { gm_channel_after_fork_child(); }

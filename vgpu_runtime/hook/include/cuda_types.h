@@ -25,6 +25,7 @@ typedef struct CUgraphNode_st *CUgraphNode;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUarray_st *CUarray;
+typedef struct CUevent_st *CUevent;
 typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;   /* never read by the hook */
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;       /* never read by the hook */
@@ -91,6 +92,14 @@ typedef int CUdriverProcAddressQueryResult;
 #define CUDA_ERROR_INVALID_DEVICE 101
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_NOT_FOUND 500
+#define CUDA_ERROR_NOT_READY 600
+
+/* Stream handles with a meaning of their own. */
+#define CU_STREAM_LEGACY ((CUstream)0x1)
+#define CU_STREAM_PER_THREAD ((CUstream)0x2)
+
+#define CU_EVENT_BLOCKING_SYNC 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
 
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
 #define CU_GET_PROC_ADDRESS_LEGACY_STREAM 1

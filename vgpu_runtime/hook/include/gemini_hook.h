@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define GEMINI_HOOK_STATS_VERSION 1
+#define GEMINI_HOOK_STATS_VERSION 2
 
 struct gemini_hook_stats {
     uint32_t version;            /* GEMINI_HOOK_STATS_VERSION */
@@ -24,6 +24,15 @@ struct gemini_hook_stats {
     uint64_t mem_refused;        /* allocations answered CUDA_ERROR_OUT_OF_MEMORY by the limit */
     uint64_t daemon_connects;    /* successful hellos (first connection and reconnections) */
     uint64_t bytes_held;         /* what this process holds now, all kinds, all GPUs */
+    /* version 2: GPU-time tokens (micro-benchmark counters: token waits and their cost) */
+    uint64_t token_requests;     /* slow-path TOKEN_REQUESTs sent */
+    uint64_t token_wait_ns;      /* host time launches spent in the slow path (settle + wait) */
+    uint64_t token_timeouts;     /* requests that got no grant within GEMINI_HOOK_TOKEN_TIMEOUT */
+    uint64_t ungated_launches;   /* launches passed ungated because the daemon was away */
+    uint64_t frames_sent;        /* every frame written to the daemon, of any type */
+    uint64_t usage_reports;      /* USAGE_REPORT frames (observed kernel bursts) */
+    uint64_t syncs_observed;     /* host synchronisations seen returning */
+    uint64_t drain_ns;           /* host time spent draining own streams before asking */
 };
 
 int gemini_hook_stats(struct gemini_hook_stats *out);

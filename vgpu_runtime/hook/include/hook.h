@@ -51,6 +51,8 @@ GM_HIDDEN void *gm_real_dlsym(void *handle, const char *name);
 struct gm_counters {
     _Atomic uint64_t kernel_launches, graph_launches, captured_launches, gate_ns;
     _Atomic uint64_t wrapped_by_dlsym, wrapped_by_procaddress, mem_refused, daemon_connects;
+    _Atomic uint64_t token_requests, token_wait_ns, token_timeouts, ungated_launches;
+    _Atomic uint64_t frames_sent, usage_reports, syncs_observed, drain_ns;
 };
 GM_HIDDEN extern struct gm_counters gm_counters;
 #define GM_COUNT(field, n) atomic_fetch_add_explicit(&gm_counters.field, (n), memory_order_relaxed)
@@ -65,6 +67,20 @@ GM_HIDDEN int gm_channel_grants(struct gm_grant_view *out, int max, int may_wait
 GM_HIDDEN int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_t bytes,
                              struct gm_mem_reply *reply, int may_wait);
 GM_HIDDEN void gm_channel_after_fork_child(void);
+/* Connected (hello answered, pages mapped)? The allocation's GPU count, or -1. */
+GM_HIDDEN int gm_channel_ensure(int may_wait);
+/* TOKEN_REQUEST, then block (no busy wait) for its grant: 0 granted, -1 daemon away or
+ * refused, -2 no grant within timeout_s. */
+GM_HIDDEN int gm_channel_token(uint32_t gpu, int64_t burst_ns, int64_t work_end_ns,
+                               struct gm_token_grant *out, double timeout_s);
+/* A frame without reply (header type and length set), sent only if that costs no wait. */
+GM_HIDDEN int gm_channel_notify(void *frame);
+
+/* launch/token.c */
+GM_HIDDEN void gm_token_map_pages(const char *channel_dir, int gpu_count);
+GM_HIDDEN void gm_token_after_fork_child(void);
+GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
+GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */
 
 /* memory/ledger.c: what this process holds (the daemon's view is rebuilt from it) */
 GM_HIDDEN void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta);

@@ -1,9 +1,9 @@
 /*
  * gate.c: THE launch gate. Every kernel and graph launch passes through gm_gate().
  *
- * In this issue the gate counts and times; the token scheduler (next issue) waits for a
- * token here. Fast path: relaxed atomics and CLOCK_MONOTONIC (a vDSO read), no system call
- * and no lock.
+ * The gate counts, times, and holds each launch to the container's GPU-time token
+ * (token.c). Fast path: relaxed atomics, one acquire load and CLOCK_MONOTONIC (a vDSO read),
+ * no system call and no lock.
  *
  * Stream capture: a launch into a capturing stream only records a graph node, so it is
  * passed straight through, neither gated nor counted as a burst. Asking the driver costs
@@ -30,6 +30,10 @@ void gm_capture_closed(CUresult result) {
                            &captures_open, &open, open - 1, memory_order_relaxed,
                            memory_order_relaxed)) {
     }
+}
+
+int gm_capture_open(void) {
+    return atomic_load_explicit(&captures_open, memory_order_relaxed) != 0;
 }
 
 static int stream_capturing(const struct gm_launch *launch) {
@@ -75,10 +79,13 @@ CUresult gm_gate(const struct gm_launch *launch) {
         GM_COUNT(captured_launches, 1);
         return call_real(launch);
     }
-    /* Seam for the token scheduler: acquire (or confirm) the token here. */
     uint64_t start = now_ns();
+    int gpu = gm_token_gate();   /* blocks while another container holds the token */
+    uint64_t launched = now_ns();
     CUresult result = call_real(launch);
-    GM_COUNT(gate_ns, now_ns() - start);
+    uint64_t end = now_ns();
+    if (gpu >= 0) gm_token_launched(gpu, launch, (int64_t)launched);
+    GM_COUNT(gate_ns, end - start);
     if (launch->kind == GM_LAUNCH_GRAPH) GM_COUNT(graph_launches, 1);
     else GM_COUNT(kernel_launches, 1);
     return result;

@@ -148,13 +148,18 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     return after_pool_change(GM_REAL(cuMemPoolTrimTo)(pool, minBytesToKeep));
 }
+/* Synchronisations also end kernel bursts (launch/token.c). */
+static CUresult after_sync(CUresult result) {
+    if (result == CUDA_SUCCESS) gm_sync_observed();
+    return after_pool_change(result);
+}
 CUresult cuStreamSynchronize(CUstream hStream) {
-    return after_pool_change(GM_REAL(cuStreamSynchronize)(hStream));
+    return after_sync(GM_REAL(cuStreamSynchronize)(hStream));
 }
 CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
-    return after_pool_change(GM_REAL(cuStreamSynchronize_ptsz)(hStream));
+    return after_sync(GM_REAL(cuStreamSynchronize_ptsz)(hStream));
 }
-CUresult cuCtxSynchronize(void) { return after_pool_change(GM_REAL(cuCtxSynchronize)()); }
+CUresult cuCtxSynchronize(void) { return after_sync(GM_REAL(cuCtxSynchronize)()); }
 
 /* ---- graph memory ---- */
 

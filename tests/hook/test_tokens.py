@@ -1,0 +1,275 @@
+"""GPU-time tokens in the launch gate: the hook over the fake driver, against the REAL daemon."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.hook.conftest import Hooked, Node, compile_program, start_node, stop_node
+from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
+
+GATE_OPEN, GATE_TOKEN = 0, 1
+
+
+@pytest.fixture
+def whole_gpu_node() -> Iterator[Node]:
+    started = start_node(1.0)
+    yield started
+    stop_node(started)
+
+
+def test_gate_is_open_for_a_whole_gpu_alone(hooked: Hooked, whole_gpu_node: Node) -> None:
+    node = whole_gpu_node
+    assert read_token_page(node.record)[0] == GATE_OPEN
+    result = hooked.python("""
+        lib = cuda()
+        context(lib)
+        for _ in range(500):
+            lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        print(json.dumps(stats()))
+    """, node.env())
+    assert result["kernel_launches"] == 500
+    assert result["token_requests"] == 0 and result["token_wait_ns"] == 0
+    assert result["frames_sent"] == 1                       # the hello, nothing per launch
+    assert read_activity_page(node.record)[2] == 0          # no activity written either
+
+
+def test_fast_path_sends_nothing_while_the_grant_is_valid(hooked: Hooked, node: Node) -> None:
+    result = hooked.python("""
+        lib = cuda()
+        context(lib)
+        lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)   # asks: never held
+        first = stats()
+        for _ in range(1000):
+            lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        print(json.dumps({"first": first, "then": stats()}))
+    """, node.env())
+    first, then = result["first"], result["then"]
+    assert read_token_page(node.record)[0] == GATE_TOKEN    # share 0.5: tokens needed
+    assert first["token_requests"] == 1
+    assert then["token_requests"] == 1 and then["frames_sent"] == first["frames_sent"]
+    assert then["kernel_launches"] == 1001
+    last_launch, _, launches = read_activity_page(node.record)
+    assert launches == 1001 and last_launch > 0
+
+
+FAST_PATH_PROGRAM = r"""
+    #include <stdio.h>
+    #include <unistd.h>
+    #include <sys/syscall.h>
+    #include "cuda_types.h"
+    CUresult cuInit(unsigned int);
+    CUresult cuCtxCreate_v2(CUcontext *, unsigned int, CUdevice);
+    CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, CUstream, void **, void **);
+    int main(void) {
+        CUcontext ctx;
+        cuInit(0);
+        cuCtxCreate_v2(&ctx, 0, 0);
+        cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);   /* the slow path: asks, is granted */
+        syscall(SYS_getuid);                               /* marker: the fast path starts */
+        for (int i = 0; i < 20000; i++) cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+        syscall(SYS_getgid);                              /* marker: the fast path ends */
+        return 0;
+    }
+"""
+
+
+def test_fast_path_makes_no_system_call_under_strace(
+        hooked: Hooked, node: Node, tmp_path: Path) -> None:
+    if shutil.which("strace") is None:
+        pytest.skip("strace is not installed")
+    program = compile_program(FAST_PATH_PROGRAM, tmp_path / "fast", hooked.fake,
+                              f"-L{hooked.fake}", "-lcuda")
+    trace = tmp_path / "trace"
+    proc = hooked.run(["strace", "-f", "-o", str(trace), str(program)], node.env())
+    if proc.returncode != 0 and "ptrace" in proc.stderr:
+        pytest.skip(f"strace cannot trace here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    lines = trace.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\d+ +getuid\(", line))
+    end = next(i for i, line in enumerate(lines) if re.match(r"\d+ +getgid\(", line))
+    between = [line for line in lines[start + 1:end] if "resumed" not in line]
+    assert between == [], f"system calls on the fast path: {between[:10]}"
+
+
+def test_a_contending_container_blocks_launches_until_it_releases(
+        hooked: Hooked, node: Node) -> None:
+    rival_record = node.allocate(0.5)
+    rival = Rival(rival_record)
+    loop = Loop(hooked, node.env(), 0.05)
+    try:
+        valid_until = rival.hold()
+        started = time.monotonic_ns()
+        assert valid_until > started                          # the rival holds it now
+        loop.go()
+        result = loop.result()
+        first_launch = result["returns"][0]
+        # Blocked until the rival's quota ended (it is revoked then: it never asks again).
+        assert first_launch >= valid_until
+        assert result["stats"]["token_wait_ns"] >= (valid_until - started) * 0.9
+        assert result["stats"]["token_requests"] >= 1
+    finally:
+        loop.kill()
+        rival.close()
+
+
+def switches(a: list[int], b: list[int]) -> int:
+    merged = sorted([(t, 0) for t in a] + [(t, 1) for t in b])
+    return sum(1 for x, y in itertools.pairwise(merged) if x[1] != y[1])
+
+
+@pytest.mark.parametrize("sync_each", [False, True], ids=["stream", "sync-each"])
+def test_two_containers_take_turns(hooked: Hooked, node: Node, sync_each: bool) -> None:
+    other = node.allocate(0.5)
+    first = Loop(hooked, node.env(), 0.8, sync_each)
+    second = Loop(hooked, node.env_of(other), 0.8, sync_each)
+    try:
+        first.go()
+        second.go()
+        a, b = first.result(), second.result()
+    finally:
+        first.kill()
+        second.kill()
+    ra, rb = a["returns"], b["returns"]
+    assert len(ra) > 100 and len(rb) > 100
+    # Exclusive turns: launches of the two alternate in blocks, one per grant (quotas are at
+    # least 20 ms), not launch by launch as two ungated loops would.
+    assert switches(ra, rb) <= 0.8 / 0.02 + 4, switches(ra, rb)
+    for stats in (a["stats"], b["stats"]):
+        assert stats["token_requests"] >= 2 and stats["token_wait_ns"] > 0
+        assert stats["ungated_launches"] == 0
+        if sync_each:
+            assert stats["syncs_observed"] >= 100 and stats["usage_reports"] >= 1
+    if sync_each:
+        assert read_activity_page(node.record)[1] > 0       # last_sync_ns written
+
+
+LAUNCH = "lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)"
+
+
+def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: Node) -> None:
+    rival = Rival(node.allocate(0.5))
+    proc = hooked.start(f"""
+        import sys
+        lib = cuda()
+        context(lib)
+        {LAUNCH}
+        print(json.dumps(stats()), flush=True)
+        sys.stdin.readline()
+        {LAUNCH}
+        print(json.dumps(stats()), flush=True)
+    """, node.env())
+    try:
+        granted = hooked.line(proc)
+        assert granted["token_requests"] == 1
+        assert read_token_page(node.record)[2] > time.monotonic_ns()   # it holds the token
+        rival.request()                                     # the rival waits for it...
+        rival.granted()                                     # ...and gets it once revoked
+        assert read_token_page(node.record)[2] == 0         # revoked: the page says so
+        after = hooked.line(proc, go=True)
+        assert after["token_requests"] == 2                 # the next launch asked again
+        assert after["token_wait_ns"] > granted["token_wait_ns"]
+    finally:
+        proc.kill()
+        proc.wait()
+        rival.close()
+
+
+def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: Node) -> None:
+    node.allocate(0.5)                                      # contended: quotas, not gate open
+    first = hooked.start(f"""
+        import sys
+        lib = cuda()
+        context(lib)
+        {LAUNCH}
+        print(json.dumps(stats()), flush=True)
+        sys.stdin.readline()
+    """, node.env())
+    try:
+        assert hooked.line(first)["token_requests"] == 1
+        second = hooked.python(f"""
+            lib = cuda()
+            context(lib)
+            for _ in range(200):
+                {LAUNCH}
+            print(json.dumps(stats()))
+        """, node.env())
+        assert second["kernel_launches"] == 200
+        assert second["token_requests"] == 0                # the page said: granted
+        assert second["frames_sent"] == 1                   # its own hello, nothing more
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: Node) -> None:
+    rival = Rival(node.allocate(0.5))
+    try:
+        rival.hold()
+        started = time.monotonic()
+        result = hooked.python("""
+            lib = cuda()
+            context(lib)
+            captured = ctypes.c_void_p(0x5eed)
+            lib.cuStreamBeginCapture_v2(captured, 0)
+            for _ in range(3):
+                lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, captured, None, None)
+            lib.cuStreamSynchronize(captured)
+            out = stats()
+            lib.cuStreamEndCapture(captured, ctypes.byref(ctypes.c_void_p()))
+            print(json.dumps(out))
+        """, node.env())
+        assert result["captured_launches"] == 3 and result["kernel_launches"] == 0
+        assert result["token_requests"] == 0 and result["syncs_observed"] == 0
+        assert time.monotonic() - started < 5
+    finally:
+        rival.close()
+
+
+def test_a_killed_daemon_leaves_the_program_running_ungated(hooked: Hooked, node: Node) -> None:
+    loop = Loop(hooked, node.env(GEMINI_HOOK_DAEMON_WAIT="0.3"), 1.0)
+    try:
+        loop.go()
+        time.sleep(0.3)
+        node.daemon.stop(signal.SIGKILL)
+        result = loop.result()
+    finally:
+        loop.kill()
+    assert len(result["returns"]) > 100
+    assert result["stats"]["ungated_launches"] > 0
+    assert "ungated" in result["stderr"]
+    assert result["stderr"].count("launches pass ungated") == 1     # warned once
+
+
+def test_a_forked_child_maps_its_own_pages_and_shares_the_grant(
+        hooked: Hooked, node: Node) -> None:
+    node.allocate(0.5)
+    result = hooked.python(f"""
+        lib = cuda()
+        context(lib)
+        {LAUNCH}
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            for _ in range(10):
+                {LAUNCH}
+            os.write(write, json.dumps(stats()).encode())
+            os._exit(0)
+        os.close(write)
+        child = json.loads(os.read(read, 8192))
+        os.waitpid(pid, 0)
+        print(json.dumps({{"child": child, "parent": stats()}}))
+    """, node.env())
+    child, parent = result["child"], result["parent"]
+    assert child["daemon_connects"] == parent["daemon_connects"] + 1   # its own hello
+    assert child["token_requests"] == parent["token_requests"] == 1    # no new request
+    assert child["kernel_launches"] == parent["kernel_launches"] + 10

@@ -1,0 +1,143 @@
+"""Tools for the token tests: a rival container speaking the wire protocol, page readers,
+and hooked programs that launch in loops and record when each launch returned."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.hook.conftest import PRELUDE, Hooked
+from vgpu_runtime import paths, wire
+from vgpu_runtime.allocation import AllocationRecord
+
+C = wire.const
+
+
+def read_token_page(record: AllocationRecord, gpu: int = 0) -> tuple[int, int, int]:
+    """(gate, generation, valid_until_ns) of the allocation's token page."""
+    data = (Path(record.channel_dir) / f"token.{gpu}").read_bytes()[:32]
+    _magic, _version, gate, _reserved, generation, valid_until = struct.unpack("<IIIIQq", data)
+    return gate, generation, valid_until
+
+
+def read_activity_page(record: AllocationRecord, gpu: int = 0) -> tuple[int, int, int]:
+    """(last_launch_ns, last_sync_ns, launches) the hooks wrote."""
+    data = (Path(record.channel_dir) / f"activity.{gpu}").read_bytes()[:32]
+    _magic, _version, last_launch, last_sync, launches = struct.unpack("<IIqqQ", data)
+    return last_launch, last_sync, launches
+
+
+class Rival:
+    """Another container's process, without CUDA: asks for the token over its own channel and,
+    once granted, says through its activity page that work is in flight, so the daemon lets it
+    keep the token for its whole quota (then revokes it, since it never asks again)."""
+
+    def __init__(self, record: AllocationRecord) -> None:
+        self.record = record
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(str(paths.channel_socket(record.channel_dir)))
+        self.seq = 0
+        hello = self._exchange(wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1))
+        assert hello.status == C("GM_OK")
+
+    def _send(self, frame: Any) -> None:
+        self.seq += 1
+        frame.h.seq = self.seq
+        self.sock.sendall(wire.encode(frame))
+
+    def _read(self) -> Any:
+        head = self._recv(wire.HEADER_SIZE)
+        header = wire.parse_header(head)
+        return wire.decode(head + self._recv(header.length - wire.HEADER_SIZE))
+
+    def _recv(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            assert chunk, "daemon closed the rival's connection"
+            data += chunk
+        return data
+
+    def _exchange(self, frame: Any) -> Any:
+        self._send(frame)
+        return self._read()
+
+    def request(self) -> None:
+        self._send(wire.new(C("GM_MSG_TOKEN_REQUEST"), gpu=0, burst_ns=-1, work_end_ns=-1))
+
+    def granted(self) -> int:
+        """Blocks for the grant; returns valid_until_ns and marks work in flight."""
+        grant = self._read()
+        assert wire.frame_type(grant) == C("GM_MSG_TOKEN_GRANT")
+        self.busy()
+        return int(grant.valid_until_ns)
+
+    def hold(self) -> int:
+        self.request()
+        return self.granted()
+
+    def busy(self) -> None:
+        path = Path(self.record.channel_dir) / "activity.0"
+        with open(path, "r+b") as page:
+            page.seek(8)
+            page.write(struct.pack("<qq", time.monotonic_ns(), -1))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+LOOP = """
+    import sys, time
+    lib = cuda()
+    context(lib)
+    seconds, sync_each = float(sys.argv[1]), sys.argv[2] == "1"
+    print("ready", flush=True)
+    sys.stdin.readline()
+    returns = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(0x77), None, None)
+        if sync_each:
+            lib.cuStreamSynchronize(ctypes.c_void_p(0x77))
+        returns.append(time.monotonic_ns())
+    print(json.dumps({"returns": returns, "stats": stats()}), flush=True)
+"""
+
+
+class Loop:
+    """A hooked process launching (and optionally synchronising) in a loop for `seconds`."""
+
+    def __init__(self, hooked: Hooked, env: dict[str, str], seconds: float,
+                 sync_each: bool = False) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(LOOP), str(seconds),
+             "1" if sync_each else "0"],
+            env=hooked.env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", self.proc.stderr.read() if self.proc.stderr else ""
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 30) -> dict[str, Any]:
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        result["stderr"] = err
+        return result
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -1,0 +1,441 @@
+/*
+ * token.c: the hook's side of GPU-time tokens (issue 4). See gemini_wire.h, above
+ * struct gm_token_page, for the contract with the daemon.
+ *
+ * Pages. Every hello maps <channel>/token.<i> read-only and <channel>/activity.<i> read-write
+ * for each GPU i of the allocation (once per process: a restarted daemon keeps the files'
+ * inodes; a forked child drops its parent's mappings and maps its own after its own hello).
+ * A missing page is waited for briefly (the daemon creates them with the channel).
+ *
+ * Fast path (gm_token_gate): gate OPEN -> launch. Else one acquire load of valid_until_ns and
+ * a vDSO clock_gettime(CLOCK_MONOTONIC); while now < valid_until_ns the launch goes, followed
+ * by relaxed stores into the activity page (last_launch_ns, launches) and a look at this
+ * GPU's small set of streams launched into. No system call, no lock. All processes of the
+ * container share the grant through the page.
+ *
+ * Slow path (token expired, revoked (valid_until_ns = 0) or never held): one thread per GPU
+ * per process asks; the others wait on a condition variable, not with requests of their own.
+ * The asking thread first settles the work of its last grant (below), then sends
+ * TOKEN_REQUEST {gpu, burst_ns, work_end_ns} and blocks on the socket for TOKEN_GRANT.
+ *
+ * Settling (GEMINI_HOOK_DRAIN):
+ * - `sync` (default): record an event (blocking-sync, no timing) on every stream this process
+ *   launched into since it last asked, and wait for them; work_end = the moment they are all
+ *   done. The previous quota's work never spills into the next holder's time, and the wait
+ *   yields the CPU. Cost: the GPU runs dry for this process between its quota's last kernel
+ *   and its next grant (one daemon round trip when it is granted again at once).
+ * - `report`: record the events and do not wait; they are queried when the process next asks,
+ *   and work_end = that moment if they are done by then (an upper bound, so it can only
+ *   lengthen the charge). Queued work may run into the next holder's quota, charged to this
+ *   process as overuse; no bubble for this process.
+ * Events go on the launch's own streams. A launch into the legacy default stream is drained
+ * with cuStreamSynchronize on it (sync) or left unmeasured (report); no event is ever recorded
+ * on it. A per-thread default stream is drained from the asking thread. Nothing is settled
+ * while any stream of the process captures (events would break a global-mode capture).
+ *
+ * Bursts: the first launch after a host synchronisation opens a burst, the next
+ * synchronisation that returns closes it (it also writes last_sync_ns to the activity page).
+ * Bursts less than 2 ms apart are merged; merged bursts go to the daemon as USAGE_REPORT at
+ * most every 100 ms (and the one in progress with them), never from the launch path. The
+ * longest recent burst is the burst_ns estimate of the next request. A workload that syncs
+ * after every launch is gated like any other: every launch checks the token.
+ *
+ * Daemon away (policy, GEMINI_HOOK_DAEMON_WAIT): the request waits for the daemon as memory
+ * calls do (backoff, up to GEMINI_HOOK_DAEMON_WAIT seconds, default 30, once). If it stays
+ * away, or no grant comes within GEMINI_HOOK_TOKEN_TIMEOUT seconds (default 30), launches on
+ * that GPU pass UNGATED for GEMINI_HOOK_UNGATED_RETRY seconds (default 1), then the next launch
+ * asks again (trying the daemon once, without waiting). A warning is logged once. The gate
+ * never deadlocks the application: GPU time fails open, memory fails closed.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gate.h"
+
+#define MAX_STREAMS 16
+#define MERGE_GAP_NS 2000000LL
+#define REPORT_INTERVAL_NS 100000000LL
+#define MAX_REPORTS 16
+#define PAGE_WAIT_NS 1000000000LL
+
+struct gpu_token {
+    const struct gm_token_page *page;      /* NULL until mapped (atomic pointer loads) */
+    struct gm_activity_page *activity;
+    _Atomic int64_t ungated_until;         /* daemon away: launches pass until then */
+    _Atomic uintptr_t streams[MAX_STREAMS]; /* own streams launched into since the last ask */
+    _Atomic int legacy_used;               /* a launch went to the legacy default stream */
+    _Atomic int64_t burst_start;           /* first launch after the last sync, or -1 */
+    pthread_mutex_t lock;                  /* slow path: one asker, the others wait */
+    pthread_cond_t cond;
+    int requesting;
+    CUevent pending[MAX_STREAMS];          /* report mode: events not yet seen complete */
+    int pending_count;
+    pthread_mutex_t burst_lock;            /* bursts: touched at synchronisations only */
+    int64_t merged_start, merged_end;
+    int64_t reports[MAX_REPORTS][2];
+    int report_count;
+    int64_t last_report, last_burst_ns;
+};
+
+static struct gpu_token gpus[GM_MAX_GPUS];
+static _Atomic int gpu_count = -1;
+static _Atomic int64_t no_daemon_until;   /* no hello at all: launches pass until then */
+static pid_t pages_pid;
+static _Atomic int warned;
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static double env_seconds(const char *name, double fallback) {
+    const char *text = getenv(name);
+    if (text == NULL || text[0] == '\0') return fallback;
+    char *end;
+    double value = strtod(text, &end);
+    return *end == '\0' && value >= 0 ? value : fallback;
+}
+
+static int drain_by_sync(void) {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *text = getenv("GEMINI_HOOK_DRAIN");
+        mode = text == NULL || strcmp(text, "report") != 0;
+        if (text != NULL && strcmp(text, "report") != 0 && strcmp(text, "sync") != 0)
+            gm_warn("GEMINI_HOOK_DRAIN=%s is neither sync nor report; using sync", text);
+    }
+    return mode;
+}
+
+static __attribute__((constructor)) void init_state(void) {
+    for (int i = 0; i < GM_MAX_GPUS; i++) {
+        pthread_mutex_init(&gpus[i].lock, NULL);
+        pthread_cond_init(&gpus[i].cond, NULL);
+        pthread_mutex_init(&gpus[i].burst_lock, NULL);
+        atomic_store(&gpus[i].burst_start, -1);
+        gpus[i].merged_start = gpus[i].last_burst_ns = -1;
+    }
+}
+
+/* ---- pages ---- */
+
+static void *map_page(const char *dir, const char *name, int gpu, int writable) {
+    char path[4096];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s.%d", dir, name, gpu) >= sizeof path)
+        return NULL;
+    int64_t give_up = now_ns() + PAGE_WAIT_NS;
+    for (;;) {
+        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
+        if (fd >= 0) {
+            void *page = mmap(NULL, GM_PAGE_BYTES, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                              MAP_SHARED, fd, 0);
+            close(fd);
+            return page == MAP_FAILED ? NULL : page;
+        }
+        if (errno != ENOENT || now_ns() >= give_up) return NULL;
+        struct timespec pause = {0, 10000000L};
+        nanosleep(&pause, NULL);
+    }
+}
+
+void gm_token_map_pages(const char *dir, int count) {
+    if (pages_pid == getpid() && atomic_load(&gpu_count) == count) return;
+    for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
+        struct gpu_token *g = &gpus[i];
+        const struct gm_token_page *page = map_page(dir, "token", i, 0);
+        struct gm_activity_page *activity = map_page(dir, "activity", i, 1);
+        if (page != NULL && page->magic != GM_TOKEN_PAGE_MAGIC) {
+            munmap((void *)page, GM_PAGE_BYTES);
+            page = NULL;
+        }
+        if (page == NULL || activity == NULL) {
+            gm_warn("no token pages for gpu %d in %s: its launches are not gated", i, dir);
+            if (page != NULL) munmap((void *)page, GM_PAGE_BYTES);
+            if (activity != NULL) munmap(activity, GM_PAGE_BYTES);
+            continue;
+        }
+        __atomic_store_n(&g->activity, activity, __ATOMIC_RELEASE);
+        __atomic_store_n(&g->page, page, __ATOMIC_RELEASE);
+    }
+    pages_pid = getpid();
+    atomic_store(&gpu_count, count);
+}
+
+void gm_token_after_fork_child(void) {
+    for (int i = 0; i < GM_MAX_GPUS; i++) {
+        struct gpu_token *g = &gpus[i];
+        if (g->page != NULL) munmap((void *)g->page, GM_PAGE_BYTES);
+        if (g->activity != NULL) munmap(g->activity, GM_PAGE_BYTES);
+        g->page = NULL;
+        g->activity = NULL;
+        pthread_mutex_init(&g->lock, NULL);
+        pthread_cond_init(&g->cond, NULL);
+        pthread_mutex_init(&g->burst_lock, NULL);
+        g->requesting = 0;
+        g->pending_count = 0;   /* the parent's events are not the child's */
+        g->report_count = 0;
+        g->merged_start = -1;
+        atomic_store(&g->ungated_until, 0);
+        atomic_store(&g->burst_start, -1);
+        atomic_store(&g->legacy_used, 0);
+        for (int s = 0; s < MAX_STREAMS; s++) atomic_store(&g->streams[s], 0);
+    }
+    atomic_store(&gpu_count, -1);
+    atomic_store(&no_daemon_until, 0);
+    pages_pid = 0;
+}
+
+/* ---- settling the last grant's work ---- */
+
+static int take_streams(struct gpu_token *g, CUstream out[MAX_STREAMS]) {
+    int n = 0;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        uintptr_t s = atomic_exchange_explicit(&g->streams[i], 0, memory_order_relaxed);
+        if (s != 0) out[n++] = (CUstream)s;
+    }
+    return n;
+}
+
+/* -1 when unknown. */
+static int64_t settle(struct gpu_token *g) {
+    if (gm_capture_open()) return -1;
+    CUstream streams[MAX_STREAMS];
+    int n = take_streams(g, streams);
+    int legacy = atomic_exchange(&g->legacy_used, 0);
+    int64_t started = now_ns();
+    if (drain_by_sync()) {
+        if (n == 0 && !legacy) return -1;
+        for (int i = 0; i < n; i++) {
+            CUevent event;
+            if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
+                CUDA_SUCCESS)
+                continue;
+            if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
+                GM_REAL(cuEventSynchronize)(event);
+            GM_REAL(cuEventDestroy_v2)(event);
+        }
+        if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
+        int64_t end = now_ns();
+        GM_COUNT(drain_ns, (uint64_t)(end - started));
+        return end;
+    }
+    /* report: what was recorded last time, if done by now, ended by now (an upper bound) */
+    int64_t work_end = -1;
+    if (g->pending_count > 0) {
+        int done = 1;
+        for (int i = 0; i < g->pending_count; i++)
+            done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
+        if (done) {
+            work_end = now_ns();
+            for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
+            g->pending_count = 0;
+        }
+    }
+    for (int i = 0; i < n && g->pending_count < MAX_STREAMS; i++) {
+        CUevent event;
+        if (GM_REAL(cuEventCreate)(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) continue;
+        if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
+            g->pending[g->pending_count++] = event;
+        else
+            GM_REAL(cuEventDestroy_v2)(event);
+    }
+    return work_end;
+}
+
+/* ---- bursts ---- */
+
+static int64_t burst_estimate(struct gpu_token *g) {
+    pthread_mutex_lock(&g->burst_lock);
+    int64_t estimate = g->last_burst_ns;
+    if (g->merged_start >= 0 && g->merged_end - g->merged_start > estimate)
+        estimate = g->merged_end - g->merged_start;
+    pthread_mutex_unlock(&g->burst_lock);
+    return estimate > 0 ? estimate : -1;
+}
+
+static int gpu_now(void) {
+    int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
+    if (n == 1) return 0;
+    if (n <= 0) return -1;
+    int gpu = gm_current_gpu(NULL);
+    return gpu < n ? gpu : -1;
+}
+
+void gm_sync_observed(void) {
+    if (!gm_active() || gm_capture_open()) return;
+    int gpu = gpu_now();
+    if (gpu < 0) return;
+    struct gpu_token *g = &gpus[gpu];
+    struct gm_activity_page *activity = __atomic_load_n(&g->activity, __ATOMIC_ACQUIRE);
+    if (activity == NULL) return;
+    int64_t end = now_ns();
+    __atomic_store_n(&activity->last_sync_ns, end, __ATOMIC_RELAXED);
+    int64_t start = atomic_exchange(&g->burst_start, -1);
+    GM_COUNT(syncs_observed, 1);
+    if (start < 0) return;   /* nothing launched since the last synchronisation */
+    int64_t to_send[MAX_REPORTS][2];
+    int sending = 0;
+    pthread_mutex_lock(&g->burst_lock);
+    if (g->merged_start >= 0 && start - g->merged_end < MERGE_GAP_NS) {
+        g->merged_end = end;
+    } else {
+        if (g->merged_start >= 0 && g->report_count < MAX_REPORTS) {
+            g->reports[g->report_count][0] = g->merged_start;
+            g->reports[g->report_count++][1] = g->merged_end;
+            g->last_burst_ns = g->merged_end - g->merged_start;
+        }
+        g->merged_start = start;
+        g->merged_end = end;
+    }
+    if (end - g->last_report >= REPORT_INTERVAL_NS) {
+        /* the burst in progress goes too; the daemon merges its continuation with it */
+        if (g->report_count < MAX_REPORTS) {
+            g->reports[g->report_count][0] = g->merged_start;
+            g->reports[g->report_count++][1] = g->merged_end;
+        }
+        if (g->merged_end - g->merged_start > g->last_burst_ns)
+            g->last_burst_ns = g->merged_end - g->merged_start;
+        g->merged_start = -1;
+        memcpy(to_send, g->reports, sizeof to_send);
+        sending = g->report_count;
+        g->report_count = 0;
+        g->last_report = end;
+    }
+    pthread_mutex_unlock(&g->burst_lock);
+    for (int i = 0; i < sending; i++) {
+        struct gm_usage_report report = {.gpu = (uint32_t)gpu, .burst_start_ns = to_send[i][0],
+                                          .burst_end_ns = to_send[i][1]};
+        report.h.type = GM_MSG_USAGE_REPORT;
+        report.h.length = sizeof report;
+        if (gm_channel_notify(&report) == 0) GM_COUNT(usage_reports, 1);
+    }
+}
+
+/* ---- the gate ---- */
+
+static void warn_ungated(const char *why) {
+    if (!atomic_exchange(&warned, 1))
+        gm_warn("%s: launches pass ungated for now (GPU time fails open; see "
+                "GEMINI_HOOK_DAEMON_WAIT, GEMINI_HOOK_TOKEN_TIMEOUT)", why);
+}
+
+static int64_t ungated_for(void) {
+    return (int64_t)(env_seconds("GEMINI_HOOK_UNGATED_RETRY", 1.0) * 1e9);
+}
+
+static int slow_path(int gpu) {
+    struct gpu_token *g = &gpus[gpu];
+    int64_t entered = now_ns();
+    int result = -1;
+    pthread_mutex_lock(&g->lock);
+    for (;;) {
+        int64_t now = now_ns();
+        const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
+        if (page != NULL && __atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) break;
+        if (page != NULL && now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
+            result = gpu;
+            break;
+        }
+        if (now < atomic_load(&g->ungated_until)) break;
+        if (g->requesting) {   /* another thread of this process asks for all of them */
+            pthread_cond_wait(&g->cond, &g->lock);
+            continue;
+        }
+        g->requesting = 1;
+        pthread_mutex_unlock(&g->lock);
+        int64_t work_end = settle(g);
+        struct gm_token_grant grant;
+        GM_COUNT(token_requests, 1);
+        int rc = gm_channel_token((uint32_t)gpu, burst_estimate(g), work_end, &grant,
+                                  env_seconds("GEMINI_HOOK_TOKEN_TIMEOUT", 30.0));
+        pthread_mutex_lock(&g->lock);
+        g->requesting = 0;
+        pthread_cond_broadcast(&g->cond);
+        if (rc == 0) {
+            result = gpu;   /* granted: this launch goes, later ones check the page */
+            break;
+        }
+        if (rc == -2) GM_COUNT(token_timeouts, 1);
+        atomic_store(&g->ungated_until, now_ns() + ungated_for());
+        warn_ungated(rc == -2 ? "no token grant in time" : "the node daemon is away");
+        break;
+    }
+    pthread_mutex_unlock(&g->lock);
+    GM_COUNT(token_wait_ns, (uint64_t)(now_ns() - entered));
+    return result;
+}
+
+int gm_token_gate(void) {
+    int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
+    if (n < 0) {
+        int64_t now = now_ns();
+        if (now < atomic_load_explicit(&no_daemon_until, memory_order_relaxed)) {
+            GM_COUNT(ungated_launches, 1);
+            return -1;
+        }
+        if (gm_channel_ensure(1) < 0) {
+            atomic_store(&no_daemon_until, now_ns() + ungated_for());
+            warn_ungated("the node daemon is away");
+            GM_COUNT(ungated_launches, 1);
+            return -1;
+        }
+    }
+    int gpu = gpu_now();
+    if (gpu < 0) return -1;   /* no context or a device outside the allocation: the driver says */
+    struct gpu_token *g = &gpus[gpu];
+    const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
+    if (page != NULL) {
+        if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
+        int64_t now = now_ns();
+        if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) return gpu;
+        if (now < atomic_load_explicit(&g->ungated_until, memory_order_relaxed)) {
+            GM_COUNT(ungated_launches, 1);
+            return -1;
+        }
+    } else if (now_ns() < atomic_load_explicit(&g->ungated_until, memory_order_relaxed)) {
+        GM_COUNT(ungated_launches, 1);
+        return -1;
+    }
+    int result = slow_path(gpu);
+    if (result < 0 && __atomic_load_n(&g->page, __ATOMIC_ACQUIRE) == NULL)
+        atomic_store(&g->ungated_until, now_ns() + ungated_for());
+    return result;
+}
+
+void gm_token_launched(int gpu, const struct gm_launch *launch, int64_t at) {
+    struct gpu_token *g = &gpus[gpu];
+    struct gm_activity_page *activity = __atomic_load_n(&g->activity, __ATOMIC_RELAXED);
+    if (activity != NULL) {
+        __atomic_store_n(&activity->last_launch_ns, at, __ATOMIC_RELAXED);
+        __atomic_store_n(&activity->launches,
+                         __atomic_load_n(&activity->launches, __ATOMIC_RELAXED) + 1,
+                         __ATOMIC_RELAXED);   /* advisory: a lost increment harms nobody */
+    }
+    if (atomic_load_explicit(&g->burst_start, memory_order_relaxed) < 0)
+        atomic_store_explicit(&g->burst_start, at, memory_order_relaxed);
+    CUstream stream = launch->stream;
+    if (stream == NULL) stream = launch->per_thread ? CU_STREAM_PER_THREAD : CU_STREAM_LEGACY;
+    if (stream == CU_STREAM_LEGACY) {
+        if (!atomic_load_explicit(&g->legacy_used, memory_order_relaxed))
+            atomic_store_explicit(&g->legacy_used, 1, memory_order_relaxed);
+        return;
+    }
+    uintptr_t value = (uintptr_t)stream;
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        uintptr_t seen = atomic_load_explicit(&g->streams[i], memory_order_relaxed);
+        if (seen == value) return;
+        if (seen == 0 && (atomic_compare_exchange_strong_explicit(
+                              &g->streams[i], &seen, value, memory_order_relaxed,
+                              memory_order_relaxed) ||
+                          seen == value))
+            return;
+    }
+    /* more than MAX_STREAMS streams in one quota: the rest go unmeasured */
+}
