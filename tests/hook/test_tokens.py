@@ -273,3 +273,43 @@ def test_a_forked_child_maps_its_own_pages_and_shares_the_grant(
     assert child["daemon_connects"] == parent["daemon_connects"] + 1   # its own hello
     assert child["token_requests"] == parent["token_requests"] == 1    # no new request
     assert child["kernel_launches"] == parent["kernel_launches"] + 10
+
+
+@pytest.mark.parametrize("drain", ["sync", "report"])
+def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
+        hooked: Hooked, node: Node, drain: str) -> None:
+    rival = Rival(node.allocate(0.5))
+    proc = hooked.start("""
+        import sys
+        lib = cuda()
+        context(lib)
+        for stream in (0x77, 0x78, 0x77, None):
+            lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream), None, None)
+        print(json.dumps({}), flush=True)
+        sys.stdin.readline()
+        lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(0x77), None, None)
+        names = ["cuEventRecord", "cuEventSynchronize", "cuEventQuery", "cuStreamSynchronize"]
+        lib.fake_cuda_events_live.restype = ctypes.c_ulong
+        print(json.dumps({"calls": {n: calls(lib, n) for n in names},
+                          "events_live": lib.fake_cuda_events_live(), "stats": stats()}),
+              flush=True)
+    """, node.env(GEMINI_HOOK_DRAIN=drain))
+    try:
+        hooked.line(proc)
+        rival.request()
+        rival.granted()                                    # the process's grant was revoked
+        after = hooked.line(proc, go=True)
+        calls = after["calls"]
+        assert calls["cuEventRecord"] == 2                 # streams 0x77 and 0x78, once each
+        if drain == "sync":
+            assert calls["cuEventSynchronize"] == 2
+            assert calls["cuStreamSynchronize"] == 1       # the legacy stream: drained, no event
+            assert after["events_live"] == 0
+            assert after["stats"]["drain_ns"] > 0
+        else:
+            assert calls["cuEventSynchronize"] == 0 and calls["cuStreamSynchronize"] == 0
+            assert after["events_live"] == 2               # kept, queried when it next asks
+    finally:
+        proc.kill()
+        proc.wait()
+        rival.close()
