@@ -37,7 +37,7 @@ from typing import Any
 import pytest
 
 from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
-from tests.gpu.daemon import NodeDaemon, python_path
+from tests.childenv import python_path
 from tests.gpu.replay import (
     ReplayError,
     created_mount_points,
@@ -249,7 +249,7 @@ class ReplayNode:
     def admit(self, simulate_gpus: int) -> tuple[Admitted, DaemonProcess]:
         """A pod of SLICES admitted by the real plugin, then the daemon serving its channel."""
         admitted = asyncio.run(_admit(self.root, self.hook_dir, simulate_gpus))
-        daemon = self.daemon = NodeDaemon(self.root / "state").wait_ready()
+        daemon = self.daemon = DaemonProcess(self.root / "state").wait_ready()
         wait_served(admitted.record, timeout=10)
         return admitted, daemon
 

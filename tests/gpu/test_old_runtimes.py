@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.daemon import NodeDaemon, python_path
+from tests.childenv import python_path
+from tests.scheduler.helpers import DaemonProcess
 from vgpu_runtime import allocation, hooklib
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ def run_probe(major: int, library: Path, root: Path) -> tuple[dict[str, Any], di
     """cudart_probe under gemini-run --memory 8GiB; returns its report and the exit stats."""
     state = root / "state"
     state.mkdir()
-    daemon = NodeDaemon(state).wait_ready()  # gemini-run finds it and starts none
+    daemon = DaemonProcess(state).wait_ready()  # gemini-run finds it and starts none
     stats_file = root / "stats"
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GEMINI_") and k not in ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")}

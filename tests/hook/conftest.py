@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from device_plugin.discovery.simulated import simulated_uuid
+from tests.childenv import python_path
 from tests.fakecuda.builder import build_fake_driver
 from tests.scheduler.helpers import DaemonProcess, make_record, wait_served
 from vgpu_runtime.allocation import AllocationRecord
@@ -51,7 +52,7 @@ class Hooked:
     def env(self, extra: Mapping[str, str] | None = None, preload: bool = True) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GEMINI_", "FAKE_"))}
         env["LD_LIBRARY_PATH"] = str(self.fake)
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = python_path()
         env["GEMINI_TEST_HOOK"] = str(self.hook)
         if preload:
             env["LD_PRELOAD"] = str(self.hook)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from tests.childenv import child_env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _event_numbers = itertools.count()
 
@@ -48,8 +50,7 @@ class PluginProcess:
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        env = child_env()
         self.process = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=self._log, stderr=self._log,
             cwd=REPO_ROOT, env=env)

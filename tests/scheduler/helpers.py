@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tests.childenv import child_env
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.scheduler import client
@@ -72,7 +72,7 @@ class DaemonProcess:
             [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir),
              "--poll-interval", "0.05", "--log-format", "json", *extra],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+            env=child_env())
 
     def wait_ready(self, timeout: float = 10.0) -> DaemonProcess:
         def ready() -> bool:

@@ -1,0 +1,19 @@
+"""Environment for the real processes the tests start (daemons, plugins, gemini-run)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def python_path(base: Mapping[str, str] | None = None) -> str:
+    """The repository first, then whatever was there (the GPU machine carries cffi in it)."""
+    inherited = (os.environ if base is None else base).get("PYTHONPATH")
+    return os.pathsep.join(filter(None, [str(REPO), inherited]))
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": python_path(), **extra}
