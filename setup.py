@@ -14,7 +14,8 @@ HERE = Path(__file__).parent
 
 
 def _hook_builder():
-    spec = importlib.util.spec_from_file_location("_gemini_hook_build", HERE / "vgpu_runtime/hook/build.py")
+    spec = importlib.util.spec_from_file_location(
+        "_gemini_hook_build", HERE / "vgpu_runtime/hook/build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,8 +26,6 @@ class BuildWithHook(build_py):
         super().run()
         out_dir = Path(self.build_lib) / "vgpu_runtime" / "lib"
         _hook_builder().build_library(out_dir)
-
-
 
 
 setup(cmdclass={"build_py": BuildWithHook})
