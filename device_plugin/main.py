@@ -21,6 +21,7 @@ from device_plugin.discovery import Backend, DiscoveryError
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, recheck_forever
+from device_plugin.healthfile import publish_health
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
@@ -45,6 +46,7 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
     table = SliceTable(gpus, config.slices_per_gpu)
     tracker = HealthTracker((g.uuid for g in gpus), config.ignored_xids,
                             config.recovery_quiet_period)
+    publish_health(config.state_dir, tracker)   # for the node daemon's telemetry
     allocator = Allocator(config, table, tracker)
     devices = DeviceList(table, tracker)
     service = DevicePluginService(devices, allocator, config.placement)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,8 @@ SOCKET_MODE = 0o666
 
 class AllocationChannel:
     def __init__(self, record: AllocationRecord, grants: tuple[GpuGrant, ...],
-                 tokens: TokenService) -> None:
+                 tokens: TokenService, bind_timeout: Callable[[], float] = lambda: 0.0,
+                 want_binding: Callable[[], None] = lambda: None) -> None:
         self.record = record
         self.grants = grants
         self.tokens = tokens
@@ -56,6 +58,31 @@ class AllocationChannel:
         self._server: asyncio.AbstractServer | None = None
         self._created_dir = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self.memory_refusals = [0] * len(grants)
+        # A kubelet allocation is bound once its record names its pod (pods.py writes it, with
+        # the pod's annotations applied); until then a hello may wait (see `wait_bound`).
+        self.bound = asyncio.Event()
+        if not needs_binding(record):
+            self.bound.set()
+        self.bind_timeout = bind_timeout
+        self.want_binding = want_binding
+        self.bind_waiting = 0
+
+    async def wait_bound(self) -> bool:
+        """Wait (bounded by `bind_timeout`) until the pod is known; True if it is."""
+        timeout = self.bind_timeout()
+        if self.bound.is_set() or timeout <= 0:
+            return self.bound.is_set()
+        self.bind_waiting += 1
+        self.want_binding()
+        try:
+            await asyncio.wait_for(self.bound.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("pod not known in time; the defaults hold", extra={
+                "allocation": self.record.id, "waited_s": timeout})
+        finally:
+            self.bind_waiting -= 1
+        return self.bound.is_set()
 
     async def start(self) -> None:
         """Bind the socket; raises RecordError when the record's channel cannot be served."""
@@ -176,8 +203,11 @@ class AllocationChannel:
             elif old.limit != new.limit:
                 gpu.set_limit(record.id, new.limit)
         self.record, self.grants = record, grants
+        if not needs_binding(record):
+            self.bound.set()
         log.info("allocation updated", extra={"allocation": record.id,
-                                              "limits": [g.limit for g in grants]})
+                                              "limits": [g.limit for g in grants],
+                                              "memory_limits": [g.memory_limit for g in grants]})
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -232,7 +262,14 @@ class AllocationChannel:
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
                       "share_ppm": grant.share_ppm, "limit_ppm": grant.limit_ppm,
                       "limit": grant.limit,
-                      "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i)}
+                      "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
+                      "memory_refusals": self.memory_refusals[i]}
                      for i, (g, grant) in enumerate(zip(record.gpus, self.grants, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
+            "bound": self.bound.is_set(),
         }
+
+
+def needs_binding(record: AllocationRecord) -> bool:
+    """Only kubelet allocations have a pod to find; gemini-run's need none."""
+    return record.origin == "kubelet" and record.pod is None

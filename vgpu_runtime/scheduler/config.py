@@ -9,11 +9,27 @@ own additions are what they are:
 * `idle_release` (2 ms): the Gemini burst-merge gap. Launches less than that apart belong to one
   burst, so a holder whose last burst ended with a host sync and that launched nothing for that
   long has finished its burst; keeping the token longer only makes a waiting tenant wait.
+
+Pod awareness and telemetry (issue 5):
+
+* `bind_timeout` (5 s): how long a kubelet allocation's HELLO waits for its pod to be known
+  (PodResources, then the pod's annotations), so that per-pod limits hold from the first CUDA
+  call. Below the hook's 10 s I/O timeout; past it the defaults hold and binding goes on.
+* `pod_resources_min_interval` (0.1 s): kubelet rate-limits PodResources (about 100 qps, burst
+  10); the daemon asks on demand, never more often than this, and every
+  `pod_resources_interval` (5 s) to notice ended pods.
+* `collect_grace` (60 s): an allocation whose pod has been absent from every successful,
+  non-empty List this long is collected. A failed or empty List (kubelet restarting) proves
+  nothing and restarts the clock.
+* `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
+  second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 from dataclasses import dataclass
 
 from vgpu_runtime import paths
@@ -21,6 +37,12 @@ from vgpu_runtime.burst.scheduler import SchedulerConfig as AlgorithmConfig
 from vgpu_runtime.common import config as cfg
 
 _ALGORITHM = AlgorithmConfig()
+MAX_SLICES_PER_GPU = 1000   # the plugin's bound (device_plugin.config)
+
+
+def default_node_name() -> str:
+    """The Downward API's NODE_NAME in the DaemonSet; the host name elsewhere."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
 LIMIT_POLICIES = ("work-conserving", "strict")
 
 
@@ -62,6 +84,58 @@ class SchedulerConfig:
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
+    # ---- pod awareness (issue 5) ----
+    node_name: str = cfg.setting(
+        default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "
+        "name)", cfg.text, "NAME")
+    pod_resources_socket: str = cfg.setting(
+        paths.DEFAULT_POD_RESOURCES_SOCKET, "kubelet PodResources socket", cfg.text, "PATH")
+    pod_resources_interval: float = cfg.setting(
+        5.0, "seconds between PodResources Lists that look for ended pods",
+        cfg.number(0.05, 3600), "SECONDS")
+    pod_resources_min_interval: float = cfg.setting(
+        0.1, "shortest time between two PodResources Lists (kubelet rate-limits the API)",
+        cfg.number(0.0, 60), "SECONDS")
+    bind_timeout: float = cfg.setting(
+        5.0, "seconds a kubelet allocation's hello waits for its pod to be known (0 = never "
+        "waits)", cfg.number(0.0, 60), "SECONDS")
+    collect_grace: float = cfg.setting(
+        60.0, "seconds a pod must be absent from PodResources before its allocation is "
+        "collected", cfg.number(0.0, 86400), "SECONDS")
+    kubernetes: bool = cfg.setting(
+        False, "use the Kubernetes API (in-cluster config): pod annotations, Events, node "
+        "labels", cfg.boolean, "BOOL")
+    kube_api_url: str | None = cfg.setting(
+        None, "Kubernetes API URL instead of the in-cluster config (tests, debugging)",
+        cfg.optional(cfg.text), "URL")
+    kubeconfig: str | None = cfg.setting(
+        None, "kubeconfig file instead of the in-cluster config", cfg.optional(cfg.text), "FILE")
+    node_label_interval: float = cfg.setting(
+        300.0, "seconds between checks of this node's gemini.ai labels",
+        cfg.number(0.05, 86400), "SECONDS")
+    slices_per_gpu: int = cfg.setting(
+        10, "slices each GPU is advertised as (the plugin's setting of the same name)",
+        cfg.integer(1, MAX_SLICES_PER_GPU), "N")
+    simulate_gpus: int = cfg.setting(
+        0, "simulated GPUs for labels and metrics instead of NVML (the plugin's setting)",
+        cfg.integer(0, 256), "N")
+    simulate_model: str = cfg.setting(
+        "Simulated NVIDIA H200", "model name of simulated GPUs", cfg.text, "NAME")
+    # ---- telemetry ----
+    metrics_port: int = cfg.setting(
+        9401, "HTTP port of /metrics, /healthz and /readyz (0 = off)", cfg.integer(0, 65535),
+        "PORT")
+    metrics_address: str = cfg.setting(
+        "0.0.0.0", "address the metrics port listens on", cfg.text, "ADDRESS")
+    mqtt_url: str | None = cfg.setting(
+        None, "MQTT broker, mqtt://host[:port] (empty = no MQTT)", cfg.optional(cfg.text), "URL")
+    mqtt_topic_prefix: str = cfg.setting(
+        "gemini", "first level of every MQTT topic", cfg.text, "PREFIX")
+    mqtt_interval: float = cfg.setting(
+        5.0, "seconds between MQTT usage snapshots", cfg.number(0.05, 3600), "SECONDS")
+    mqtt_queue: int = cfg.setting(
+        1000, "MQTT messages kept while the broker is away (the oldest are dropped)",
+        cfg.integer(1, 1_000_000), "N")
     log_level: str = cfg.setting(
         "info", "log level", cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = cfg.setting("json", "log format", cfg.choice("json", "text"), "FORMAT")
@@ -79,6 +153,13 @@ class SchedulerConfig:
         if self.max_quota >= self.window:
             raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
                                   f"({self.window})")
+        if self.mqtt_url:
+            from vgpu_runtime.scheduler.mqtt import parse_broker_url
+
+            try:
+                parse_broker_url(self.mqtt_url)
+            except ValueError as err:
+                raise cfg.ConfigError(f"mqtt_url: {err}") from None
 
     def limit_for(self, record_limit: float | None, request: float) -> float:
         """The cap on one allocation's share of one GPU: its own, else the policy's."""

@@ -155,6 +155,9 @@ class Session(Waiter):
         if frame.proto_version != wire.VERSION:
             raise ProtocolError(C("GM_ERR_BAD_VERSION"), f"hook speaks protocol "
                                 f"{frame.proto_version}, this daemon {wire.VERSION}")
+        if not self.channel.bound.is_set():
+            # Per-pod limits must hold from the first CUDA call: wait (bounded) for the pod.
+            await self.channel.wait_bound()
         self.hello_pid = int(frame.pid)
         grants = self.channel.grants
         reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, status=C("GM_OK"),
@@ -191,6 +194,8 @@ class Session(Waiter):
         except LedgerError as err:
             raise ProtocolError(C("GM_ERR_MALFORMED"), str(err)) from None
         if not result.granted:
+            if msg_type == MSG_RESERVE:
+                self.channel.memory_refusals[gpu] += 1
             log.info("over memory limit", extra=self._log_fields(
                 gpu=gpu, kind=KIND_NAMES[kind], bytes=nbytes, used=result.used,
                 limit=result.limit, applied=msg_type == MSG_SET))

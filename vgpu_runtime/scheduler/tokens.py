@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
+# Upper bounds (seconds) of the token-wait histogram buckets (Prometheus `le`), +Inf implied.
+WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                2.5, 5.0)
 MIN_TIMER_DELAY = 0.00005   # a deadline already passed is retried this soon, never in a spin
 
 
@@ -60,6 +63,25 @@ class Waiter:
 
 
 @dataclass
+class WaitHistogram:
+    """Token waits of one tenant on one GPU: per-bucket counts (not cumulative), sum, count."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(WAIT_BUCKETS) if seconds <= bound),
+                     len(WAIT_BUCKETS))
+        self.counts[index] += 1
+        self.total += seconds
+        self.count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"bounds": list(WAIT_BUCKETS), "counts": list(self.counts),
+                "sum": self.total, "count": self.count}
+
+
+@dataclass
 class TenantSlot:
     """One allocation on one GPU: its pages, its connections waiting for the token."""
     allocation_id: str
@@ -68,6 +90,8 @@ class TenantSlot:
     activity: ActivityPage
     ledger: MemoryLedger
     waiters: dict[Waiter, int] = field(default_factory=dict)   # connection -> seq to echo
+    wait_started: float | None = None    # when its oldest unanswered request came in
+    waits: WaitHistogram = field(default_factory=WaitHistogram)
 
 
 class GpuTokens:
@@ -129,6 +153,8 @@ class GpuTokens:
             waiter.send_grant(seq, slot.index, holder.generation, to_ns(holder.expires_at))
             return
         slot.waiters[waiter] = seq
+        if slot.wait_started is None:
+            slot.wait_started = now
         self.scheduler.request(allocation_id, now, burst_hint, work_end)
         self._publish(now)
 
@@ -146,6 +172,8 @@ class GpuTokens:
         if slot is None:
             return
         slot.waiters.pop(waiter, None)
+        if not slot.waiters:
+            slot.wait_started = None
         holder = self.scheduler.holder
         if last and holder is not None and holder.tenant == allocation_id:
             log.info("token holder gone; passing the token on",
@@ -185,6 +213,9 @@ class GpuTokens:
         self._idle_backoff = self.config.idle_release
         self._cancel_idle_check()   # a pending check was about the previous holder
         waiters, slot.waiters = slot.waiters, {}
+        if slot.wait_started is not None:
+            slot.waits.observe(max(0.0, self.clock() - slot.wait_started))
+            slot.wait_started = None
         for waiter, seq in waiters.items():
             waiter.send_grant(seq, slot.index, grant.generation, valid_until)
         log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
@@ -301,6 +332,7 @@ class GpuTokens:
                 "revocations": view.revocations,
                 "memory_used": slot.ledger.used(slot.index),
                 "memory_limit": slot.ledger.limit(slot.index),
+                "waits": slot.waits.snapshot(),
             })
         return {
             "uuid": self.uuid,

@@ -1,0 +1,60 @@
+"""<state-dir>/health.json: the plugin's view of GPU health, for the node daemon's telemetry.
+
+    {"GPU-...": {"healthy": true, "reason": ""}, ...}
+
+Written atomically (temporary file, fsync, rename) after every health change and at start, so
+the daemon reads the old file or the new one, never half of one. The plugin is the only writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from device_plugin.health import HealthTracker
+
+log = logging.getLogger(__name__)
+
+HEALTH_FILE_NAME = "health.json"
+
+
+def health_file(state_dir: str | Path) -> Path:
+    return Path(state_dir) / HEALTH_FILE_NAME
+
+
+def health_document(tracker: HealthTracker) -> dict[str, dict[str, object]]:
+    return {uuid: {"healthy": tracker.state(uuid).healthy, "reason": tracker.state(uuid).reason}
+            for uuid in tracker.all_uuids()}
+
+
+def write_health(state_dir: str | Path, tracker: HealthTracker) -> None:
+    """Never raises: health reaches kubelet through ListAndWatch whatever happens to this file."""
+    target = health_file(state_dir)
+    payload = json.dumps(health_document(tracker), sort_keys=True).encode()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".health.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        log.warning("cannot write health file", extra={"path": str(target), "error": str(err)})
+        return
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        log.warning("cannot write health file", extra={"path": str(target), "error": str(err)})
+
+
+def publish_health(state_dir: str | Path, tracker: HealthTracker) -> None:
+    """Write the file now and after every change of any GPU's health."""
+    write_health(state_dir, tracker)
+    tracker.on_change(lambda: write_health(state_dir, tracker))

@@ -1,0 +1,79 @@
+"""Per-pod annotations: what a pod may ask of its allocation beyond its slice count.
+
+    gemini.ai/vgpu-limit   cap on the GPU-time share: "0.5" or "50%"; 0 < x <= 1 and at or
+                           above the request (a cap below what is guaranteed means nothing)
+    gemini.ai/vgpu-memory  memory limit per GPU: "4GiB", "512Mi", bytes; at most the slice's
+                           default (a pod cannot take memory its neighbours were promised)
+
+An invalid value is ignored with a reason (the daemon posts it as an Event on the pod); the
+defaults hold and nothing else changes. Pure functions: no I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.common.sizes import format_size, parse_size
+
+LIMIT_ANNOTATION = "gemini.ai/vgpu-limit"
+MEMORY_ANNOTATION = "gemini.ai/vgpu-memory"
+INVALID_REASON = "InvalidVgpuAnnotation"
+
+
+@dataclass(frozen=True)
+class Applied:
+    record: AllocationRecord          # the record with every valid annotation applied
+    problems: tuple[str, ...]         # one message per ignored annotation
+
+
+def parse_limit(text: str) -> float:
+    """'0.5' or '50%' -> 0.5; raises ValueError saying what is accepted."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise ValueError(f"{LIMIT_ANNOTATION}={text!r} is not a number; write a fraction such "
+                         "as 0.5 or a percentage such as 50%") from None
+    if math.isnan(value) or not 0 < value <= 1:
+        raise ValueError(f"{LIMIT_ANNOTATION}={text!r} is outside (0, 1]; write a fraction such "
+                         "as 0.5 or a percentage such as 50%")
+    return value
+
+
+def apply_annotations(record: AllocationRecord, annotations: Mapping[str, str]) -> Applied:
+    """The record as the pod's annotations want it; invalid ones are reported, not applied."""
+    problems: list[str] = []
+    limit = record.limit
+    gpus = record.gpus
+    request = max(g.share for g in record.gpus)
+    raw_limit = annotations.get(LIMIT_ANNOTATION)
+    if raw_limit is not None:
+        try:
+            value = parse_limit(raw_limit)
+            if value < request - 1e-9:
+                raise ValueError(f"{LIMIT_ANNOTATION}={raw_limit!r} is below the pod's request "
+                                 f"of {request:g} of the GPU; a limit caps the share at or "
+                                 "above what the slices guarantee")
+            limit = value
+        except ValueError as err:
+            problems.append(f"{err}; ignored, the default limit holds")
+    raw_memory = annotations.get(MEMORY_ANNOTATION)
+    if raw_memory is not None:
+        try:
+            try:
+                memory = parse_size(raw_memory)
+            except ValueError as err:
+                raise ValueError(f"{MEMORY_ANNOTATION}: {err}") from None
+            default = min(g.memory_limit for g in record.gpus)
+            if memory <= 0 or memory > default:
+                raise ValueError(f"{MEMORY_ANNOTATION}={raw_memory!r} must be more than 0 and "
+                                 f"at most the slices' default of {format_size(default)} "
+                                 f"({default} bytes)")
+            gpus = tuple(dataclasses.replace(g, memory_limit=memory) for g in record.gpus)
+        except ValueError as err:
+            problems.append(f"{err}; ignored, the default memory limit holds")
+    return Applied(dataclasses.replace(record, limit=limit, gpus=gpus), tuple(problems))

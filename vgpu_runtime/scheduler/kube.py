@@ -1,0 +1,106 @@
+"""The few Kubernetes API calls the node daemon makes, through the official client.
+
+    GET   /api/v1/namespaces/{ns}/pods/{name}     the pod's uid and annotations
+    POST  /api/v1/namespaces/{ns}/events          why an annotation was ignored
+    GET   /api/v1/nodes/{node}                    this node's labels
+    PATCH /api/v1/nodes/{node}                    gemini.ai/* labels (as GPU feature discovery)
+
+The client is synchronous (urllib3), so every call runs in a worker thread and never stalls the
+event loop that serves the channels. `kubernetes` is imported only here, and only when the
+daemon is told to use the API: the GPU-side runtime does not need it installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vgpu_runtime.allocation import PodRef
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "gemini-scheduler"
+REQUEST_TIMEOUT = 5.0
+
+
+class KubeError(RuntimeError):
+    """An API call failed; the message names the call."""
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    uid: str
+    annotations: dict[str, str]
+
+
+class KubeApi:
+    def __init__(self, api_url: str | None = None, kubeconfig: str | None = None) -> None:
+        from kubernetes import client as _client
+        from kubernetes import config as _config
+
+        client: Any = _client   # untyped in places; seen as Any
+        config: Any = _config
+        if kubeconfig:
+            configuration = client.Configuration()
+            config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        elif api_url:
+            configuration = client.Configuration()
+            configuration.host = api_url.rstrip("/")
+        else:
+            configuration = client.Configuration()
+            config.load_incluster_config(client_configuration=configuration)
+        self._client = client
+        self._api: Any = client.ApiClient(configuration)
+        self.core = client.CoreV1Api(self._api)
+
+    async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        def call() -> Any:
+            return fn(*args, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+        try:
+            return await asyncio.to_thread(call)
+        except ApiException as err:
+            raise KubeError(f"{what}: HTTP {err.status} {err.reason}") from None
+        except Exception as err:   # connection refused, timeouts, bad answers
+            raise KubeError(f"{what}: {err}") from None
+
+    async def get_pod(self, namespace: str, name: str) -> PodInfo:
+        pod = await self._call(f"GET pod {namespace}/{name}", self.core.read_namespaced_pod,
+                               name, namespace)
+        meta = pod.metadata
+        return PodInfo(meta.uid or "", dict(meta.annotations or {}))
+
+    async def post_event(self, pod: PodRef, node: str, reason: str, message: str,
+                         kind: str = "Warning") -> None:
+        c = self._client
+        now = datetime.datetime.now(datetime.timezone.utc)
+        event = c.CoreV1Event(
+            metadata=c.V1ObjectMeta(name=f"{pod.name}.{secrets.token_hex(8)}",
+                                    namespace=pod.namespace),
+            involved_object=c.V1ObjectReference(kind="Pod", api_version="v1",
+                                                namespace=pod.namespace, name=pod.name,
+                                                uid=pod.uid or None),
+            reason=reason, message=message, type=kind, count=1,
+            first_timestamp=now, last_timestamp=now,
+            source=c.V1EventSource(component=COMPONENT, host=node),
+            reporting_component=COMPONENT, reporting_instance=node)
+        await self._call(f"POST event on pod {pod.namespace}/{pod.name}",
+                         self.core.create_namespaced_event, pod.namespace, event)
+
+    async def node_labels(self, node: str) -> dict[str, str]:
+        found = await self._call(f"GET node {node}", self.core.read_node, node)
+        return dict(found.metadata.labels or {})
+
+    async def patch_node_labels(self, node: str, labels: Mapping[str, str | None]) -> None:
+        """A merge patch of metadata.labels (None removes a label)."""
+        await self._call(f"PATCH node {node}", self.core.patch_node, node,
+                         {"metadata": {"labels": dict(labels)}})
+
+    def close(self) -> None:
+        self._api.close()

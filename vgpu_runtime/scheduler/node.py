@@ -1,0 +1,102 @@
+"""What this node has: its GPUs (NVML or simulated, through device_plugin.discovery), their
+health as the plugin last wrote it (<state-dir>/health.json), and the node labels they give.
+
+Labels, as GPU feature discovery sets them (values sanitized to valid label values):
+    gemini.ai/gpu.model              e.g. NVIDIA-H200 (from "NVIDIA H200")
+    gemini.ai/gpu.count              GPUs this node shares
+    gemini.ai/vgpu.slices-per-gpu    N
+    gemini.ai/version                the package version
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from vgpu_runtime import __version__
+
+log = logging.getLogger(__name__)
+
+HEALTH_FILE_NAME = "health.json"   # written by device_plugin.healthfile
+LABEL_MODEL = "gemini.ai/gpu.model"
+LABEL_COUNT = "gemini.ai/gpu.count"
+LABEL_SLICES = "gemini.ai/vgpu.slices-per-gpu"
+LABEL_VERSION = "gemini.ai/version"
+MAX_LABEL_VALUE = 63
+
+
+@dataclass(frozen=True)
+class NodeGpu:
+    uuid: str
+    index: int
+    model: str
+    memory_total: int
+
+
+def discover_gpus(simulate: int, model: str) -> list[NodeGpu]:
+    """The node's GPUs; an empty list (logged) where NVML is missing, as on a laptop."""
+    from device_plugin.discovery import DiscoveryError
+
+    try:
+        if simulate:
+            from device_plugin.discovery.simulated import SimulatedBackend
+
+            found = SimulatedBackend(simulate, model).discover()
+        else:
+            from device_plugin.discovery.nvml import NvmlBackend
+
+            found = NvmlBackend().discover()
+    except (DiscoveryError, ImportError, OSError) as err:
+        log.info("no GPU discovered: labels and metrics show allocations only",
+                 extra={"error": str(err)})
+        return []
+    return [NodeGpu(g.uuid, g.index, g.model, g.memory_total) for g in found]
+
+
+def label_value(text: str) -> str:
+    """A valid label value: [A-Za-z0-9._-], at most 63, starting and ending alphanumeric."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip())[:MAX_LABEL_VALUE]
+    return value.strip("-._")
+
+
+def node_labels(gpus: list[NodeGpu], slices_per_gpu: int) -> dict[str, str]:
+    models = sorted({g.model for g in gpus})
+    labels = {LABEL_COUNT: str(len(gpus)), LABEL_SLICES: str(slices_per_gpu),
+              LABEL_VERSION: label_value(__version__)}
+    if models:
+        # Mixed nodes are rare; the label names them all, joined, like GFD's product label.
+        labels[LABEL_MODEL] = label_value("_".join(models))
+    return labels
+
+
+class HealthFile:
+    """Reads health.json again only when it changed; a bad file keeps the last good view."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / HEALTH_FILE_NAME
+        self._signature: tuple[int, int] | None = None
+        self.health: dict[str, tuple[bool, str]] = {}   # uuid -> (healthy, reason)
+
+    def read(self) -> dict[str, tuple[bool, str]]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self.health
+        signature = (st.st_ino, st.st_mtime_ns)
+        if signature == self._signature:
+            return self.health
+        try:
+            data = json.loads(self.path.read_bytes())
+            health = {str(uuid): (bool(entry["healthy"]), str(entry.get("reason", "")))
+                      for uuid, entry in data.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            log.warning("ignoring unreadable health file", extra={"path": str(self.path),
+                                                                  "error": str(err)})
+            return self.health
+        self._signature = signature
+        self.health = health
+        return health
