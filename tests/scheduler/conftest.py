@@ -2,12 +2,19 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.integration.conftest import Node
+from tests.kubelet_emulator import KubeletEmulator
 from tests.scheduler.helpers import DaemonProcess
+from tests.scheduler.podnode import PodNode
+
+if TYPE_CHECKING:
+    from tests.fakeapi import FakeApiServer
 
 
 @pytest.fixture
@@ -25,3 +32,35 @@ def daemon(state_dir: Path) -> Iterator[DaemonProcess]:
     yield proc
     code = proc.stop()
     assert code == 0, proc.logs()
+
+
+@pytest.fixture
+async def pods() -> AsyncIterator[PodNode]:
+    root = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))
+    kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
+    await kubelet.start()
+    node = Node(root, kubelet)
+    pn = PodNode(node)
+    try:
+        await node.start_plugin()
+        # A pod without slices, as every real node has (this daemon's own, for one).
+        await kubelet.admit_pod("gemini-node", "kube-system", containers=[("daemon", 0)])
+        yield pn
+    finally:
+        if pn.daemon is not None:
+            code = pn.daemon.stop()
+            assert code == 0, pn.daemon.logs()
+        for plugin in node.plugins:
+            await plugin.stop()
+        await kubelet.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
+    from tests.fakeapi import FakeApiServer
+
+    with FakeApiServer() as server:
+        server.add_node("node-1")
+        yield server

@@ -5,54 +5,22 @@ collection of ended pods (never on a failed or empty List)."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.fakeapi import FakeApiServer
-from tests.integration.conftest import Node
-from tests.kubelet_emulator import KubeletEmulator
 from tests.scheduler.podnode import PodNode, until
 from vgpu_runtime import paths
 from vgpu_runtime.allocation import AllocationRecord, PodRef
 from vgpu_runtime.scheduler.client import ChannelClient, HelloReply
 
+if TYPE_CHECKING:
+    from tests.fakeapi import FakeApiServer
+
 GiB = 1 << 30
 FAST = ("--pod-resources-interval", "0.1", "--pod-resources-min-interval", "0.05")
-
-
-@pytest.fixture
-async def pods() -> AsyncIterator[PodNode]:
-    root = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))
-    kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
-    await kubelet.start()
-    node = Node(root, kubelet)
-    pn = PodNode(node)
-    try:
-        await node.start_plugin()
-        # A pod without slices, as every real node has (this daemon's own, for one).
-        await kubelet.admit_pod("gemini-node", "kube-system", containers=[("daemon", 0)])
-        yield pn
-    finally:
-        if pn.daemon is not None:
-            code = pn.daemon.stop()
-            assert code == 0, pn.daemon.logs()
-        for plugin in node.plugins:
-            await plugin.stop()
-        await kubelet.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.add_node("node-1")
-        yield server
 
 
 def _hello(record: AllocationRecord) -> tuple[float, HelloReply]:
