@@ -11,7 +11,6 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +34,10 @@ needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,
     reason="neither kubectl nor kustomize is installed; `kubectl kustomize` builds are not checked")
 
-# Settings the telemetry engineer is adding to SchedulerConfig (issue 5). Until they land, the
-# daemon ignores these environment variables; once a field exists, its value must parse.
-PENDING_SCHEDULER_SETTINGS = {"metrics_port", "node_name", "pod_resources_socket", "kubernetes",
-                              "mqtt_url"}
-DEFAULT_METRICS_PORT = 9401   # the agreed default, until SchedulerConfig declares metrics_port
 
 
 def metrics_port_default() -> int:
-    fields = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
-    if "metrics_port" in fields:
-        default: Any = fields["metrics_port"].default
-        return int(default)
-    return DEFAULT_METRICS_PORT
+    return SchedulerConfig().metrics_port
 
 
 def console_scripts() -> set[str]:
@@ -170,24 +160,22 @@ def test_a_key_of_the_other_program_is_an_error() -> None:
         cfg.resolve(PluginConfig, {}, {}, settings("scheduler.yaml"))
 
 
-def check_env_settings(config_class: type[Any], values: dict[str, str],
-                       pending: Collection[str] = ()) -> None:
+def check_env_settings(config_class: type[Any], values: dict[str, str]) -> None:
+    """Every GEMINI_* variable is a setting of the program, with a value it accepts."""
     fields = {cfg.env_name(f.name): f for f in dataclasses.fields(config_class)}
     for name, value in values.items():
         if not name.startswith(cfg.ENV_PREFIX) or name == cfg.CONFIG_FILE_ENV:
             continue
-        if name in fields:
-            fields[name].metadata["parse"](value)   # raises on a value the program rejects
-        else:
-            setting = name[len(cfg.ENV_PREFIX):].lower()
-            assert setting in pending, f"{name} is not a setting of {config_class.__name__}"
+        assert name in fields, f"{name} is not a setting of {config_class.__name__}"
+        fields[name].metadata["parse"](value)   # raises on a value the program rejects
 
 
 def test_telemetry_env_names_scheduler_settings() -> None:
     lines = (m.BASE / "config" / "telemetry.env").read_text().splitlines()
     values = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
     assert "GEMINI_MQTT_URL" in values and values["GEMINI_MQTT_URL"] == ""   # off by default
-    check_env_settings(SchedulerConfig, values, PENDING_SCHEDULER_SETTINGS)
+    check_env_settings(SchedulerConfig, values)
+    assert cfg.resolve(SchedulerConfig, {}, values, {}).mqtt_url is None   # MQTT off
 
 
 @needs_kustomize
@@ -198,8 +186,31 @@ def test_container_env_names_settings_of_its_program(built: dict[Path, list[m.Ob
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             for name, container in m.containers(daemonset).items():
                 values = {k: e["value"] for k, e in m.env(container).items() if "value" in e}
-                check_env_settings(programs[name], values,
-                                   PENDING_SCHEDULER_SETTINGS if name == "scheduler" else set())
+                check_env_settings(programs[name], values)
+                if name == "scheduler":
+                    node_name = m.env(container)["GEMINI_NODE_NAME"]["valueFrom"]
+                    assert node_name == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def resolved(container: m.Obj, config_class: type[Any], file_name: str) -> Any:
+    """A container's settings as its program resolves them: env over the ConfigMap's file."""
+    values = {k: e["value"] for k, e in m.env(container).items() if "value" in e}
+    return cfg.resolve(config_class, {}, values, settings(file_name), file_name)
+
+
+@needs_kustomize
+def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]]) -> None:
+    """The daemon labels the node with the count the plugin advertises."""
+    counts = set()
+    for objects in built.values():
+        for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
+            pod = m.containers(daemonset)
+            plugin = resolved(pod["device-plugin"], PluginConfig, "device-plugin.yaml")
+            daemon = resolved(pod["scheduler"], SchedulerConfig, "scheduler.yaml")
+            assert plugin.slices_per_gpu == daemon.slices_per_gpu, daemonset["metadata"]["name"]
+            assert plugin.state_dir == daemon.state_dir == paths.DEFAULT_STATE_DIR
+            counts.add(plugin.slices_per_gpu)
+    assert counts == {10, 4}
 
 
 # ---- paths, ports, names: the manifests against the code ----
@@ -357,18 +368,20 @@ def test_no_container_is_privileged_or_keeps_a_capability(node_ds: m.Obj) -> Non
     token_users = {c["name"] for c in pod["containers"] + pod["initContainers"]
                    if any(v["name"] == "api-token" for v in c.get("volumeMounts", []))}
     assert token_users == {"scheduler"}
-    # Only the plugin gets the GPUs (NVML).
+    # Only the plugin and the daemon get the GPUs, for NVML alone (no CUDA capability).
     gpu_users = {c["name"] for c in pod["containers"] + pod["initContainers"]
                  if "NVIDIA_VISIBLE_DEVICES" in m.env(c)}
-    assert gpu_users == {"device-plugin"}
+    assert gpu_users == {"device-plugin", "scheduler"}
+    for name in gpu_users:
+        assert m.env(m.containers(node_ds)[name])["NVIDIA_DRIVER_CAPABILITIES"]["value"] == (
+            "utility")
 
 
 def test_rbac_grants_only_the_justified_verbs(base: list[m.Obj]) -> None:
     role = m.find(base, "ClusterRole", "gemini-vgpu-node")
     grants = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
               for resource in rule["resources"] for verb in rule["verbs"]}
-    assert grants == {("", "pods", "get"), ("", "events", "create"),
-                      ("events.k8s.io", "events", "create"), ("", "nodes", "get"),
+    assert grants == {("", "pods", "get"), ("", "events", "create"), ("", "nodes", "get"),
                       ("", "nodes", "patch")}
     binding = m.find(base, "ClusterRoleBinding", "gemini-vgpu-node")
     account = m.find(base, "ServiceAccount", "gemini-vgpu")
