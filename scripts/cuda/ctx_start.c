@@ -9,9 +9,13 @@ int main(void) {
     CUcontext ctx;
     CUdeviceptr ptr;
     struct timespec ts;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) ||
-        cuCtxSetCurrent(ctx) || cuMemAlloc(&ptr, 1 << 20)) {
-        fprintf(stderr, "CUDA start failed\n");
+    CUresult r;
+    const char *step = "cuInit";
+    if ((r = cuInit(0)) || (step = "cuDeviceGet", r = cuDeviceGet(&dev, 0)) ||
+        (step = "cuDevicePrimaryCtxRetain", r = cuDevicePrimaryCtxRetain(&ctx, dev)) ||
+        (step = "cuCtxSetCurrent", r = cuCtxSetCurrent(ctx)) ||
+        (step = "cuMemAlloc", r = cuMemAlloc(&ptr, 1 << 20))) {
+        fprintf(stderr, "CUDA start failed at %s: %d\n", step, (int)r);
         return 1;
     }
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -9,7 +9,7 @@
  *   with no context current, and cuMemGetInfo needs one).
  * With neither, GEMINI_HOOK_CONTEXT_BYTES (default 0) is charged. The readings are
  * device-wide, so another process allocating in between skews them; a negative difference
- * counts as 0. Where the daemon can see per-process figures in NVML, it may charge those
+ * counts as 0, and one context is charged at most GEMINI_HOOK_CONTEXT_MAX_BYTES (1 GiB). Where the daemon can see per-process figures in NVML, it may charge those
  * instead; the hook reports what it measured.
  *
  * Charged as MEM_SET GM_MEM_CONTEXT (the sum over this process's contexts on that GPU):
@@ -80,6 +80,22 @@ static uint64_t configured_cost(void) {
     return text != NULL ? strtoull(text, NULL, 10) : 0;
 }
 
+/* The most one context is charged. Readings are device-wide, so processes that start at
+ * the same time see each other's contexts in their difference (100 concurrent starts on an
+ * H200 measured several GiB each and starved their own 1 MiB allocations). A context there
+ * costs about 0.5 GiB; 1 GiB bounds the error until the daemon charges NVML's per-process
+ * figure instead. GEMINI_HOOK_CONTEXT_MAX_BYTES overrides it. */
+static uint64_t cost_cap(void) {
+    const char *text = getenv("GEMINI_HOOK_CONTEXT_MAX_BYTES");
+    return text != NULL ? strtoull(text, NULL, 10) : (uint64_t)1 << 30;
+}
+
+static uint64_t measured_cost(uint64_t before, uint64_t after) {
+    uint64_t cost = before > after ? before - after : 0;
+    uint64_t cap = cost_cap();
+    return cost < cap ? cost : cap;
+}
+
 static void charge(int gpu, int64_t delta, int may_wait) {
     if (delta == 0) return;
     uint64_t held = gm_held_get((uint32_t)gpu, GM_MEM_CONTEXT);
@@ -102,7 +118,7 @@ static void charge(int gpu, int64_t delta, int may_wait) {
         measured_ = measured_ && result == CUDA_SUCCESS &&                           \
                     read_free(&reading_, (dev), &after_) == 0;                       \
         if (reading_.nvml_open) GM_REAL(nvmlShutdown)();                             \
-        (cost) = !measured_ ? configured_cost() : before_ > after_ ? before_ - after_ : 0; \
+        (cost) = !measured_ ? configured_cost() : measured_cost(before_, after_);    \
     } while (0)
 
 /* -1: pass the call through untouched; else the allocation's GPU index (refusals via *error). */
