@@ -28,6 +28,7 @@ from tests.rollout import manifests as m
 from vgpu_runtime import __version__, paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.install import InstallConfig
+from vgpu_runtime.scheduler import annotations as pod_annotations
 from vgpu_runtime.scheduler.config import SchedulerConfig
 
 needs_kustomize = pytest.mark.skipif(
@@ -452,12 +453,18 @@ def test_examples_ask_for_the_documented_slices() -> None:
     assert deployment["spec"]["replicas"] == 3
     assert 3 * sum(slices_asked(deployment)) <= per_gpu    # the replicas fit on one GPU
     assert slices_asked(example("job-two-gpus.yaml")) == [2 * per_gpu]
+
+
+def test_annotated_example_is_applied_by_the_daemon_without_complaint() -> None:
+    """The example's slices allocated on a simulated H200, then its annotations applied."""
     annotated = example("pod-with-limits.yaml")
     notes = annotated["metadata"]["annotations"]
-    assert set(notes) == {"gemini.ai/vgpu-limit", "gemini.ai/vgpu-memory"}
-    assert 0 < float(notes["gemini.ai/vgpu-limit"]) <= 1
-    # The memory annotation may only lower the slices' default limit.
-    gpu_memory = SimulatedBackend(1).discover()[0].memory_total
-    default_limit = (gpu_memory - PluginConfig().memory_reserve) // per_gpu * slices_asked(
-        annotated)[0]
-    assert cfg.size(notes["gemini.ai/vgpu-memory"]) <= default_limit
+    assert set(notes) == {pod_annotations.LIMIT_ANNOTATION, pod_annotations.MEMORY_ANNOTATION}
+    gpus = SimulatedBackend(1).discover()
+    allocator = Allocator(PluginConfig(), SliceTable(gpus, PluginConfig().slices_per_gpu))
+    (k,) = slices_asked(annotated)
+    slices = allocator.validate([s.id for s in allocator.table.slices_of(gpus[0].uuid)[:k]])
+    applied = pod_annotations.apply_annotations(allocator.build_record(slices, time.time()), notes)
+    assert applied.problems == ()
+    assert applied.record.limit == float(notes[pod_annotations.LIMIT_ANNOTATION])
+    assert applied.record.gpus[0].memory_limit == cfg.size(notes[pod_annotations.MEMORY_ANNOTATION])
