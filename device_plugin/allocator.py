@@ -205,9 +205,13 @@ class Allocator:
             self._check_health(slices)
             record = self.build_record(slices, self.clock())
         else:
-            # Keep what a replay must not change: creation time and any pod binding.
-            record = dataclasses.replace(self.build_record(slices, existing.created_at),
-                                         pod=existing.pod, limit=existing.limit)
+            # Keep what a replay must not change: creation time, the pod binding, and limits
+            # the daemon applied from the pod's annotations.
+            fresh = self.build_record(slices, existing.created_at)
+            kept = {g.uuid: g.memory_limit for g in existing.gpus}
+            gpus = tuple(dataclasses.replace(g, memory_limit=kept.get(g.uuid, g.memory_limit))
+                         for g in fresh.gpus)
+            record = dataclasses.replace(fresh, gpus=gpus, pod=existing.pod, limit=existing.limit)
         if record != existing:
             self._store(record, channel)
         log.info("allocated", extra={"allocation_id": record.id, "devices": list(record.device_ids),

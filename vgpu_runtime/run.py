@@ -288,7 +288,9 @@ def ensure_daemon(state_dir: Path) -> subprocess.Popen[bytes] | None:
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
-            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir)],
+            # No metrics port: a node's own daemon may hold 9401 already.
+            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir),
+             "--metrics-port", "0"],
             stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
             preexec_fn=_unblock_signals)
 

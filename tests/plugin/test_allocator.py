@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -181,6 +182,23 @@ def test_repeated_allocate_is_idempotent_and_keeps_created_at(make: Make) -> Non
     assert again == first
     assert path.read_bytes() == before
     assert len(list(path.parent.glob("*.json"))) == 1
+
+
+def test_replay_keeps_what_the_daemon_applied_from_annotations(make: Make) -> None:
+    """An init container's slices given again to the app container: the daemon's pod binding,
+    share cap and annotated memory limit survive the second Allocate."""
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 3)
+    first = allocator.allocate(ids)
+    state = allocator.config.state_dir
+    record = allocation.load_record(state, first.envs[paths.ENV_ALLOCATION_ID])
+    assert record is not None
+    bound = dataclasses.replace(
+        record, limit=0.5, pod=allocation.PodRef("ns", "pod", "init", "uid"),
+        gpus=tuple(dataclasses.replace(g, memory_limit=4 << 30) for g in record.gpus))
+    allocation.write_record(state, bound)
+    allocator.allocate(ids)
+    assert allocation.load_record(state, record.id) == bound
 
 
 def test_replay_is_allowed_on_an_unhealthy_gpu(make: Make) -> None:
