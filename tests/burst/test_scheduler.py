@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.burst.sim import Simulation, Workload
 from vgpu_runtime.burst.estimator import BurstEstimator
 from vgpu_runtime.burst.scheduler import SchedulerConfig, TokenScheduler
-from vgpu_runtime.burst.window import UsageWindow
+from vgpu_runtime.burst.window import DecayingUsage, UsageWindow
 
 # Shapes of the H200 anchor loads (REFERENCE.md §4): kernel length, kernels per sync, host gap.
 LOADS = {
@@ -42,6 +42,20 @@ def test_shares_converge_within_the_error_bound(shares: tuple[float, ...], load:
     for want, got in zip(shares, achieved, strict=True):
         assert abs(got - want) <= 0.02, (shares, achieved)
     assert sum(achieved) >= 0.98, achieved
+
+
+@pytest.mark.parametrize("starts", [(0.0, 2.0), (2.0, 0.0)], ids=["small-first", "large-first"])
+def test_staggered_starts_leave_no_echo(starts: tuple[float, float]) -> None:
+    """The H200 benchmark's situation: one tenant runs alone for 2 s before the other starts,
+    and shares are measured from 6.5 s. A hard 10 s window let the first tenant's solo run
+    leave the window at 12 s and made it look owed (0.372 / 0.620 here, 0.377 / 0.619 on the
+    H200); the order of service follows a decaying measure that has no such edge."""
+    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim.add("t0", 0.3, 1.0, LOADS["matmul-8192-stream"], start=starts[0])
+    sim.add("t1", 0.7, 1.0, LOADS["matmul-8192-stream"], start=starts[1])
+    sim.run(14.5)
+    assert abs(sim.share("t0", 6.5, 14.5) - 0.3) <= 0.02
+    assert abs(sim.share("t1", 6.5, 14.5) - 0.7) <= 0.02
 
 
 def test_work_conserving_tenant_alone_takes_the_whole_gpu() -> None:
@@ -117,6 +131,9 @@ def test_a_dead_holder_releases_at_once() -> None:
 
 
 def test_flooding_does_not_delay_others() -> None:
+    """Thousands of requests a second buy nothing a busy tenant would not get: the other
+    tenant's share is unchanged, and its longest wait grows by at most one of the flooder's
+    quotas (a flooder is always ready, so it may take a turn it is owed a little earlier)."""
     calm = Simulation(SchedulerConfig(), handoff=HANDOFF)
     calm.add("a", 0.5, 1.0, LOADS["matmul-2048-stream"])
     calm.add("b", 0.5, 1.0, LOADS["matmul-2048-stream"])
@@ -137,8 +154,8 @@ def test_flooding_does_not_delay_others() -> None:
     assert flooded.share("a", 2.0, 12.0) >= calm.share("a", 2.0, 12.0) - 0.01
     waits_calm = sorted(calm.scheduler.tenants["a"].waits)
     waits_flooded = sorted(flooded.scheduler.tenants["a"].waits)
-    assert waits_flooded[int(0.99 * len(waits_flooded))] <= \
-        waits_calm[int(0.99 * len(waits_calm))] + 0.01
+    assert waits_flooded[-1] <= waits_calm[-1] + SchedulerConfig().max_quota + 0.01
+    assert len(flooded.scheduler.tenants["a"].waits) >= len(calm.scheduler.tenants["a"].waits) - 2
 
 
 def test_whole_gpu_alone_needs_no_token() -> None:
@@ -185,6 +202,16 @@ def test_random_share_mixes_get_at_least_their_request(slices: list[int], load: 
         assert got >= want - 0.03, (shares, achieved)
         assert got <= want + spare + 0.03, (shares, achieved)
     assert sum(achieved) >= 0.95
+
+
+def test_decaying_usage_has_no_trailing_edge() -> None:
+    decay = DecayingUsage(tau=5.0, started=0.0)
+    decay.charge(0.0, 10.0)                       # busy all the time: share 1
+    assert decay.share(10.0) == pytest.approx(1.0)
+    decay.charge(10.0, 10.0)                      # empty charge changes nothing
+    later = [decay.share(t) for t in (11.0, 15.0, 20.0, 25.0)]
+    assert later == sorted(later, reverse=True)   # fades smoothly once idle, never jumps
+    assert 0.0 < later[-1] < 0.5
 
 
 def test_usage_window_slides_and_merges() -> None:
