@@ -8,14 +8,12 @@ the daemon reads the old file or the new one, never half of one. The plugin is t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from device_plugin.health import HealthTracker
+from vgpu_runtime.common.atomicfile import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +35,9 @@ def write_health(state_dir: str | Path, tracker: HealthTracker) -> None:
     payload = json.dumps(health_document(tracker), sort_keys=True).encode()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".health.", suffix=".tmp", dir=target.parent)
+        # Not durable: it is rewritten on every change and re-created at every start.
+        write_atomic(target, payload, durable=False)
     except OSError as err:
-        log.warning("cannot write health file", extra={"path": str(target), "error": str(err)})
-        return
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         log.warning("cannot write health file", extra={"path": str(target), "error": str(err)})
 
 

@@ -20,20 +20,18 @@ Format (JSON, `version` 1):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
-import os
 import secrets
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vgpu_runtime import paths
+from vgpu_runtime.common.atomicfile import fsync_dir, write_atomic
 
 RECORD_VERSION = 1
 ORIGINS = ("kubelet", "gemini-run")
@@ -166,14 +164,6 @@ def record_path(state_dir: str | Path, allocation_id: str) -> Path:
     return paths.allocations_dir(state_dir) / f"{check_id(allocation_id)}.json"
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_record(state_dir: str | Path, record: AllocationRecord) -> Path:
     """Write atomically; on any failure the previous record (if any) is left untouched."""
     directory = paths.allocations_dir(state_dir)
@@ -181,20 +171,11 @@ def write_record(state_dir: str | Path, record: AllocationRecord) -> Path:
     payload = json.dumps(record.to_json(), indent=1, sort_keys=True).encode()
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{record.id}.", suffix=".tmp", dir=directory)
     except OSError as err:
         raise RecordError(f"cannot write to state directory {directory}: {err.strerror}") from None
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-        _fsync_dir(directory)
+        write_atomic(target, payload)
     except OSError as err:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         raise RecordError(f"cannot write allocation record {target}: {err.strerror}") from None
     return target
 
@@ -236,5 +217,5 @@ def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
         record_path(state_dir, allocation_id).unlink()
     except FileNotFoundError:
         return False
-    _fsync_dir(paths.allocations_dir(state_dir))
+    fsync_dir(paths.allocations_dir(state_dir))
     return True

@@ -41,6 +41,7 @@ from pathlib import Path
 from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common import logs
+from vgpu_runtime.common.atomicfile import fsync_dir
 
 log = logging.getLogger("gemini-install-hook")
 
@@ -86,14 +87,6 @@ class Outcome:
 
 # ---- step 1 and 2: install, never overwrite ----
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_existing(source: Path, target: Path) -> bool:
     """True if target already holds source's bytes; raises InstallError if it holds others."""
     if target.is_symlink() or not target.is_file():
@@ -136,7 +129,7 @@ def install_library(source: Path, hook_dir: Path) -> tuple[Path, bool]:
             os.link(tmp, target)   # unlike rename, link never replaces an existing name
         except FileExistsError:    # another installer won the race: same rule as above
             return target, not _check_existing(source, target)
-        _fsync_dir(hook_dir)
+        fsync_dir(hook_dir)
         return target, True
     except OSError as err:
         raise InstallError(f"cannot install {target}: {err.strerror}") from None
@@ -182,7 +175,7 @@ def retire_old_versions(hook_dir: Path, state_dir: Path, outcome: Outcome) -> No
                 continue
             outcome.removed.append(path.name)
     if outcome.removed:
-        _fsync_dir(hook_dir)
+        fsync_dir(hook_dir)
 
 
 def remove_stale_temporaries(hook_dir: Path, now: float | None = None) -> list[str]:

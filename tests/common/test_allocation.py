@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from vgpu_runtime import allocation as alloc
 from vgpu_runtime import paths
+from vgpu_runtime.common import atomicfile
 
 
 def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> alloc.AllocationRecord:
@@ -71,7 +72,7 @@ def test_failed_rename_keeps_the_old_record(
     def fail(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(alloc.os, "replace", fail)
+    monkeypatch.setattr(atomicfile.os, "replace", fail)
     with pytest.raises(alloc.RecordError, match="No space left"):
         alloc.write_record(tmp_path, sample(limit=0.9))
     assert alloc.read_record(alloc.record_path(tmp_path, record.id)) == record
