@@ -18,7 +18,7 @@ struct gemini_hook_stats {
     uint64_t kernel_launches;    /* cuLaunchKernel*, cuLaunchCooperativeKernel* through the gate */
     uint64_t graph_launches;     /* cuGraphLaunch* through the gate (one burst each) */
     uint64_t captured_launches;  /* launches into a capturing stream: passed straight through */
-    uint64_t gate_ns;            /* host time spent in gated launches, nanoseconds */
+    uint64_t gate_ns;            /* host time in gated launches, ns (1 in 16 timed, scaled) */
     uint64_t wrapped_by_dlsym;   /* dlsym answers swapped for a wrapper */
     uint64_t wrapped_by_procaddress; /* cuGetProcAddress answers swapped for a wrapper */
     uint64_t mem_refused;        /* allocations answered CUDA_ERROR_OUT_OF_MEMORY by the limit */

@@ -30,9 +30,10 @@ struct gm_launch {
 GM_HIDDEN CUresult gm_gate(const struct gm_launch *launch);
 GM_HIDDEN void gm_capture_opened(CUresult result);
 GM_HIDDEN void gm_capture_closed(CUresult result);
-/* token.c: the GPU index whose token this launch runs under (then call gm_token_launched),
- * or -1 when it goes ungated (gate open, daemon away, no context). May block. */
-GM_HIDDEN int gm_token_gate(void);
+/* token.c: the GPU index whose token this launch runs under (then call gm_token_launched
+ * with *at, the clock it read), or -1 when it goes ungated (gate open, daemon away, no
+ * context). May block. An open gate reads no clock. */
+GM_HIDDEN int gm_token_gate(int64_t *at);
 GM_HIDDEN void gm_token_launched(int gpu, const struct gm_launch *launch, int64_t at);
 
 #endif

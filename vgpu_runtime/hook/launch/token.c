@@ -372,7 +372,7 @@ static int slow_path(int gpu) {
     return result;
 }
 
-int gm_token_gate(void) {
+int gm_token_gate(int64_t *at) {
     int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
     if (n < 0) {
         int64_t now = now_ns();
@@ -394,7 +394,10 @@ int gm_token_gate(void) {
     if (page != NULL) {
         if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
         int64_t now = now_ns();
-        if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) return gpu;
+        if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
+            *at = now;
+            return gpu;
+        }
         if (now < atomic_load_explicit(&g->ungated_until, memory_order_relaxed)) {
             GM_COUNT(ungated_launches, 1);
             return -1;
@@ -406,6 +409,7 @@ int gm_token_gate(void) {
     int result = slow_path(gpu);
     if (result < 0 && __atomic_load_n(&g->page, __ATOMIC_ACQUIRE) == NULL)
         atomic_store(&g->ungated_until, now_ns() + ungated_for());
+    *at = now_ns();
     return result;
 }
 
