@@ -81,7 +81,8 @@ class AllocationRecord:
     def from_json(cls, data: Any) -> AllocationRecord:
         try:
             return _parse(data)
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
+            # OverflowError: a number too large for a float (found by fuzzing).
             if isinstance(err, RecordError):
                 raise
             raise RecordError(f"malformed allocation record: {err!r}") from None
@@ -121,6 +122,9 @@ def _parse(data: Any) -> AllocationRecord:
         limit = float(_need(data, "limit", (int, float)))
         if not (0 < limit <= 1) or math.isnan(limit):
             raise RecordError(f"limit out of range: {limit}")
+    created_at = float(_need(data, "created_at", (int, float)))
+    if not math.isfinite(created_at):
+        raise RecordError(f"created_at is not a finite time: {created_at}")
     pod = data.get("pod")
     record = AllocationRecord(
         id=_need(data, "id", str),
@@ -129,7 +133,7 @@ def _parse(data: Any) -> AllocationRecord:
         gpus=tuple(gpus),
         channel_dir=_need(data, "channel_dir", str),
         hook_library=_need(data, "hook_library", str),
-        created_at=float(_need(data, "created_at", (int, float))),
+        created_at=created_at,
         limit=limit,
         owner_pid=data.get("owner_pid") and _need(data, "owner_pid", int),
         pod=PodRef(**pod) if isinstance(pod, dict) else None,
@@ -187,7 +191,9 @@ def read_record(path: str | Path) -> AllocationRecord:
         raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:
+        # ValueError covers bad UTF-8, bad JSON and integers past Python's digit limit;
+        # RecursionError, nesting deeper than the parser's stack (both found by fuzzing).
         raise RecordError(f"allocation record {path} is not valid JSON: {err}") from None
     record = AllocationRecord.from_json(data)
     if Path(path).name != f"{record.id}.json":

@@ -67,7 +67,7 @@ def number(minimum: float | None = None, maximum: float | None = None) -> Parser
             raise ValueError(f"expected a number, got {value!r}")
         try:
             result = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: a huge YAML integer
             raise ValueError(f"expected a number, got {value!r}") from None
         if result != result:  # NaN
             raise ValueError("expected a number, got NaN")
@@ -158,6 +158,12 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"configuration file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"configuration file {path} is not valid YAML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"configuration file {path} is not UTF-8 text: {err}") from None
+    except ValueError as err:  # e.g. an integer past Python's digit limit (fuzzing)
+        raise ConfigError(f"configuration file {path} holds an unreadable value: {err}") from None
+    except RecursionError:
+        raise ConfigError(f"configuration file {path} nests too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -174,7 +180,7 @@ def resolve(
 ) -> T:
     """Build `cls` from the three sources, flags first."""
     known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(file_values) - known)
+    unknown = sorted(str(key) for key in set(file_values) - known)  # YAML keys may be numbers
     if unknown:
         raise ConfigError(
             f"{file_name}: unknown setting(s) {', '.join(unknown)}; "

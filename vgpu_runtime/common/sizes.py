@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -29,7 +30,11 @@ def parse_size(text: str | int) -> int:
         raise ValueError(
             f"expected a size such as 8GiB, 512MiB, 2G or a number of bytes, got {text!r}"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    try:
+        # Exact arithmetic: a float overflows to infinity on long digit strings (fuzzing).
+        return int(Fraction(match.group(1)) * _UNITS[unit])
+    except ValueError:  # more digits than Python converts
+        raise ValueError(f"size {text!r} has too many digits") from None
 
 
 def format_size(n: int) -> str:
