@@ -30,6 +30,10 @@ def served_ids(daemon: DaemonProcess) -> set[str]:
     return {a["id"] for a in daemon.status()["allocations"]}
 
 
+def wait_serving_exactly(daemon: DaemonProcess, ids: set[str]) -> None:
+    wait_for(lambda: served_ids(daemon) == ids, 5, f"daemon serving exactly {sorted(ids)}")
+
+
 def hello(record: AllocationRecord) -> None:
     """The daemon answers on the allocation's channel, as a (re)starting container needs."""
     client = ChannelClient(paths.channel_socket(record.channel_dir))
@@ -134,8 +138,7 @@ async def test_plugin_sigkill_at_random_moments_of_allocate_leaves_whole_records
         await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 0)
         records = whole_records(node.state_dir)
         assert set(acknowledged) <= set(records), "an acknowledged Allocate lost its record"
-        wait_for(lambda whole=set(records): served_ids(daemon) == whole, 5,
-                 "daemon serving every record")
+        wait_serving_exactly(daemon, set(records))
         refused = await node.kubelet.admit_pod(f"down-{round_number}", containers=[("main", 2)])
         assert not refused.admitted and refused.reason == ADMISSION_ERROR, refused
         assert whole_records(node.state_dir).keys() == records.keys()
@@ -161,7 +164,7 @@ async def test_plugin_sigkill_then_restart_restores_every_allocation(
     assert all(p.admitted for p in pods)
     records = {r.id: r for r in whole_records(node.state_dir).values()}
     before = record_files(node.state_dir)
-    wait_for(lambda: served_ids(daemon) == set(records), 5, "daemon serving the pods")
+    wait_serving_exactly(daemon, set(records))
     assert await plugin.stop(signal.SIGKILL) == -signal.SIGKILL
     for record in records.values():
         hello(record)                               # the daemon does not need the plugin
