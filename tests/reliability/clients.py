@@ -16,9 +16,11 @@ from vgpu_runtime.allocation import AllocationRecord
 GiB = 1 << 30
 MiB = 1 << 20
 
-# Steps, each on a newline from stdin: "alloc <bytes>", "launch <seconds>", "stats", "quit".
-# Every step answers one JSON line. Launches synchronise after each kernel, so a contended
-# token is asked for again and again (the token path through the daemon is exercised).
+# Steps, each on a newline from stdin: "alloc <bytes>", "launch <seconds> [nosync]", "stats",
+# "quit". Every step answers one JSON line. Launches synchronise after each kernel, so a
+# contended token is asked for again and again (the token path through the daemon is
+# exercised); with "nosync" work stays in flight, so the holder is never idle and keeps the
+# token for its whole quota.
 CONTAINER = """
     import sys, time
     lib = cuda()
@@ -33,10 +35,12 @@ CONTAINER = """
                 held.append(ptr)
             out = {"rc": rc}
         elif op == "launch":
-            returns, end = [], time.monotonic() + float(arg)
+            seconds, _, mode = arg.partition(" ")
+            returns, end = [], time.monotonic() + float(seconds)
             while time.monotonic() < end:
                 lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(0x77), None, None)
-                lib.cuStreamSynchronize(ctypes.c_void_p(0x77))
+                if mode != "nosync":
+                    lib.cuStreamSynchronize(ctypes.c_void_p(0x77))
                 returns.append(time.monotonic_ns())
             out = {"returns": returns}
         elif op == "quit":
