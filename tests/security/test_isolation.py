@@ -1,0 +1,286 @@
+"""Isolation between containers, tried with the real plugin allocator and the real daemon.
+
+Two containers, A and B, get slices of the same GPU through the plugin's Allocate (written to a
+real state directory that a real gemini-scheduler process serves). Then A tries, through the
+wire protocol, everything it must not be able to do; and A's Allocate response is replayed the
+way a container runtime applies it, to see what A can reach.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from device_plugin import config as plugin_config
+from device_plugin.allocator import Allocator
+from device_plugin.config import PluginConfig
+from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.slices import SliceTable
+from tests.childenv import child_env
+from tests.gpu.replay import created_mount_points, replay_argv, replay_script
+from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
+from vgpu_runtime import allocation, paths, wire
+from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.scheduler.client import ChannelClient, ChannelClosed
+from vgpu_runtime.scheduler.control import control_socket
+
+C = wire.const
+GIB = 1 << 30
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Tenant:
+    record: AllocationRecord
+    response: Any
+
+    @property
+    def socket(self) -> Path:
+        return paths.channel_socket(self.record.channel_dir)
+
+
+@dataclass
+class Node:
+    state_dir: Path
+    config: PluginConfig
+    daemon: DaemonProcess
+    a: Tenant
+    b: Tenant
+
+    def used(self, tenant: Tenant) -> int:
+        entry = self.daemon.allocation(tenant.record.id)
+        return int(entry["gpus"][0]["memory_used"])
+
+
+def _config(root: Path, strategy: str = "envvar") -> PluginConfig:
+    (root / "k").mkdir(exist_ok=True)
+    return plugin_config.check(PluginConfig(
+        kubelet_dir=str(root / "k"), state_dir=str(root / "s"), simulate_gpus=2,
+        simulate_memory=10 * GIB + GIB, memory_reserve=GIB, slices_per_gpu=10,
+        device_list_strategy=strategy, hook_dir=str(root / "lib")))
+
+
+def _allocator(config: PluginConfig) -> Allocator:
+    gpus = SimulatedBackend(2, memory=config.simulate_memory).discover()
+    return Allocator(config, SliceTable(gpus, config.slices_per_gpu))
+
+
+def _tenant(allocator: Allocator, state_dir: Path, slices: list[str]) -> Tenant:
+    response = allocator.allocate(slices)
+    record = allocation.load_record(state_dir, response.annotations["gemini.ai/allocation-id"])
+    assert record is not None
+    return Tenant(record, response)
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    root = Path(tempfile.mkdtemp(prefix="gs-"))
+    root.chmod(0o755)   # as /var/lib/gemini: other users may traverse to what they can reach
+    config = _config(root)
+    state_dir = Path(config.state_dir)
+    allocator = _allocator(config)
+    gpu0 = allocator.table.gpus[0].uuid
+    a = _tenant(allocator, state_dir, [f"{gpu0}::0", f"{gpu0}::1"])
+    b = _tenant(allocator, state_dir, [f"{gpu0}::2", f"{gpu0}::3", f"{gpu0}::4"])
+    # No pod binding in this test: hellos need not wait for PodResources.
+    daemon = DaemonProcess(state_dir, "--bind-timeout", "0").wait_ready()
+    wait_served(a.record)
+    wait_served(b.record)
+    yield Node(state_dir, config, daemon, a, b)
+    assert daemon.stop() == 0, daemon.logs()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- a container reaches only its own channel ----
+
+def test_each_allocation_has_its_own_channel_directory_and_socket(node: Node) -> None:
+    a_dir, b_dir = Path(node.a.record.channel_dir), Path(node.b.record.channel_dir)
+    assert a_dir != b_dir and a_dir.parent == b_dir.parent
+    assert node.a.socket.parent == a_dir and node.b.socket.parent == b_dir
+    for directory in (a_dir, b_dir):
+        mode = stat.S_IMODE(directory.stat().st_mode)
+        assert not mode & stat.S_IWOTH and not mode & stat.S_IWGRP, oct(mode)
+        assert directory.stat().st_uid == os.geteuid()
+    control = control_socket(node.state_dir)
+    assert stat.S_ISSOCK(control.stat().st_mode)
+    assert stat.S_IMODE(control.stat().st_mode) == 0o600
+    assert a_dir not in control.parents and b_dir not in control.parents
+
+
+def test_an_allocate_response_mounts_only_its_own_channel_and_the_library_read_only(
+        node: Node) -> None:
+    for me, other in ((node.a, node.b), (node.b, node.a)):
+        mounts = {(m.container_path, m.host_path, m.read_only) for m in me.response.mounts}
+        assert mounts == {
+            (paths.CONTAINER_LIB_DIR, str(node.config.host_hook_dir), True),
+            (paths.CONTAINER_CHANNEL_DIR, me.record.channel_dir, True)}
+        for _, host, _ in mounts:
+            host_path = Path(host)
+            # Nothing mounted holds the other's channel, the records or the control socket.
+            for private in (Path(other.record.channel_dir), paths.allocations_dir(node.state_dir),
+                            control_socket(node.state_dir)):
+                assert host_path != private and host_path not in private.parents
+        assert me.response.envs[paths.ENV_ALLOCATION_ID] == me.record.id
+        assert not list(me.response.devices) and not list(me.response.cdi_devices)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to another uid")
+def test_the_control_socket_refuses_every_other_user(node: Node) -> None:
+    """It shows every tenant's usage: only its owner may connect (0600)."""
+    code = textwrap.dedent(f"""
+        import os, socket, sys
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({str(control_socket(node.state_dir))!r})
+        except PermissionError:
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+    # The same user as a channel client can connect to a channel (0666 socket): the
+    # directory a container has mounted is what keeps others away.
+    code = code.replace(repr(str(control_socket(node.state_dir))), repr(str(node.a.socket)))
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 1
+
+
+# ---- what a client can do through its own channel ----
+
+def _expect_dropped(client: ChannelClient, status: str, call: Any) -> str:
+    try:
+        call()
+        frame = client.recv_frame()   # frames without a reply: the error comes next
+    except ChannelClosed as err:
+        assert err.status == C(status), err
+        return err.reason
+    assert frame is not None and wire.frame_type(frame) == C("GM_MSG_ERROR"), frame
+    assert frame.status == C(status), wire.text_field(frame.reason)
+    assert client.recv_frame() is None, "the daemon must close the connection after ERROR"
+    return wire.text_field(frame.reason)
+
+
+def test_a_client_cannot_act_for_another_allocation_nor_outside_its_own(node: Node) -> None:
+    with ChannelClient(node.b.socket) as b:
+        b.hello()
+        assert b.reserve(0, 300 * MiB).granted
+        b_used = node.used(node.b)
+        # Claiming B's pid in hello changes nothing: identity comes from the socket.
+        with ChannelClient(node.a.socket) as a:
+            hello = a.hello(pid=b.sock.fileno() and os.getpid())
+            assert hello.allocation_id == node.a.record.id and len(hello.gpus) == 1
+            assert hello.gpus[0].memory_limit == node.a.record.gpus[0].memory_limit
+        attempts = [
+            ("GM_ERR_BAD_GPU", lambda c: c.reserve(1, MiB)),            # a GPU index it lacks
+            ("GM_ERR_BAD_GPU", lambda c: c.set(7, MiB, C("GM_MEM_POOL"))),
+            ("GM_ERR_BAD_GPU", lambda c: c.release(2**32 - 1, MiB)),
+            ("GM_ERR_MALFORMED", lambda c: c.set(0, MiB, 99)),         # a kind that is no kind
+            ("GM_ERR_MALFORMED", lambda c: c.release(0, MiB)),         # what B holds, not A
+            ("GM_ERR_BAD_GPU", lambda c: c.request_token(1)),          # B's GPU index? no: A's 1
+            ("GM_ERR_BAD_GPU", lambda c: c.release_token(3)),
+            ("GM_ERR_BAD_GPU", lambda c: c.report_usage(5, 1, 2)),
+        ]
+        for status, attempt in attempts:
+            with ChannelClient(node.a.socket) as a:
+                a.hello()
+                _expect_dropped(a, status, lambda a=a, attempt=attempt: attempt(a))
+            assert node.used(node.b) == b_used
+        assert b.reserve(0, 0).used == b_used   # B's own connection never noticed
+
+
+def test_a_client_cannot_raise_its_memory_limit(node: Node) -> None:
+    limit = node.a.record.gpus[0].memory_limit
+    with ChannelClient(node.a.socket) as a, ChannelClient(node.a.socket) as a2:
+        a.hello()
+        a2.hello()
+        granted = a.reserve(0, limit)
+        assert granted.granted and granted.limit == limit
+        refused = a2.reserve(0, 1)                  # another process of A: same limit
+        assert not refused.granted and refused.used == limit
+        # An absolute SET is applied (it reports what exists) but raises nothing: still refused.
+        over = a2.set(0, limit, C("GM_MEM_CONTEXT"))
+        assert over.status == C("GM_ERR_OVER_LIMIT") and over.limit == limit
+        assert not a2.reserve(0, 1).granted
+        # Replies name A's own use and limit only, never B's.
+        assert {over.used, refused.used} <= {limit, 2 * limit}
+    wait_for(lambda: node.used(node.a) == 0, 5, "A's memory given back")
+
+
+def test_usage_cannot_be_read_through_a_channel(node: Node) -> None:
+    """The control socket's status question, asked on a channel, is a malformed frame."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(str(node.a.socket))
+        sock.sendall(b'{"op": "status"}\n')
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+    error = wire.decode(data)
+    assert wire.frame_type(error) == C("GM_MSG_ERROR")
+    assert node.b.record.id.encode() not in data and b"memory_used" not in data
+
+
+# ---- the container's view: the response replayed in a mount namespace ----
+
+INSIDE = textwrap.dedent("""
+    import json, os, sys
+    from vgpu_runtime.scheduler.client import ChannelClient
+    channel = os.environ["GEMINI_CHANNEL_DIR"]
+    listing = sorted(os.listdir(channel))
+    with ChannelClient(os.path.join(channel, sys.argv[1])) as client:
+        me = client.hello().allocation_id
+    try:
+        open(os.path.join(channel, "planted"), "w").close()
+        writable = True
+    except OSError:
+        writable = False
+    print(json.dumps({"listing": listing, "me": me, "writable": writable,
+                      "lib": sorted(os.listdir(sys.argv[2]))}))
+""")
+
+
+def _replay_skip() -> str | None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "replaying mounts needs root and unshare"
+    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
+                           timeout=30)
+    return None if probe.returncode == 0 else "mount namespaces are not permitted here"
+
+
+def test_a_replayed_container_sees_only_its_own_channel(node: Node) -> None:
+    reason = _replay_skip()
+    if reason:
+        pytest.skip(reason)
+    lib = node.config.host_hook_dir
+    lib.mkdir(parents=True, exist_ok=True)
+    (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
+    created = created_mount_points(node.a.response)
+    script = replay_script(node.a.response, [sys.executable, "-c", INSIDE,
+                                             paths.CHANNEL_SOCKET_NAME, paths.CONTAINER_LIB_DIR])
+    try:
+        proc = subprocess.run(replay_argv(script), capture_output=True, text=True, timeout=60,
+                              env=child_env(), cwd=REPO)
+    finally:
+        for path in created:
+            shutil.rmtree(path, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    own = sorted(os.listdir(node.a.record.channel_dir))
+    assert seen["listing"] == own and paths.CHANNEL_SOCKET_NAME in own
+    assert seen["me"] == node.a.record.id
+    assert not seen["writable"], "the channel mount must be read-only"
+    assert seen["lib"] == [paths.HOOK_LIBRARY_NAME]
+    assert not (Path(node.a.record.channel_dir) / "planted").exists()
