@@ -1,0 +1,158 @@
+"""Escape routes, tried and recorded: what a pod gets when it sets LD_PRELOAD or
+NVIDIA_VISIBLE_DEVICES itself. These document outcomes; not every route is blocked.
+
+Environment precedence, as the container gets it (kubelet GenerateRunContainerOptions puts the
+device plugin's envs first and appends the container spec's `env`; CRI runtimes apply the list in
+order over the image's env, a later name replacing an earlier one):
+
+    image ENV  <  Allocate response envs  <  pod spec env
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+from device_plugin import config as plugin_config
+from device_plugin.allocator import Allocator
+from device_plugin.config import PluginConfig
+from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.slices import SliceTable
+from tests.childenv import child_env
+from tests.gpu.replay import replay_argv
+from vgpu_runtime import paths
+from vgpu_runtime.hook import build
+
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+
+
+def container_env(image: Mapping[str, str], response: Mapping[str, str],
+                  pod: Mapping[str, str]) -> dict[str, str]:
+    """The precedence above: the pod's own env has the last word."""
+    return {**image, **response, **pod}
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ge-"))   # Unix socket paths must fit in 107 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _allocate(root: Path, strategy: str) -> tuple[PluginConfig, object]:
+    (root / "k").mkdir(exist_ok=True)
+    config = plugin_config.check(PluginConfig(
+        kubelet_dir=str(root / "k"), state_dir=str(root / f"s-{strategy}"), simulate_gpus=2,
+        simulate_memory=11 * GIB, memory_reserve=GIB, slices_per_gpu=10,
+        device_list_strategy=strategy))
+    table = SliceTable(SimulatedBackend(2, memory=config.simulate_memory).discover(), 10)
+    return config, Allocator(config, table).allocate([f"{table.gpus[0].uuid}::0"])
+
+
+# ---- NVIDIA_VISIBLE_DEVICES=all, per device-list strategy ----
+
+@pytest.mark.parametrize("strategy, gpu_given_by, outcome", [
+    # envvar: the GPU is only the env; the pod's "all" replaces it, and the NVIDIA runtime
+    # then mounts every GPU. An escape, unless the runtime ignores the variable for
+    # unprivileged pods (accept-nvidia-visible-devices-envvar-when-unprivileged = false).
+    ("envvar", "env", "escape: every GPU with a default NVIDIA runtime"),
+    # cdi: the GPU comes from cdi_devices; the response's "void" keeps an image's "all" out,
+    # but a pod's own "all" replaces "void". A runtime in CDI mode (or with the envvar ignored
+    # for unprivileged pods) gives only the CDI device; a legacy-mode runtime still honours it.
+    ("cdi", "cdi_devices", "contained with a CDI-mode runtime; escape with a legacy one"),
+    # device-nodes: the device nodes are in the response; same reasoning as cdi for the env.
+    ("device-nodes", "devices", "contained unless a legacy NVIDIA runtime honours the env"),
+])
+def test_a_pod_asking_for_all_gpus(short_dir: Path, strategy: str, gpu_given_by: str,
+                                   outcome: str) -> None:
+    _, response = _allocate(short_dir, strategy)
+    envs = dict(response.envs)  # type: ignore[attr-defined]
+    uuid = envs["CUDA_VISIBLE_DEVICES"]
+    assert "," not in uuid
+    if gpu_given_by == "env":
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+        assert not list(response.cdi_devices) and not list(response.devices)  # type: ignore[attr-defined]
+    else:
+        assert envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+        given = (list(response.cdi_devices) if gpu_given_by == "cdi_devices"  # type: ignore[attr-defined]
+                 else list(response.devices))  # type: ignore[attr-defined]
+        assert len(given) >= 1
+    cuda_image = {"NVIDIA_VISIBLE_DEVICES": "all"}      # what CUDA base images set
+    assert container_env(cuda_image, envs, {})["NVIDIA_VISIBLE_DEVICES"] == envs[
+        "NVIDIA_VISIBLE_DEVICES"], "the response must beat the image's own 'all'"
+    hostile = container_env(cuda_image, envs, {"NVIDIA_VISIBLE_DEVICES": "all"})
+    assert hostile["NVIDIA_VISIBLE_DEVICES"] == "all", outcome   # the pod's env wins
+
+
+# ---- LD_PRELOAD, per injection method ----
+
+PROBE = textwrap.dedent("""
+    import json
+    maps = open("/proc/self/maps").read()
+    print(json.dumps({"hook_loaded": "libgemini-hook" in maps}))
+""")
+
+
+@pytest.fixture(scope="module")
+def hook_lib() -> Iterator[Path]:
+    out = Path(tempfile.mkdtemp(prefix="gh-"))
+    try:
+        yield build.build_library(out, strict=True)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _probe(env: Mapping[str, str], wrap: list[str] | None = None) -> bool:
+    argv = [sys.executable, "-c", PROBE]
+    if wrap is not None:
+        argv = [*wrap[:-1], wrap[-1] + " " + " ".join(f"'{a}'" for a in argv)]
+    proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    loaded: bool = json.loads(proc.stdout.strip().splitlines()[-1])["hook_loaded"]
+    return loaded
+
+
+@pytest.mark.parametrize("pod_preload, expect_loaded", [
+    (None, True),                         # the pod leaves it alone: the hook is loaded
+    ("", False),                          # the pod empties it: not loaded
+    ("/usr/lib/libother.so", False),      # the pod preloads its own library: not loaded
+])
+def test_env_injection_is_replaced_by_a_pods_own_ld_preload(
+        short_dir: Path, hook_lib: Path, pod_preload: str | None, expect_loaded: bool) -> None:
+    _, response = _allocate(short_dir, "cdi")
+    envs = dict(response.envs)  # type: ignore[attr-defined]
+    # Inside a container the response names the library under CONTAINER_LIB_DIR; here it is
+    # the host path of the same file.
+    assert envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    envs["LD_PRELOAD"] = str(hook_lib)
+    pod = {} if pod_preload is None else {"LD_PRELOAD": pod_preload}
+    env = container_env(child_env(), envs, pod)
+    assert _probe(env) is expect_loaded
+
+
+def test_ld_so_preload_injection_survives_a_pods_ld_preload(hook_lib: Path) -> None:
+    """The /etc/ld.so.preload option (not implemented): the file is read by the loader whatever
+    the environment says. Simulated in a private mount namespace with a copy of /etc."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare for a private /etc")
+    setup = (f"mount -t tmpfs none /mnt && cp -a /etc/. /mnt/ && "
+             f"echo {hook_lib} > /mnt/ld.so.preload && mount --bind /mnt /etc && exec")
+    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
+                           timeout=30)
+    if probe.returncode != 0:
+        pytest.skip("mount namespaces are not permitted here")
+    env = container_env(child_env(), {}, {"LD_PRELOAD": ""})
+    assert _probe(env, wrap=replay_argv(setup)) is True
+    assert not Path("/etc/ld.so.preload").exists() or hook_lib.name not in Path(
+        "/etc/ld.so.preload").read_text(), "the host's preload file must be untouched"
