@@ -17,7 +17,7 @@ from tests.integration.test_plugin_through_kubelet import direct_allocate
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records
 from tests.reliability.test_plugin_faults import hello
-from tests.scheduler.helpers import DaemonProcess, wait_for
+from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime import allocation
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
@@ -72,6 +72,7 @@ async def test_sigkill_of_a_hooked_holder_hands_the_token_on_at_once(
     await node.start_plugin(args=ONE_GIB_SLICES)
     held, other = await admit_records(node, (3, 3))
     holder = Container(hooked, held)
+    wait_served(other)
     rival = Rival(other)
     try:
         holder.send("launch 30 nosync")

@@ -166,6 +166,7 @@ async def test_plugin_sigkill_then_restart_restores_every_allocation(
     before = record_files(node.state_dir)
     wait_serving_exactly(daemon, set(records))
     assert await plugin.stop(signal.SIGKILL) == -signal.SIGKILL
+    await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 0)   # stream ended
     for record in records.values():
         hello(record)                               # the daemon does not need the plugin
     await node.start_plugin()

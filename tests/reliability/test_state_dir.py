@@ -67,6 +67,7 @@ async def test_allocate_fails_clearly_and_damages_nothing(
     kept = await node.kubelet.admit_pod("kept", containers=[("main", 3)])
     assert kept.admitted, kept.message
     assert await first.stop() == 0
+    await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 0)   # stream ended
     before = record_files(node.state_dir)
     (record,) = whole_records(node.state_dir).values()
 
@@ -85,6 +86,7 @@ async def test_allocate_fails_clearly_and_damages_nothing(
     assert not (seen_by_plugin / "channels" / allocation.id_for_devices(
         refused.containers["main"].device_ids)).exists(), "no empty channel left behind"
     assert await plugin.stop() == 0
+    await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 0)
 
     assert record_files(node.state_dir) == before
     hello(record)
