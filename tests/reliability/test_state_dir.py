@@ -56,7 +56,7 @@ async def start_confined_plugin(node: Node, setup: str, scratch: Path) -> Plugin
 @pytest.mark.parametrize("fault,setup,errno_text", [
     ("read-only", READ_ONLY, "Read-only file system"),
     ("full", FULL, "No space left on device"),
-])
+], ids=["read_only", "full"])
 async def test_allocate_fails_clearly_and_damages_nothing(
         node: Node, daemon: DaemonProcess, tmp_path: Path, fault: str, setup: str,
         errno_text: str) -> None:
