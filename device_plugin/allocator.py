@@ -218,6 +218,29 @@ class Allocator:
                                      "share": record.gpus[0].share, "replay": existing is not None})
         return self.response(record, slices)
 
+    def allocate_all(self, requests: Sequence[Sequence[str]]
+                     ) -> list[api_pb2.ContainerAllocateResponse]:
+        """Several containers in one call, all or nothing: every request is validated before
+        any record is written, and records this call created are removed if a later one
+        fails to store. (Kubelet sends one container per call; other clients may not.)"""
+        for ids in requests:
+            self.validate(ids)
+        answers, created = [], []
+        try:
+            for ids in requests:
+                allocation_id = allocation.id_for_devices(ids)
+                new = not allocation.record_path(self.config.state_dir, allocation_id).exists()
+                answers.append(self.allocate(ids))
+                if new:
+                    created.append(allocation_id)
+        except AllocationError:
+            for allocation_id in created:
+                allocation.remove_record(self.config.state_dir, allocation_id)
+                with contextlib.suppress(OSError):
+                    paths.channel_dir(self.config.state_dir, allocation_id).rmdir()
+            raise
+        return answers
+
     def _store(self, record: AllocationRecord, channel: Path) -> None:
         created = not channel.exists()
         try:

@@ -132,14 +132,12 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Any
                        ) -> api_pb2.AllocateResponse:
-        answers = []
-        for ask in request.container_requests:
-            try:
-                answers.append(self.allocator.allocate(list(ask.devices_ids)))
-            except AllocationError as err:
-                log.warning("Allocate rejected", extra={"reason": err.message,
-                                                        "devices": list(ask.devices_ids)})
-                await context.abort(err.code, err.message)
+        requests = [list(ask.devices_ids) for ask in request.container_requests]
+        try:
+            answers = self.allocator.allocate_all(requests)
+        except AllocationError as err:
+            log.warning("Allocate rejected", extra={"reason": err.message, "devices": requests})
+            await context.abort(err.code, err.message)
         return api_pb2.AllocateResponse(container_responses=answers)
 
     async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest, context: Any

@@ -185,10 +185,6 @@ def test_empty_requests_are_answered_and_write_nothing(plugin: Plugin) -> None:
     assert _record_files(plugin.config) == before
 
 
-@pytest.mark.xfail(strict=True, reason="plugin bug (device_plugin/server.py, not ours to fix): "
-                   "Allocate with several containers stores each valid one's record before a "
-                   "later one is rejected, so a failed RPC leaves records behind (kubelet sends "
-                   "one container per call, so only a non-kubelet client reaches it)")
 def test_allocate_of_several_containers_is_all_or_nothing(plugin: Plugin) -> None:
     before = _record_files(plugin.config)
     one_gpu_sets = [list(c) for k in range(1, PER_GPU + 1) for g in range(3)

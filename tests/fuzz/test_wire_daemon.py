@@ -150,11 +150,6 @@ def test_bystander_latency_stays_bounded_during_a_flood(node: Node) -> None:
     assert p99_loud < BYSTANDER_P99_BOUND_S
 
 
-@pytest.mark.xfail(strict=True, reason="daemon bug (vgpu_runtime/scheduler/ledger.py+session.py, "
-                   "not ours to fix): MEM_SET amounts are applied without bound, so two near "
-                   "2^64 make `used` overflow MEM_REPLY's uint64 and the client gets 'internal "
-                   "daemon error' instead of a protocol error; a second process of the same "
-                   "allocation is then dropped on its next memory request too")
 def test_mem_set_past_uint64_is_a_protocol_error_not_an_internal_one(node: Node) -> None:
     huge = 2**64 - 1
     frames = [wire.encode(wire.new(C("GM_MSG_HELLO"), seq=1, proto_version=wire.VERSION, pid=1)),

@@ -17,6 +17,11 @@ class LedgerError(ValueError):
     """A request that no well-behaved client sends (e.g. releasing more than it holds)."""
 
 
+# No GPU holds 2^50 bytes (1 PiB); a claim past it is a broken or hostile client, refused
+# before it can push a container's use past what MEM_REPLY's uint64 `used` can carry.
+MAX_CLAIM = 1 << 50
+
+
 @dataclass(frozen=True)
 class MemoryResult:
     granted: bool     # False: over the limit (RESERVE: not applied; SET: applied anyway)
@@ -96,6 +101,9 @@ class MemoryLedger:
         return dict(found.amounts) if found else {}
 
     def _apply(self, holder: Hashable, gpu: int, kind: int, amount: int) -> None:
+        if amount > MAX_CLAIM or self._used[gpu] + amount > MAX_CLAIM * 64:
+            raise LedgerError(f"{amount} bytes of kind {kind} on GPU {gpu} is past any GPU's "
+                              "memory")
         entry = self._holders[holder]
         self._used[gpu] += amount - entry.amounts.get((gpu, kind), 0)
         if amount:

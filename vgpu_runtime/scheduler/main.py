@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common import logs
+from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.scheduler import lock
 from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.daemon import Daemon
@@ -36,6 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gemini-scheduler: {err}", file=sys.stderr)
         return 2
     logs.setup(config.log_level, config.log_format)
+    raise_open_file_limit()   # one socket per client process, past the usual 1024
     try:
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
         lock_fd = lock.acquire(config.state_dir)
