@@ -27,10 +27,12 @@ from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from device_plugin.slices import Slice, SliceTable
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
+from vgpu_runtime.common.atomicfile import write_atomic
 
 log = logging.getLogger(__name__)
 
 ALLOCATION_ANNOTATION = "gemini.ai/allocation-id"
+CONTAINER_HOOK = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
@@ -155,7 +157,6 @@ class Allocator:
         strategy = self.config.device_list_strategy
         envs = {
             "CUDA_VISIBLE_DEVICES": ",".join(uuids),
-            "LD_PRELOAD": f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}",
             paths.ENV_CHANNEL_DIR: paths.CONTAINER_CHANNEL_DIR,
             paths.ENV_ALLOCATION_ID: record.id,
             paths.ENV_SHARE: repr(record.gpus[0].share),
@@ -176,6 +177,14 @@ class Allocator:
             ],
             annotations={ALLOCATION_ANNOTATION: record.id},
         )
+        injection = self.config.injection
+        if injection in ("ld-preload", "both"):
+            answer.envs["LD_PRELOAD"] = CONTAINER_HOOK
+        if injection in ("preload-file", "both"):
+            answer.mounts.append(api_pb2.Mount(
+                container_path=paths.CONTAINER_PRELOAD_FILE,
+                host_path=str(Path(record.channel_dir) / paths.CHANNEL_PRELOAD_NAME),
+                read_only=True))
         if strategy == "cdi":
             answer.cdi_devices.extend(api_pb2.CDIDevice(name=f"{self.config.cdi_kind}={u}")
                                       for u in uuids)
@@ -214,6 +223,9 @@ class Allocator:
             record = dataclasses.replace(fresh, gpus=gpus, pod=existing.pod, limit=existing.limit)
         if record != existing:
             self._store(record, channel)
+        elif self.config.injection != "ld-preload" and not (
+                channel / paths.CHANNEL_PRELOAD_NAME).exists():
+            self._write_preload_file(channel)   # the node switched injection since the first call
         log.info("allocated", extra={"allocation_id": record.id, "devices": list(record.device_ids),
                                      "share": record.gpus[0].share, "replay": existing is not None})
         return self.response(record, slices)
@@ -241,14 +253,22 @@ class Allocator:
             raise
         return answers
 
+    def _write_preload_file(self, channel: Path) -> None:
+        """For the preload-file injection: the line the loader reads in the container (the
+        library's container path, whose versioned name never changes for this allocation)."""
+        if self.config.injection != "ld-preload":
+            write_atomic(channel / paths.CHANNEL_PRELOAD_NAME, f"{CONTAINER_HOOK}\n".encode())
+
     def _store(self, record: AllocationRecord, channel: Path) -> None:
         created = not channel.exists()
         try:
             channel.mkdir(mode=0o755, parents=True, exist_ok=True)
+            self._write_preload_file(channel)
             allocation.write_record(self.config.state_dir, record)
         except (OSError, RecordError) as err:
             if created:
                 with contextlib.suppress(OSError):
+                    (channel / paths.CHANNEL_PRELOAD_NAME).unlink(missing_ok=True)
                     channel.rmdir()
             detail = err.strerror if isinstance(err, OSError) else str(err)
             raise AllocationError(

@@ -9,6 +9,11 @@ Defaults that needed a choice:
   node's CDI spec; a pod cannot widen them. With `envvar`, a pod that sets
   NVIDIA_VISIBLE_DEVICES=all itself may receive every GPU unless the NVIDIA runtime is set to
   ignore that variable from unprivileged pods. `envvar` stays available for nodes without CDI.
+- injection ld-preload: the LD_PRELOAD variable works on every runtime, gVisor included, and
+  leaves an image's own /etc/ld.so.preload alone. A pod can replace it with its own LD_PRELOAD,
+  which a mounted /etc/ld.so.preload (`preload-file`) prevents; but that file replaces the image's
+  own preload file and gVisor ignores it. Neither stops a hostile process (static linking, raw
+  ioctls), so the portable method is the default and `both` is there for nodes that want it.
 - health_recheck_interval 10s: an NVML probe costs well under a millisecond; 10 s returns a
   recovered GPU to the scheduler quickly without polling the driver hard.
 - recovery_quiet_period 300s: critical XIDs come in bursts (ECC, row remapping, bus errors);
@@ -31,6 +36,7 @@ DEFAULT_SOCKET_NAME = "gemini-vgpu.sock"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 PLACEMENTS = ("best-fit", "spread")
 STRATEGIES = ("envvar", "cdi", "device-nodes")
+INJECTIONS = ("ld-preload", "preload-file", "both")
 MAX_SLICES_PER_GPU = 1000  # keeps "<uuid>::<n>" well under kubelet's 63-character device IDs
 
 
@@ -78,6 +84,9 @@ class PluginConfig:
                                         "device-nodes", cfg.choice(*STRATEGIES), "STRATEGY")
     cdi_kind: str = setting("nvidia.com/gpu", "CDI kind of the GPU devices", _resource_name,
                             "KIND")
+    injection: str = setting("ld-preload", "how the interposer is loaded: ld-preload (env), "
+                             "preload-file (a mounted /etc/ld.so.preload) or both",
+                             cfg.choice(*INJECTIONS), "METHOD")
     hook_dir: str | None = setting(None, "host directory holding the interposer library "
                                    "(default <state-dir>/lib)", cfg.optional(cfg.text), "DIR")
     ignored_xids: tuple[int, ...] = setting(DEFAULT_IGNORED_XIDS,

@@ -30,8 +30,12 @@ HOOK_LIBRARY_NAME = f"libgemini-hook.so.{__version__}"
 CONTAINER_LIB_DIR = "/opt/gemini/lib"
 CONTAINER_CHANNEL_DIR = "/run/gemini"
 
+# The loader's preload file, for the `preload-file` injection method.
+CONTAINER_PRELOAD_FILE = "/etc/ld.so.preload"
+
 # Inside a channel directory. Kept short: a Unix socket path must fit in 107 bytes.
 CHANNEL_SOCKET_NAME = "sched.sock"
+CHANNEL_PRELOAD_NAME = "ld.so.preload"   # bind-mounted at CONTAINER_PRELOAD_FILE
 UNIX_PATH_MAX = 107
 
 # Environment the hook reads (set by Allocate and by gemini-run).

@@ -140,6 +140,27 @@ def test_response_with_device_nodes(make: Make) -> None:
 
 # ---- the record ----
 
+@pytest.mark.parametrize("injection, env, file", [
+    ("ld-preload", True, False), ("preload-file", False, True), ("both", True, True)])
+def test_each_injection_method(make: Make, injection: str, env: bool, file: bool) -> None:
+    allocator, table, _ = make(injection=injection)
+    answer = allocator.allocate(slice_ids(table, 0, 2))
+    hook = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    assert (answer.envs.get("LD_PRELOAD") == hook) is env
+    mounts = {m.container_path: m for m in answer.mounts}
+    assert (paths.CONTAINER_PRELOAD_FILE in mounts) is file
+    channel = paths.channel_dir(allocator.config.state_dir, answer.envs[paths.ENV_ALLOCATION_ID])
+    preload = channel / paths.CHANNEL_PRELOAD_NAME
+    assert preload.exists() is file
+    if file:
+        mount = mounts[paths.CONTAINER_PRELOAD_FILE]
+        assert mount.read_only and mount.host_path == str(preload)
+        assert preload.read_text() == hook + "\n"
+        preload.unlink()                      # a replay restores what the response points to
+        assert allocator.allocate(slice_ids(table, 0, 2)) == answer
+        assert preload.read_text() == hook + "\n"
+
+
 def test_record_contents(make: Make) -> None:
     allocator, table, _ = make()
     ids = slice_ids(table, 1, 4)

@@ -28,7 +28,7 @@ from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from tests.childenv import child_env
-from tests.gpu.replay import replay_argv
+from tests.gpu.replay import mount_points_cleaned, replay_argv, replay_script
 from vgpu_runtime import paths
 from vgpu_runtime.hook import build
 
@@ -49,12 +49,12 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _allocate(root: Path, strategy: str) -> tuple[PluginConfig, object]:
+def _allocate(root: Path, strategy: str, **settings: str) -> tuple[PluginConfig, object]:
     (root / "k").mkdir(exist_ok=True)
     config = plugin_config.check(PluginConfig(
         kubelet_dir=str(root / "k"), state_dir=str(root / f"s-{strategy}"), simulate_gpus=2,
         simulate_memory=11 * GIB, memory_reserve=GIB, slices_per_gpu=10,
-        device_list_strategy=strategy))
+        device_list_strategy=strategy, **settings))  # type: ignore[arg-type]
     table = SliceTable(SimulatedBackend(2, memory=config.simulate_memory).discover(), 10)
     return config, Allocator(config, table).allocate([f"{table.gpus[0].uuid}::0"])
 
@@ -156,3 +156,36 @@ def test_ld_so_preload_injection_survives_a_pods_ld_preload(hook_lib: Path) -> N
     assert _probe(env, wrap=replay_argv(setup)) is True
     assert not Path("/etc/ld.so.preload").exists() or hook_lib.name not in Path(
         "/etc/ld.so.preload").read_text(), "the host's preload file must be untouched"
+
+
+def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
+                                                           hook_lib: Path) -> None:
+    """`--injection preload-file`: the Allocate response mounts a file at /etc/ld.so.preload
+    naming the interposer; replayed in a mount namespace, the hook is loaded even though the
+    pod empties LD_PRELOAD."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare to replay the response's mounts")
+    if subprocess.run(replay_argv("true"), capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("mount namespaces are not permitted here")
+    lib_dir = short_dir / "lib"
+    lib_dir.mkdir()
+    shutil.copy2(hook_lib, lib_dir / paths.HOOK_LIBRARY_NAME)
+    _, response = _allocate(short_dir, "envvar", injection="preload-file",
+                            hook_dir=str(lib_dir))
+    envs = dict(response.envs)  # type: ignore[attr-defined]
+    assert "LD_PRELOAD" not in envs
+    mounts = {m.container_path: m for m in response.mounts}  # type: ignore[attr-defined]
+    preload = mounts[paths.CONTAINER_PRELOAD_FILE]
+    assert preload.read_only
+    assert Path(preload.host_path).read_text() == \
+        f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}\n"
+    host_preload = Path(paths.CONTAINER_PRELOAD_FILE)
+    before = host_preload.read_bytes() if host_preload.exists() else None
+    env = container_env(child_env(), envs, {"LD_PRELOAD": ""})
+    with mount_points_cleaned(response):
+        script = replay_script(response, ["true"]).rstrip("\n")
+        assert script.endswith("exec true")
+        # _probe appends the probe's command line to the script's final `exec`.
+        assert _probe(env, wrap=replay_argv(script.removesuffix(" true"))) is True
+    after = host_preload.read_bytes() if host_preload.exists() else None
+    assert after == before, "the host's own preload file must be untouched"
