@@ -8,25 +8,22 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
+# The counters as the hook's public header lists them (GEMINI_HOOK_COUNTERS), in struct order.
+_HEADER = Path(__file__).resolve().parents[2] / "vgpu_runtime/hook/include/gemini_hook.h"
+COUNTERS = re.findall(r"^\s*X\((\w+)\)", _HEADER.read_text(), re.M)
+
+
 class HookStats(ctypes.Structure):
-    _fields_ = [
-        ("version", ctypes.c_uint32), ("active", ctypes.c_uint32),
-        ("kernel_launches", ctypes.c_uint64), ("graph_launches", ctypes.c_uint64),
-        ("captured_launches", ctypes.c_uint64), ("gate_ns", ctypes.c_uint64),
-        ("wrapped_by_dlsym", ctypes.c_uint64), ("wrapped_by_procaddress", ctypes.c_uint64),
-        ("mem_refused", ctypes.c_uint64), ("daemon_connects", ctypes.c_uint64),
-        ("bytes_held", ctypes.c_uint64),
-        ("token_requests", ctypes.c_uint64), ("token_wait_ns", ctypes.c_uint64),
-        ("token_timeouts", ctypes.c_uint64), ("ungated_launches", ctypes.c_uint64),
-        ("frames_sent", ctypes.c_uint64), ("usage_reports", ctypes.c_uint64),
-        ("syncs_observed", ctypes.c_uint64), ("drain_ns", ctypes.c_uint64),
-    ]
+    _fields_ = [("version", ctypes.c_uint32), ("active", ctypes.c_uint32),
+                ("bytes_held", ctypes.c_uint64)] + [(name, ctypes.c_uint64) for name in COUNTERS]
 
 
 STAT_NAMES = [str(field[0]) for field in HookStats._fields_]

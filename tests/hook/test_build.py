@@ -87,3 +87,27 @@ def test_hooklib_builds_into_a_cache_keyed_by_the_sources(
     first = hooklib.library_path()
     assert first.is_file() and build.sources_digest() in first.parts
     assert hooklib.library_path() == first
+
+
+def test_the_tests_read_the_stats_struct_as_c_lays_it_out(tmp_path: Path) -> None:
+    """tests/hook/cudaprobe.py builds its ctypes struct from the header's counter list."""
+    import ctypes
+
+    from tests.hook.cudaprobe import COUNTERS, HookStats
+
+    include = Path(build.__file__).parent / "include"
+    lines = [f'printf("{name} %zu\\n", offsetof(struct gemini_hook_stats, {name}));'
+             for name, _ in HookStats._fields_]
+    source = tmp_path / "layout.c"
+    source.write_text('#include <stddef.h>\n#include <stdio.h>\n#include "gemini_hook.h"\n'
+                      "int main(void) {\n" + "\n".join(lines)
+                      + '\nprintf("size %zu\\n", sizeof(struct gemini_hook_stats));\n'
+                      "return 0;\n}\n")
+    subprocess.run(["gcc", "-I", str(include), "-o", str(tmp_path / "layout"), str(source)],
+                   check=True)
+    out = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True)
+    c_layout = dict(line.split() for line in out.stdout.splitlines())
+    assert len(COUNTERS) >= 16
+    for name, _ in HookStats._fields_:
+        assert int(c_layout[name]) == getattr(HookStats, name).offset, name
+    assert int(c_layout["size"]) == ctypes.sizeof(HookStats)

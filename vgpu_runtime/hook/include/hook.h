@@ -49,10 +49,9 @@ GM_HIDDEN void *gm_real_dlsym(void *handle, const char *name);
 
 /* counters (core/stats.c) */
 struct gm_counters {
-    _Atomic uint64_t kernel_launches, graph_launches, captured_launches, gate_ns;
-    _Atomic uint64_t wrapped_by_dlsym, wrapped_by_procaddress, mem_refused, daemon_connects;
-    _Atomic uint64_t token_requests, token_wait_ns, token_timeouts, ungated_launches;
-    _Atomic uint64_t frames_sent, usage_reports, syncs_observed, drain_ns;
+#define GM_COUNTER_FIELD(name) _Atomic uint64_t name;
+    GEMINI_HOOK_COUNTERS(GM_COUNTER_FIELD)
+#undef GM_COUNTER_FIELD
 };
 GM_HIDDEN extern struct gm_counters gm_counters;
 #define GM_COUNT(field, n) atomic_fetch_add_explicit(&gm_counters.field, (n), memory_order_relaxed)
