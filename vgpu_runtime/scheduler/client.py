@@ -107,20 +107,24 @@ class ChannelClient:
         header = wire.parse_header(head)
         return wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE))
 
-    def _call(self, frame: Any, expect: int) -> Any:
-        self._seq += 1
-        frame.h.seq = self._seq
-        self.send_raw(wire.encode(frame))
+    def _expect(self, expect: int, seq: int | None = None) -> Any:
+        """The next frame, which must be of type `expect` (echoing `seq` when given)."""
         reply = self.recv_frame()
         if reply is None:
             raise ChannelClosed("the daemon closed the connection")
         if wire.frame_type(reply) == C("GM_MSG_ERROR"):
             reason = wire.text_field(reply.reason)
             raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
-        if wire.frame_type(reply) != expect or reply.h.seq != self._seq:
+        if wire.frame_type(reply) != expect or (seq is not None and reply.h.seq != seq):
             raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)} "
                                 f"seq {reply.h.seq}")
         return reply
+
+    def _call(self, frame: Any, expect: int) -> Any:
+        self._seq += 1
+        frame.h.seq = self._seq
+        self.send_raw(wire.encode(frame))
+        return self._expect(expect, self._seq)
 
     def hello(self, pid: int | None = None) -> HelloReply:
         frame = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION,
@@ -157,14 +161,7 @@ class ChannelClient:
 
     def recv_grant(self) -> TokenGrant:
         """The next TOKEN_GRANT; raises ChannelClosed on an error or EOF, or socket.timeout."""
-        reply = self.recv_frame()
-        if reply is None:
-            raise ChannelClosed("the daemon closed the connection")
-        if wire.frame_type(reply) == C("GM_MSG_ERROR"):
-            reason = wire.text_field(reply.reason)
-            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
-        if wire.frame_type(reply) != C("GM_MSG_TOKEN_GRANT"):
-            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
+        reply = self._expect(C("GM_MSG_TOKEN_GRANT"))
         return TokenGrant(int(reply.h.seq), int(reply.gpu), int(reply.status),
                           int(reply.generation), int(reply.valid_until_ns))
 

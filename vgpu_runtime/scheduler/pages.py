@@ -68,12 +68,27 @@ class Activity:
     launches: int
 
 
-class TokenPage:
-    def __init__(self, path: Path, gate: int) -> None:
+class _MappedPage:
+    """A page file mapped shared, seen through its struct from the wire header."""
+
+    def __init__(self, path: Path, mode: int, struct: str) -> None:
         self.path = path
-        self._map, _ = _map(path, TOKEN_PAGE_MODE)
+        self._map, self.reused = _map(path, mode)
         self._buffer = wire.ffi.from_buffer(self._map)
-        self._page: Any = wire.ffi.cast("struct gm_token_page *", self._buffer)
+        self._page: Any = wire.ffi.cast(f"struct {struct} *", self._buffer)
+
+    def close(self, remove: bool) -> None:
+        del self._page
+        wire.ffi.release(self._buffer)
+        self._map.close()
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+class TokenPage(_MappedPage):
+    def __init__(self, path: Path, gate: int) -> None:
+        super().__init__(path, TOKEN_PAGE_MODE, "gm_token_page")
         self._page.valid_until_ns = 0   # whatever a previous daemon granted is void
         self._page.magic = C("GM_TOKEN_PAGE_MAGIC")
         self._page.version = wire.VERSION
@@ -106,21 +121,13 @@ class TokenPage:
 
     def close(self, remove: bool) -> None:
         self.clear()
-        del self._page
-        wire.ffi.release(self._buffer)
-        self._map.close()
-        if remove:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        super().close(remove)
 
 
-class ActivityPage:
+class ActivityPage(_MappedPage):
     def __init__(self, path: Path) -> None:
-        self.path = path
-        self._map, reused = _map(path, ACTIVITY_PAGE_MODE)
-        self._buffer = wire.ffi.from_buffer(self._map)
-        self._page: Any = wire.ffi.cast("struct gm_activity_page *", self._buffer)
-        if not reused or self._page.magic != C("GM_ACTIVITY_PAGE_MAGIC"):
+        super().__init__(path, ACTIVITY_PAGE_MODE, "gm_activity_page")
+        if not self.reused or self._page.magic != C("GM_ACTIVITY_PAGE_MAGIC"):
             self._page.last_launch_ns = -1
             self._page.last_sync_ns = -1
             self._page.launches = 0
@@ -131,11 +138,3 @@ class ActivityPage:
         """What the hooks wrote; untrusted, so callers bound what they do with it."""
         page = self._page
         return Activity(int(page.last_launch_ns), int(page.last_sync_ns), int(page.launches))
-
-    def close(self, remove: bool) -> None:
-        del self._page
-        wire.ffi.release(self._buffer)
-        self._map.close()
-        if remove:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
