@@ -21,6 +21,12 @@ Pod awareness and telemetry (issue 5):
 * `collect_grace` (60 s): an allocation whose pod has been absent from every successful,
   non-empty List this long is collected. A failed or empty List (kubelet restarting) proves
   nothing and restarts the clock.
+* `process_memory` (auto): where per-process GPU memory figures come from, for the context
+  charge (see process_memory.py): `auto` uses NVML when it loads and the daemon shares the
+  host's pid namespace (SO_PEERCRED pids are then NVML's pids), `nvml` insists on NVML,
+  `simulated` reads `process_memory_file` (tests, demos), `off` keeps the hook's own
+  measurements. `process_memory_interval` (1 s): NVML's figures move with every allocation;
+  once a second bounds a stale context charge to a second and costs one NVML call per GPU.
 * `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
   second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
 """
@@ -44,6 +50,7 @@ def default_node_name() -> str:
     """The Downward API's NODE_NAME in the DaemonSet; the host name elsewhere."""
     return os.environ.get("NODE_NAME") or socket.gethostname()
 LIMIT_POLICIES = ("work-conserving", "strict")
+PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,17 @@ class SchedulerConfig:
         cfg.integer(0, 256), "N")
     simulate_model: str = cfg.setting(
         "Simulated NVIDIA H200", "model name of simulated GPUs", cfg.text, "NAME")
+    # ---- per-process memory (the context charge) ----
+    process_memory: str = cfg.setting(
+        "auto", "per-process GPU memory figures for the context charge: auto (NVML when it "
+        "loads and pids match the host's), nvml, simulated (process_memory_file) or off (the "
+        "hook's measurement)", cfg.choice(*PROCESS_MEMORY_SOURCES), "SOURCE")
+    process_memory_interval: float = cfg.setting(
+        1.0, "seconds between readings of per-process GPU memory", cfg.number(0.01, 3600),
+        "SECONDS")
+    process_memory_file: str | None = cfg.setting(
+        None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
+        "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
     # ---- telemetry ----
     metrics_port: int = cfg.setting(
         9401, "HTTP port of /metrics, /healthz and /readyz (0 = off)", cfg.integer(0, 65535),
@@ -153,6 +171,9 @@ class SchedulerConfig:
         if self.max_quota >= self.window:
             raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
                                   f"({self.window})")
+        if self.process_memory == "simulated" and not self.process_memory_file:
+            raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
+                                  "JSON file of per-process figures)")
         if self.mqtt_url:
             from vgpu_runtime.scheduler.mqtt import parse_broker_url
 

@@ -4,6 +4,12 @@ Every connection (one per client process) holds amounts per (GPU, kind). The con
 on a GPU is the sum over its connections; the limit is per allocation per GPU. The ledger is
 plain synchronous code: the daemon calls it from its one event loop, so a check and its update
 are never interleaved with another connection's.
+
+The context charge: a connection's context kind (GM_MEM_CONTEXT) counts what the hook measured
+when it created its contexts, unless the daemon has observed the process (`observe_process`,
+from NVML's per-process figure): then it counts max(0, observed total - what the connection
+has declared of every other kind on that GPU), fixed at the observation, and the hook's number
+is kept but not counted. Withdrawing the observation (None) puts the hook's number back.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+
+from vgpu_runtime import wire
 
 
 class LedgerError(ValueError):
@@ -20,6 +28,7 @@ class LedgerError(ValueError):
 # No GPU holds 2^50 bytes (1 PiB); a claim past it is a broken or hostile client, refused
 # before it can push a container's use past what MEM_REPLY's uint64 `used` can carry.
 MAX_CLAIM = 1 << 50
+CONTEXT = wire.const("GM_MEM_CONTEXT")
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,14 @@ class MemoryResult:
 @dataclass
 class _Holder:
     amounts: dict[tuple[int, int], int] = field(default_factory=dict)  # (gpu, kind) -> bytes
+    observed: dict[int, int] = field(default_factory=dict)  # gpu -> context charge from NVML
+
+    def counted(self, gpu: int, kind: int, declared: int) -> int:
+        """What a declared amount adds to the GPU's use: an observed context replaces it."""
+        return 0 if kind == CONTEXT and gpu in self.observed else declared
+
+    def empty(self) -> bool:
+        return not self.amounts and not self.observed
 
 
 class MemoryLedger:
@@ -86,12 +103,42 @@ class MemoryLedger:
         return MemoryResult(self._used[gpu] <= self._limits[gpu], self._used[gpu],
                             self._limits[gpu])
 
+    def observe_process(self, holder: Hashable, gpu: int, total: int | None) -> int | None:
+        """Charge the holder's context from its process's whole use on the GPU as NVML sees
+        it (None: no figure, the hook's own measurement counts). Returns the context charge
+        now in force from the observation, or None. Never refused: the memory exists."""
+        self._check_gpu(gpu)
+        entry = self._holders.get(holder)
+        if total is None:
+            if entry is None or gpu not in entry.observed:
+                return None
+            charge = entry.observed.pop(gpu)
+            self._used[gpu] += entry.amounts.get((gpu, CONTEXT), 0) - charge
+            if entry.empty():
+                del self._holders[holder]
+            return None
+        entry = self._holders[holder]
+        declared_other = sum(amount for (g, kind), amount in entry.amounts.items()
+                             if g == gpu and kind != CONTEXT)
+        charge = min(MAX_CLAIM, max(0, total - declared_other))
+        before = entry.observed.get(gpu, entry.amounts.get((gpu, CONTEXT), 0))
+        entry.observed[gpu] = charge
+        self._used[gpu] += charge - before
+        return charge
+
+    def observed_charge(self, holder: Hashable, gpu: int) -> int | None:
+        """The context charge from an observation, or None where the hook's number counts."""
+        found = self._holders.get(holder)
+        return found.observed.get(gpu) if found else None
+
     def drop(self, holder: Hashable) -> None:
         """Release everything a connection held (it closed, or was killed)."""
         found = self._holders.pop(holder, None)
         if found:
-            for (gpu, _kind), amount in found.amounts.items():
-                self._used[gpu] -= amount
+            for (gpu, kind), amount in found.amounts.items():
+                self._used[gpu] -= found.counted(gpu, kind, amount)
+            for gpu, charge in found.observed.items():
+                self._used[gpu] -= charge
 
     def holders(self) -> list[Hashable]:
         return list(self._holders)
@@ -105,12 +152,12 @@ class MemoryLedger:
             raise LedgerError(f"{amount} bytes of kind {kind} on GPU {gpu} is past any GPU's "
                               "memory")
         entry = self._holders[holder]
-        self._used[gpu] += amount - entry.amounts.get((gpu, kind), 0)
+        self._used[gpu] += entry.counted(gpu, kind, amount - entry.amounts.get((gpu, kind), 0))
         if amount:
             entry.amounts[(gpu, kind)] = amount
         else:
             entry.amounts.pop((gpu, kind), None)
-            if not entry.amounts:
+            if entry.empty():
                 del self._holders[holder]
 
     def _check_gpu(self, gpu: int) -> int:

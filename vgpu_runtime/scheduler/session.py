@@ -12,6 +12,10 @@ allocation's last connection.
 Tokens (issue 4): TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
 valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
 USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
+
+Contexts (issue 3): from HELLO on, the connection is charged for its process's contexts from
+NVML's per-process figure where the daemon sees one (process_memory.py has the rule), else
+from the hook's MEM_SET of kind context.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.ledger import LedgerError, MemoryResult
 from vgpu_runtime.scheduler.peer import PeerCred
+from vgpu_runtime.scheduler.process_memory import ContextCharger, charger_for
 from vgpu_runtime.scheduler.tokens import Waiter, from_ns
 
 if TYPE_CHECKING:
@@ -43,6 +48,7 @@ MSG_TOKEN_RELEASE, MSG_USAGE_REPORT = C("GM_MSG_TOKEN_RELEASE"), C("GM_MSG_USAGE
 KIND_NAMES = {C(name): name.removeprefix("GM_MEM_").lower() for name in (
     "GM_MEM_DEVICE", "GM_MEM_MANAGED", "GM_MEM_ARRAY", "GM_MEM_VMM", "GM_MEM_POOL",
     "GM_MEM_GRAPH", "GM_MEM_CONTEXT")}
+KIND_CONTEXT = C("GM_MEM_CONTEXT")
 REASON_BYTES = C("GM_REASON_BYTES")
 
 
@@ -71,6 +77,9 @@ class Session(Waiter):
         self.connected_at = time.time()
         self.hello_pid: int | None = None
         self.closing_status: int | None = None
+        self.charger: ContextCharger | None = None
+        self.process_memory: dict[int, int] = {}   # GPU index -> its process's figure
+        self.process_memory_source = "hook"
         self.handlers: dict[int, Callable[[Any], Awaitable[None]]] = {
             MSG_HELLO: self._hello,
             MSG_RESERVE: self._memory,
@@ -109,6 +118,8 @@ class Session(Waiter):
             log.exception("internal error; dropping client", extra=self._log_fields())
             await self._send_error(C("GM_ERR_MALFORMED"), "internal daemon error")
         finally:
+            if self.charger is not None:
+                self.charger.unregister(self)
             self.channel.ledger.drop(self)
             self.channel.connection_closed(self)
             self.writer.close()
@@ -171,6 +182,33 @@ class Session(Waiter):
             slot.limit_ppm = grant.limit_ppm
         log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid))
         await self._send(reply)
+        if self.charger is None:
+            self.charger = charger_for(self.channel.tokens, self.channel.tokens.config)
+            self.charger.register(self)
+
+    # ---- the context charge (process_memory.Charged) ----
+
+    @property
+    def peer_pid(self) -> int:
+        return self.peer.pid
+
+    def gpu_uuids(self) -> list[str]:
+        return [grant.uuid for grant in self.channel.grants]
+
+    def charge_process_memory(self, source: str, totals: list[int | None]) -> None:
+        ledger = self.channel.ledger
+        for gpu, total in enumerate(totals[:ledger.gpu_count]):
+            before = ledger.observed_charge(self, gpu)
+            after = ledger.observe_process(self, gpu, total)
+            if total is None:
+                self.process_memory.pop(gpu, None)
+            else:
+                self.process_memory[gpu] = total
+            if after != before:
+                log.debug("context charge", extra=self._log_fields(
+                    gpu=gpu, source=source if after is not None else "hook", charge=after,
+                    process_total=total, used=ledger.used(gpu)))
+        self.process_memory_source = source if self.process_memory else "hook"
 
     async def _memory(self, frame: Any) -> None:
         if self.hello_pid is None:
@@ -268,5 +306,14 @@ class Session(Waiter):
         held: dict[str, dict[str, int]] = {}
         for (gpu, kind), amount in self.channel.ledger.holdings(self).items():
             held.setdefault(str(gpu), {})[KIND_NAMES.get(kind, str(kind))] = amount
+        ledger = self.channel.ledger
+        context = {}
+        for gpu in range(ledger.gpu_count):
+            observed = ledger.observed_charge(self, gpu)
+            context[str(gpu)] = {
+                "charged": ledger.held(self, gpu, KIND_CONTEXT) if observed is None else observed,
+                "from": "hook" if observed is None else self.process_memory_source,
+                "process_memory": self.process_memory.get(gpu)}
         return {"peer_pid": self.peer.pid, "uid": self.peer.uid, "gid": self.peer.gid,
-                "hello_pid": self.hello_pid, "connected_at": self.connected_at, "held": held}
+                "hello_pid": self.hello_pid, "connected_at": self.connected_at, "held": held,
+                "context": context}
