@@ -5,6 +5,9 @@ Usage: tenant.py SIZE SYNC_EVERY START_AT DURATION OUT
   SYNC_EVERY  matmuls between host synchronisations (1 = sync after every step)
   START_AT    wall-clock time (time.time()) at which every tenant starts counting
   DURATION    seconds counted
+After its first matmul (context, cuBLAS) a tenant idles until RAMP seconds before START_AT, so
+every tenant of a case starts loading the GPU at the same instant: none runs alone first and
+then owes the others for it while the window is open.
 Writes {"matmuls": n, "seconds": s, "tflops": ...} to OUT.
 """
 
@@ -14,6 +17,8 @@ import time
 
 import torch
 
+RAMP = 3.0   # seconds of common load before the window opens
+
 
 def main() -> None:
     size, sync_every = int(sys.argv[1]), int(sys.argv[2])
@@ -21,6 +26,10 @@ def main() -> None:
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
+    torch.matmul(a, b, out=c)
+    torch.cuda.synchronize()
+    while time.time() < start_at - RAMP:
+        time.sleep(0.005)
     while time.time() < start_at - 0.5:      # warm up until just before the common window
         for _ in range(sync_every):
             torch.matmul(a, b, out=c)
