@@ -6,6 +6,15 @@ responses, and the same IDs always give the same record id, channel directory an
 
 Memory: each slice of a GPU gets (GPU memory - memory_reserve) // N bytes; k slices get k times
 that; whole GPUs get all of it (GPU memory - memory_reserve).
+
+Durability (the rule; vgpu_runtime.common.atomicfile has the details): Allocate answers only
+after the record's data is fsynced and renamed into place, so a record kubelet was told about
+survives any crash of the plugin, and no crash or power loss leaves half a record. The fsync
+of the directories (allocations/, channels/, the channel's own) that makes new names survive
+a POWER LOSS is batched in a background thread and done just after the answer: a power loss
+in that window (about a millisecond) loses the new record, as it would lose kubelet's own
+checkpoint of the answer, which kubelet writes after Allocate returns and never fsyncs the
+directory of. After a reboot the daemon re-creates any channel directory that was lost.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from device_plugin.slices import Slice, SliceTable
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
-from vgpu_runtime.common.atomicfile import write_atomic
+from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +65,14 @@ def _precondition(message: str) -> AllocationError:
 class Allocator:
     def __init__(self, config: PluginConfig, table: SliceTable,
                  health: HealthTracker | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 syncer: DirectorySyncer | None = None) -> None:
         self.config = config
         self.table = table
         self.health = health
         self.clock = clock
+        # None: every directory fsync is done before Allocate answers (tests, tools).
+        self.syncer = syncer
         for gpu in table.gpus:
             if gpu.memory_total <= config.memory_reserve:
                 raise ValueError(f"memory_reserve ({config.memory_reserve} bytes) leaves nothing "
@@ -196,7 +208,10 @@ class Allocator:
 
     def allocate(self, device_ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
         """Validate, write the record (atomically, idempotently) and build the response."""
-        slices = self.validate(device_ids)
+        return self._allocate(self.validate(device_ids))[0]
+
+    def _allocate(self, slices: list[Slice]) -> tuple[api_pb2.ContainerAllocateResponse, bool]:
+        """For validated slices: the response, and whether this call created the record."""
         allocation_id = allocation.id_for_devices(s.id for s in slices)
         channel = paths.channel_dir(self.config.state_dir, allocation_id)
         socket = paths.channel_socket(channel)
@@ -228,23 +243,21 @@ class Allocator:
             self._write_preload_file(channel)   # the node switched injection since the first call
         log.info("allocated", extra={"allocation_id": record.id, "devices": list(record.device_ids),
                                      "share": record.gpus[0].share, "replay": existing is not None})
-        return self.response(record, slices)
+        return self.response(record, slices), existing is None
 
     def allocate_all(self, requests: Sequence[Sequence[str]]
                      ) -> list[api_pb2.ContainerAllocateResponse]:
         """Several containers in one call, all or nothing: every request is validated before
         any record is written, and records this call created are removed if a later one
         fails to store. (Kubelet sends one container per call; other clients may not.)"""
-        for ids in requests:
-            self.validate(ids)
+        validated = [self.validate(ids) for ids in requests]
         answers, created = [], []
         try:
-            for ids in requests:
-                allocation_id = allocation.id_for_devices(ids)
-                new = not allocation.record_path(self.config.state_dir, allocation_id).exists()
-                answers.append(self.allocate(ids))
+            for slices in validated:
+                answer, new = self._allocate(slices)
+                answers.append(answer)
                 if new:
-                    created.append(allocation_id)
+                    created.append(allocation.id_for_devices(s.id for s in slices))
         except AllocationError:
             for allocation_id in created:
                 allocation.remove_record(self.config.state_dir, allocation_id)
@@ -257,14 +270,29 @@ class Allocator:
         """For the preload-file injection: the line the loader reads in the container (the
         library's container path, whose versioned name never changes for this allocation)."""
         if self.config.injection != "ld-preload":
-            write_atomic(channel / paths.CHANNEL_PRELOAD_NAME, f"{CONTAINER_HOOK}\n".encode())
+            write_atomic(channel / paths.CHANNEL_PRELOAD_NAME, f"{CONTAINER_HOOK}\n".encode(),
+                         syncer=self.syncer)
+
+    def _make_channel(self, channel: Path) -> bool:
+        """Create the channel directory; True if this call created it."""
+        try:
+            channel.mkdir(mode=0o755)
+        except FileExistsError:
+            return False
+        except FileNotFoundError:   # the first allocation on this node: channels/ too
+            channel.mkdir(mode=0o755, parents=True, exist_ok=True)
+        if self.syncer is not None:
+            self.syncer.request(channel.parent)
+        # Without a syncer the new name is not fsynced: the daemon re-creates a lost channel
+        # directory when it serves the record.
+        return True
 
     def _store(self, record: AllocationRecord, channel: Path) -> None:
-        created = not channel.exists()
+        created = False
         try:
-            channel.mkdir(mode=0o755, parents=True, exist_ok=True)
+            created = self._make_channel(channel)
             self._write_preload_file(channel)
-            allocation.write_record(self.config.state_dir, record)
+            allocation.write_record(self.config.state_dir, record, self.syncer)
         except (OSError, RecordError) as err:
             if created:
                 with contextlib.suppress(OSError):

@@ -25,7 +25,9 @@ from device_plugin.healthfile import publish_health
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
+from device_plugin.statedir import prepare as prepare_state_dir
 from vgpu_runtime.common import logs
+from vgpu_runtime.common.atomicfile import DirectorySyncer
 
 log = logging.getLogger("device_plugin")
 
@@ -46,8 +48,11 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
     table = SliceTable(gpus, config.slices_per_gpu)
     tracker = HealthTracker((g.uuid for g in gpus), config.ignored_xids,
                             config.recovery_quiet_period)
+    prepare_state_dir(config.state_dir)
     publish_health(config.state_dir, tracker)   # for the node daemon's telemetry
-    allocator = Allocator(config, table, tracker)
+    # Directory fsyncs after Allocate answers, batched (the rule: device_plugin.allocator).
+    syncer = DirectorySyncer()
+    allocator = Allocator(config, table, tracker, syncer=syncer)
     devices = DeviceList(table, tracker)
     service = DevicePluginService(devices, allocator, config.placement)
     server = PluginServer(config.plugin_socket, service)
@@ -84,6 +89,7 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
                 await task
         if watcher is not None:
             watcher.stop()
+        await asyncio.to_thread(syncer.close)
     log.info("stopped cleanly")
 
 

@@ -1,0 +1,43 @@
+"""The plugin's part of the node's state directory, made ready at start.
+
+<state-dir>/allocations/ and <state-dir>/channels/ are created, and their names fsynced, once
+here, so that Allocate's hot path only ever adds names inside them. Temporary files left by
+atomic writes that a crash interrupted (records, the preload files in channel directories,
+health.json) are swept here: the plugin owns these directories. The rule that keeps a live
+writer's temporary file (gemini-run writes records too) is in atomicfile.sweep_stale_temps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from vgpu_runtime import allocation, paths
+from vgpu_runtime.common.atomicfile import STALE_TEMP_AGE, fsync_dir, sweep_stale_temps
+
+log = logging.getLogger(__name__)
+
+
+def prepare(state_dir: str | Path, stale_age: float = STALE_TEMP_AGE) -> list[Path]:
+    """Create the directories (durably) and sweep stale temporary files; returns those removed.
+    Never raises: on a read-only or full state directory the plugin still serves, and each
+    Allocate that needs to write says clearly why it cannot."""
+    state = Path(state_dir)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+        for directory in (paths.allocations_dir(state), paths.channels_dir(state)):
+            directory.mkdir(mode=0o755, exist_ok=True)
+        fsync_dir(state)
+    except OSError as err:
+        log.error("cannot prepare the state directory; Allocate will fail until it is "
+                  "writable", extra={"state_dir": str(state), "error": str(err)})
+    removed = allocation.sweep_temp_files(state, stale_age)
+    removed += sweep_stale_temps(state, stale_age)
+    try:
+        channels = [e.path for e in os.scandir(paths.channels_dir(state)) if e.is_dir()]
+    except FileNotFoundError:
+        channels = []
+    for channel in channels:
+        removed += sweep_stale_temps(channel, stale_age)
+    return removed
