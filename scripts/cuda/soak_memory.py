@@ -10,8 +10,8 @@ A handshake through files in DIR lets the caller read the daemon's view at the r
      accounting is checked to the byte) and frees at random, never holding more than N, and
      appends "<time.time()> <operations> <live bytes>" to DIR/progress four times a second;
   3. when DIR/stop exists: writes DIR/final.json {"live_bytes", "live_allocations",
-     "operations", "refused", "peak_bytes"} while still holding everything, waits for
-     DIR/release, frees everything and exits 0.
+     "operations", "refused", "peak_bytes", "allocator_cached_bytes"} while still holding
+     everything, waits for DIR/release, frees everything and exits 0.
 An allocation refused for memory is counted in "refused" (the tenant stays under its limit by
 construction, so the soak treats any refusal as an accounting fault); any other error ends it
 with a traceback and a non-zero status.
@@ -62,6 +62,10 @@ class TorchMemory:
     def free(self, handle: Any) -> None:
         pass   # the caller drops the last reference next; the uncached allocator frees then
 
+    def cached(self) -> int:
+        """What PyTorch's allocator keeps reserved: 0 when caching is really off."""
+        return int(self.torch.cuda.memory_reserved())
+
 
 class DriverMemory:
     def __init__(self) -> None:
@@ -83,6 +87,9 @@ class DriverMemory:
 
     def free(self, handle: int) -> None:
         check(self.lib.cuMemFree_v2(ctypes.c_uint64(handle)), "cuMemFree_v2")
+
+    def cached(self) -> int:
+        return 0
 
 
 def check(rc: int, call: str) -> None:
@@ -119,7 +126,8 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=600.0)
     args = parser.parse_args()
     give_up = time.monotonic() + args.max_seconds
-    memory = TorchMemory() if args.backend == "torch" else DriverMemory()
+    memory: TorchMemory | DriverMemory = (
+        TorchMemory() if args.backend == "torch" else DriverMemory())
     write_json(args.dir / "context.json", {"pid": os.getpid(), "time": time.time()})
     wait_for_file(args.dir / "go", give_up)
 
@@ -150,7 +158,7 @@ def main() -> None:
             time.sleep(rng.uniform(0, args.pause))
     write_json(args.dir / "final.json", {
         "live_bytes": live_bytes, "live_allocations": len(live), "operations": operations,
-        "refused": refused, "peak_bytes": peak})
+        "refused": refused, "peak_bytes": peak, "allocator_cached_bytes": memory.cached()})
     wait_for_file(args.dir / "release", give_up + 60)
     while live:
         handle, _ = live.pop()
