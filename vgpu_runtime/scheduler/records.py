@@ -2,6 +2,8 @@
 
 Polling (every ~0.2 s) keeps this simple and portable. A file is parsed again only when its
 inode, size or mtime changed, so a steady node costs one directory listing per poll.
+The first scan also removes temporary files left by record writes a crash interrupted
+(gemini-run's, when no plugin owns the node), by the rule in atomicfile.sweep_stale_temps.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord, RecordError, read_record
+from vgpu_runtime.allocation import AllocationRecord, RecordError, read_record, sweep_temp_files
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +29,18 @@ class Scan:
 
 class RecordWatcher:
     def __init__(self, state_dir: str | Path) -> None:
+        self.state_dir = state_dir
         self.directory = paths.allocations_dir(state_dir)
+        self._swept = False
         self._cache: dict[str, tuple[_Signature, AllocationRecord | RecordError]] = {}
 
     def scan(self) -> Scan:
         records: dict[str, AllocationRecord] = {}
         corrupt: dict[str, str] = {}
         seen: set[str] = set()
+        if not self._swept:
+            self._swept = True
+            sweep_temp_files(self.state_dir)
         try:
             names = [e.name for e in os.scandir(self.directory) if e.name.endswith(".json")]
         except FileNotFoundError:
