@@ -36,8 +36,8 @@ def prepare(state_dir: str | Path, stale_age: float = STALE_TEMP_AGE) -> list[Pa
     removed += sweep_stale_temps(state, stale_age)
     try:
         channels = [e.path for e in os.scandir(paths.channels_dir(state)) if e.is_dir()]
-    except FileNotFoundError:
-        channels = []
+    except OSError:
+        channels = []   # no channels yet, or an unusable state dir (logged above)
     for channel in channels:
         removed += sweep_stale_temps(channel, stale_age)
     return removed

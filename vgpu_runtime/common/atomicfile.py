@@ -166,6 +166,10 @@ def sweep_stale_temps(directory: str | Path, older_than: float = STALE_TEMP_AGE,
         entries = list(os.scandir(directory))
     except FileNotFoundError:
         return removed
+    except OSError as err:  # not a directory, no permission: nothing to sweep, say why
+        log.warning("cannot sweep temporary files",
+                    extra={"directory": os.fspath(directory), "error": str(err)})
+        return removed
     for entry in entries:
         if not is_temp_name(entry.name):
             continue
