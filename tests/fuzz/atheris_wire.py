@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import socket
 import sys
@@ -59,7 +60,10 @@ class Harness:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self.root = Path(tempfile.mkdtemp(prefix="atheris-wire-"))
+        # GM_ATHERIS_STATE (the test's, which it removes), else under /tmp whatever TMPDIR
+        # says: a socket path must fit in 108 bytes. libFuzzer exits without Python's atexit.
+        self.root = Path(os.environ.get("GM_ATHERIS_STATE")
+                         or tempfile.mkdtemp(prefix="gm-atheris-", dir="/tmp"))
         state = self.root / "s"
         rid = allocation.new_run_id().replace("r-", "k-")
         record = allocation.AllocationRecord(
