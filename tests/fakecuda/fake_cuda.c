@@ -392,6 +392,7 @@ EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
 SYNC(cuStreamSynchronize, (CUstream s))
 SYNC(cuStreamSynchronize_ptsz, (CUstream s))
 SYNC(cuCtxSynchronize, (void))
+SYNC(cuCtxSynchronize_v2, (CUcontext c))
 
 /* ---- VMM and arrays ---- */
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
@@ -545,6 +546,8 @@ static const struct variant {
     {"cuStreamSynchronize", 2000, 0, (void *)&cuStreamSynchronize},
     {"cuStreamSynchronize", 7000, 1, (void *)&cuStreamSynchronize_ptsz},
     {"cuEventSynchronize", 2000, -1, (void *)&cuEventSynchronize},
+    {"cuCtxSynchronize", 2000, -1, (void *)&cuCtxSynchronize},
+    {"cuCtxSynchronize", 13000, -1, (void *)&cuCtxSynchronize_v2},   /* as CUDA 13's driver */
     {"cuMemcpyDtoH", 3020, 0, (void *)&cuMemcpyDtoH_v2},
     {"cuMemcpyDtoH", 7000, 1, (void *)&cuMemcpyDtoH_v2_ptds},
     {"cuMemcpy", 4000, 0, (void *)&cuMemcpy},

@@ -116,6 +116,32 @@ def test_cuda_runtime_program(gpu_node: GpuNode, tmp_path: Path) -> None:
     assert int(total) == LIMIT and int(over) == 2 and int(fits) == 0
     counters = dict(line.split("=") for line in stats.read_text().split())
     assert int(counters["kernel_launches"]) >= 100
+    assert int(counters["syncs_observed"]) >= 1      # cudaDeviceSynchronize
+
+
+def test_torch_synchronisations_end_bursts(gpu_node: GpuNode, tmp_path: Path) -> None:
+    # Burst estimation and idle release depend on seeing every host synchronisation; CUDA 13
+    # reaches some of them through entry points older hooks never saw (cuCtxSynchronize_v2).
+    need_torch()
+    stats = tmp_path / "stats"
+    gpu_node.python("""
+        import json, torch
+        x = torch.ones(1024, 1024, device="cuda")
+        stream, event = torch.cuda.current_stream(), torch.cuda.Event()
+        for _ in range(10):
+            y = x @ x
+            torch.cuda.synchronize()
+            y = x @ x
+            stream.synchronize()
+            y = x @ x
+            event.record()
+            event.synchronize()
+            y = x @ x
+            y.sum().item()
+        print(json.dumps({}))
+    """, GEMINI_HOOK_STATS=str(stats))
+    counters = dict(line.split("=") for line in stats.read_text().split())
+    assert int(counters["syncs_observed"]) >= 40, counters
 
 
 def test_torch_mem_get_info_oom_and_continue(gpu_node: GpuNode) -> None:

@@ -121,6 +121,8 @@ CASES = [
     ("cuGetExportTable", 3000, 0, None),
     ("cuDeviceGetName", 2000, 0, None),
     ("cuDeviceTotalMem", 3020, 0, "cuDeviceTotalMem_v2"),
+    ("cuCtxSynchronize", 12000, 0, "cuCtxSynchronize"),
+    ("cuCtxSynchronize", 13000, 0, "cuCtxSynchronize_v2"),   # what CUDA 13's runtime asks for
 ]
 HOOKED = sorted({c[3] for c in CASES if c[3]})
 

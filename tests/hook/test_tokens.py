@@ -155,6 +155,40 @@ def test_two_containers_take_turns(hooked: Hooked, node: Node, sync_each: bool) 
 LAUNCH = "lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)"
 
 
+def test_every_synchronisation_ends_a_burst_however_it_was_resolved(
+        hooked: Hooked, node: Node) -> None:
+    # CUDA 13's runtime resolves cuCtxSynchronize to cuCtxSynchronize_v2 (a context argument):
+    # cudaDeviceSynchronize and torch.cuda.synchronize reach the driver only through it.
+    result = hooked.python("""
+        lib = cuda()
+        context(lib)
+        def resolved(name, version):
+            fn = ctypes.c_void_p()
+            status = ctypes.c_int()
+            assert lib.cuGetProcAddress_v2(name.encode(), ctypes.byref(fn), version,
+                                           ctypes.c_uint64(0), ctypes.byref(status)) == 0
+            return fn.value
+        calls = {
+            "cuCtxSynchronize_v2 via procaddress 13000": (
+                ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(
+                    resolved("cuCtxSynchronize", 13000)), (None,)),
+            "cuCtxSynchronize via procaddress 12000": (
+                ctypes.CFUNCTYPE(ctypes.c_int)(resolved("cuCtxSynchronize", 12000)), ()),
+            "cuStreamSynchronize by name": (lib.cuStreamSynchronize, (None,)),
+            "cuMemcpyDtoH_v2 by name": (lib.cuMemcpyDtoH_v2, (ctypes.create_string_buffer(8),
+                                                              ctypes.c_uint64(0), 8)),
+        }
+        seen = {}
+        for name, (fn, args) in calls.items():
+            LAUNCH
+            before = stats()["syncs_observed"]
+            fn(*args)
+            seen[name] = stats()["syncs_observed"] - before
+        print(json.dumps(seen))
+    """.replace("LAUNCH", LAUNCH), node.env())
+    assert result == {name: 1 for name in result} and len(result) == 4, result
+
+
 def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: Node) -> None:
     rival = Rival(node.allocate(0.5))
     proc = hooked.start(f"""

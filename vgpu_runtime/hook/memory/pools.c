@@ -160,6 +160,9 @@ CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
     return after_sync(GM_REAL(cuStreamSynchronize_ptsz)(hStream));
 }
 CUresult cuCtxSynchronize(void) { return after_sync(GM_REAL(cuCtxSynchronize)()); }
+CUresult cuCtxSynchronize_v2(CUcontext ctx) {
+    return after_sync(GM_REAL(cuCtxSynchronize_v2)(ctx));
+}
 
 /* ---- graph memory ---- */
 
