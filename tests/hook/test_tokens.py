@@ -14,6 +14,7 @@ import pytest
 
 from tests.hook.conftest import Hooked, Node, compile_program, start_node, stop_node
 from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
+from vgpu_runtime.scheduler import client
 
 GATE_OPEN, GATE_TOKEN = 0, 1
 
@@ -153,6 +154,27 @@ def test_two_containers_take_turns(hooked: Hooked, node: Node, sync_each: bool) 
 
 
 LAUNCH = "lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)"
+
+
+def test_requests_carry_the_longest_unmerged_burst(hooked: Hooked, node: Node) -> None:
+    # 5 ms bursts back to back (gaps far below the 2 ms merge gap) merge into one long run in
+    # the usage reports; the figure quota sizing gets is the burst from launch to sync.
+    hooked.python(f"""
+        import time
+        lib = cuda()
+        context(lib)
+        end = time.monotonic() + 0.7          # past a lone tenant's 0.2 s quota, twice
+        while time.monotonic() < end:
+            {LAUNCH}
+            time.sleep(0.005)
+            lib.cuStreamSynchronize(None)
+        print(json.dumps(stats()))
+    """, node.env())
+    status = client.request(node.state_dir, "status")
+    tenant = next(t for gpu in status["gpus"] for t in gpu["tenants"]
+                  if t["allocation"] == node.record.id)
+    assert 5.0 <= tenant["burst_ms"] < 20.0, tenant
+    assert tenant["quota_ms"] is not None
 
 
 def test_every_synchronisation_ends_a_burst_however_it_was_resolved(

@@ -7,13 +7,21 @@ and a limit (cap). GPU time is charged per tenant over a sliding window:
 * the holder pays from grant to release at least; overuse (work that ran past the release,
   measured by the hook) is added, and can only lengthen a charge, never shorten it;
 * a token not returned by its expiry plus a grace period is revoked, and charged in full;
-* the next holder is the waiting tenant furthest below its request, else the least-used
-  waiting tenant still under its limit; a tenant at its limit waits until the window frees
-  capacity; a tenant that is not waiting holds nobody back;
-* "below its request" is judged on a decaying measure of recent use (time constant half the
-  window), not on the hard window: a hard window forgets a burst of use all at once, one
-  window later, and the tenant then looks owed (an echo; measured on the H200 as 0.377 for a
-  0.3 tenant that had started 2 s early). Caps and reported shares use the hard window;
+* the next holder is the waiting tenant furthest behind its request, measured as weighted fair
+  queuing measures it: every tenant has a virtual time, the GPU time charged to it divided by
+  its request, and the waiting tenant with the smallest virtual time goes next. A tenant below
+  its request is behind the others by exactly its deficit, so tenants under their request come
+  first, the largest deficit first; capacity left by idle tenants is shared in proportion to
+  requests among those that want it, up to each one's limit. A tenant at its limit waits until
+  the window frees capacity; a tenant that is not waiting holds nobody back;
+* a tenant that becomes active again (asks after being idle), or has waited at its limit,
+  starts no further behind than the least advanced active tenant: idle time is not banked
+  (CFS's rule for a waking task), and time borrowed while others were idle is not paid back.
+  Two measures that were tried first failed on the H200: a hard window forgets a burst of use
+  all at once, one window later (an echo: 0.377 for a 0.3 tenant that had started 2 s early),
+  and a decaying average over all time banked the idle seconds before a tenant's first launch
+  (0.250 for a 0.2 tenant that had connected first). Caps and reported shares use the hard
+  window;
 * requests that add up to more than 1.0 (only `gemini-run --overcommit` allows it) are scaled
   down in proportion, so each tenant is guaranteed request / sum(requests).
 
@@ -28,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vgpu_runtime.burst.estimator import BurstEstimator
-from vgpu_runtime.burst.window import DecayingUsage, UsageWindow
+from vgpu_runtime.burst.window import UsageWindow
 
 
 @dataclass(frozen=True)
@@ -36,8 +44,8 @@ class SchedulerConfig:
     window: float = 10.0          # seconds of history a share is measured over
     min_quota: float = 0.02       # shortest token: bounds the number of handoffs per second
     max_quota: float = 0.2        # longest token: bounds how long others wait
-    cycle: float = 0.2            # a round: each tenant's base quota is request x cycle
-    catch_up: float = 0.25        # part of its deficit a tenant below request recovers per grant
+    cycle: float = 0.3            # a round: each tenant's base quota is its part of it
+    catch_up: float = 0.25        # of the virtual-time lag, in quota: a tenant behind gets longer
     revoke_grace: float = 0.05    # a holder may overrun its quota this long before revocation
     burst_merge_gap: float = 0.002
     burst_history: float = 3.0
@@ -61,12 +69,13 @@ class Tenant:
     request: float
     limit: float
     usage: UsageWindow          # the window: caps and what status reports
-    recent: DecayingUsage       # the order of service: recent use without echoes
     bursts: BurstEstimator
+    vtime: float = 0.0          # charged GPU time / request: the order of service
     waiting_since: float | None = None
     burst_hint: float | None = None
     last_release: float | None = None
     revocations: int = 0
+    last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
 
 
@@ -81,6 +90,8 @@ class TenantView:
     wait_p50: float | None
     wait_p99: float | None
     revocations: int
+    burst: float | None       # what quota sizing takes as its kernel burst
+    last_quota: float | None  # the quota of its last grant
 
 
 class TokenScheduler:
@@ -100,8 +111,8 @@ class TokenScheduler:
             raise ValueError(f"tenant {tenant} is already scheduled on this GPU")
         self.tenants[tenant] = Tenant(
             tenant, request, limit, UsageWindow(self.config.window),
-            DecayingUsage(self.config.window / 2, now),
-            BurstEstimator(self.config.burst_merge_gap, self.config.burst_history))
+            BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
+            vtime=self._floor(exclude=None))
         return self._dispatch(now)
 
     def remove(self, tenant: str, now: float) -> Grant | None:
@@ -130,13 +141,18 @@ class TokenScheduler:
         last grant finished; work past the release is overuse and is charged.
         """
         state = self.tenants[tenant]
-        if burst_hint is not None and burst_hint > 0:
-            state.burst_hint = burst_hint
+        # Every request carries the hook's current figure; none (-1) means it saw no burst end.
+        state.burst_hint = burst_hint if burst_hint is not None and burst_hint > 0 else None
+        was_active = state.waiting_since is not None
         if self.holder and self.holder.tenant == tenant:
             if now < self.holder.expires_at:
                 return None        # still valid: asking again changes nothing
             self._end_grant(now)   # quota used up: back to the queue like everyone else
+            was_active = True
         self._charge_overuse(state, work_end, now)
+        if not was_active:
+            # Back from idle: no credit for the idle time.
+            state.vtime = max(state.vtime, self._floor(exclude=state.id))
         if state.waiting_since is None:
             state.waiting_since = now
         return self._dispatch(now)
@@ -191,7 +207,7 @@ class TokenScheduler:
                 bool(self.holder and self.holder.tenant == t.id),
                 statistics.median(waits) if waits else None,
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
-                t.revocations))
+                t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota))
         return views
 
     # ---- internals ----
@@ -204,16 +220,33 @@ class TokenScheduler:
         never beyond the present."""
         if work_end is None or state.last_release is None or work_end <= state.last_release:
             return
-        state.usage.charge(state.last_release, min(work_end, now))
-        state.recent.charge(state.last_release, min(work_end, now))
+        self._charge(state, state.last_release, min(work_end, now))
 
     def _end_grant(self, now: float) -> None:
         assert self.holder is not None
         state = self.tenants[self.holder.tenant]
-        state.usage.charge(self.holder.granted_at, max(now, self.holder.granted_at))
-        state.recent.charge(self.holder.granted_at, max(now, self.holder.granted_at))
+        self._charge(state, self.holder.granted_at, max(now, self.holder.granted_at))
         state.last_release = now
         self.holder = None
+
+    def _charge(self, state: Tenant, start: float, end: float) -> None:
+        if end <= start:
+            return
+        state.usage.charge(start, end)
+        state.vtime += (end - start) / self.requests()[state.id]
+
+    def _floor(self, exclude: str | None) -> float:
+        """The least advanced active (waiting or holding) tenant's virtual time; 0 with none."""
+        active = [t.vtime for t in self.tenants.values() if t.id != exclude and (
+            t.waiting_since is not None or (self.holder and self.holder.tenant == t.id))]
+        return min(active) if active else max(
+            (t.vtime for t in self.tenants.values() if t.id != exclude), default=0.0)
+
+    def _lag(self, tenant: Tenant) -> float:
+        """GPU seconds the tenant is behind the most advanced waiting tenant, at its request."""
+        waiting = [t.vtime for t in self.tenants.values() if t.waiting_since is not None]
+        ahead = max(waiting, default=tenant.vtime)
+        return max(0.0, ahead - tenant.vtime) * self.requests()[tenant.id]
 
     def _eligible_at(self, tenant: Tenant, now: float) -> float:
         """Earliest time the tenant is under its limit, if nothing more is charged."""
@@ -229,36 +262,33 @@ class TokenScheduler:
         return now + tenant.usage.time_until_usage_at_most(now, target) + 1e-9
 
     def _choose(self, now: float) -> Tenant | None:
-        requests = self.requests()
         waiting = [t for t in self.tenants.values() if t.waiting_since is not None]
-        standing = {t.id: t.recent.share(now) for t in waiting}
-        below_request = [t for t in waiting if standing[t.id] < requests[t.id]]
-        if below_request:
-            return max(below_request,
-                       key=lambda t: (requests[t.id] - standing[t.id], -(t.waiting_since or 0.0)))
-        used = {t.id: self.used(t.id, now) for t in waiting}
-        below_limit = [t for t in waiting if t.limit >= 1.0 or used[t.id] < t.limit]
-        if below_limit:
-            return min(below_limit, key=lambda t: (used[t.id], t.waiting_since or 0.0))
-        return None
+        eligible = [t for t in waiting if t.limit >= 1.0 or self.used(t.id, now) < t.limit]
+        if not eligible:
+            return None
+        floor = min(t.vtime for t in eligible)
+        for t in waiting:
+            if t not in eligible:
+                t.vtime = max(t.vtime, floor)   # waiting at its limit banks nothing either
+        return min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
 
     def _quota(self, tenant: Tenant, now: float) -> float:
-        """A tenant's part of one round (its part of all requests x cycle), plus part of what
-        it lacks of its request, stretched to fit its kernel bursts when they are short enough
-        to fit in a quota at all.
+        """A tenant's part of one round (its part of all requests x cycle), plus part of its
+        lag behind the others, stretched to fit its kernel bursts when they are short enough to
+        fit in a quota at all. The hook's figure (the longest burst from a launch to the host
+        synchronisation that ended it, unmerged) comes first: merged bursts of a saturating
+        tenant span its whole grant and would only stretch quotas towards the maximum.
         """
         cfg = self.config
         if len(self.tenants) == 1:
             quota = cfg.max_quota   # alone: no one to hand over to, so hand over rarely
         else:
             requests = self.requests()
-            request = requests[tenant.id]
-            deficit = max(0.0, request - tenant.recent.share(now))
             # Spare capacity is shared in proportion too, so size the round on the
             # tenant's part of all requests rather than its request alone.
-            part = request / sum(requests.values())
-            quota = part * cfg.cycle + deficit * cfg.window * cfg.catch_up
-            burst = tenant.bursts.estimate(now) or tenant.burst_hint
+            part = requests[tenant.id] / sum(requests.values())
+            quota = part * cfg.cycle + self._lag(tenant) * cfg.catch_up
+            burst = tenant.burst_hint or tenant.bursts.estimate(now)
             if burst is not None and burst < cfg.max_quota:
                 quota = max(quota, burst)
             quota = min(max(quota, cfg.min_quota), cfg.max_quota)
@@ -277,6 +307,7 @@ class TokenScheduler:
             return None
         self.generation += 1
         self.holder = Grant(chosen.id, self.generation, now, self._quota(chosen, now))
+        chosen.last_quota = self.holder.quota
         if chosen.waiting_since is not None:
             chosen.waits.append(now - chosen.waiting_since)
         chosen.waiting_since = None

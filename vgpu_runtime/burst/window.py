@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 
@@ -49,38 +48,3 @@ class UsageWindow:
                 return lo + excess - horizon
             excess -= length
         return self.span
-
-
-class DecayingUsage:
-    """Charged time weighted by exp(-age / tau): a sliding window without a trailing edge.
-
-    A hard window forgets a charge all at once, `span` seconds later, and the tenant then looks
-    owed (an echo of its past). Here old charges fade smoothly, so the order of service follows
-    recent use without echoes. share(now) divides by the decayed length of time itself, so a
-    tenant that used the GPU all the time has share 1.
-    """
-
-    def __init__(self, tau: float, started: float) -> None:
-        self.tau = tau
-        self.started = started
-        self._value = 0.0       # decayed charge, as of self._at
-        self._at = started
-
-    def _advance(self, to: float) -> None:
-        if to > self._at:
-            self._value *= math.exp(-(to - self._at) / self.tau)
-            self._at = to
-
-    def charge(self, start: float, end: float) -> None:
-        if end <= start:
-            return
-        self._advance(end)
-        tau, at = self.tau, self._at
-        self._value += tau * (math.exp(-(at - end) / tau) - math.exp(-(at - start) / tau))
-
-    def share(self, now: float, since: float | None = None) -> float:
-        """Decayed charge over decayed time since `since` (default: when this began)."""
-        self._advance(now)
-        begin = self.started if since is None else since
-        span = self.tau * (1.0 - math.exp(-max(0.0, now - begin) / self.tau))
-        return self._value / span if span > 0 else 0.0

@@ -77,7 +77,8 @@ class SchedulerConfig:
         _ALGORITHM.cycle, "seconds of one round; a tenant's base quota is its part of it",
         cfg.number(0.0001, 60), "SECONDS")
     catch_up: float = cfg.setting(
-        _ALGORITHM.catch_up, "part of its deficit a tenant below its request recovers per grant",
+        _ALGORITHM.catch_up, "part of its lag behind the others (GPU seconds at its request) "
+        "added to a quota",
         cfg.number(0.0, 1.0), "FRACTION")
     revoke_grace: float = cfg.setting(
         _ALGORITHM.revoke_grace, "seconds a holder may overrun its quota before revocation",

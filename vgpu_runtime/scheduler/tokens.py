@@ -106,6 +106,7 @@ class GpuTokens:
         self.slots: dict[str, TenantSlot] = {}
         self.published: Grant | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at: float | None = None    # what the pending deadline timer is for
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_backoff = config.idle_release
         self.grants = 0
@@ -236,13 +237,16 @@ class GpuTokens:
         self._gate = gate
 
     def _arm_deadline(self, now: float) -> None:
+        deadline = self.scheduler.next_deadline(now)
         if self._deadline_timer is not None:
+            if deadline == self._deadline_at:
+                return   # most requests come while the token is held: same deadline, same timer
             self._deadline_timer.cancel()
             self._deadline_timer = None
-        deadline = self.scheduler.next_deadline(now)
         if deadline is not None:
             delay = max(deadline - now, MIN_TIMER_DELAY)
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+            self._deadline_at = deadline
 
     def _on_deadline(self) -> None:
         self._deadline_timer = None
@@ -337,6 +341,8 @@ class GpuTokens:
                 "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
                 "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
                 "revocations": view.revocations,
+                "burst_ms": None if view.burst is None else view.burst * 1000,
+                "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
                 "memory_used": slot.ledger.used(slot.index),
                 "memory_limit": slot.ledger.limit(slot.index),
                 "waits": slot.waits.snapshot(),

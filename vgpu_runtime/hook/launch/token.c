@@ -37,8 +37,11 @@
  * synchronisation that returns closes it (it also writes last_sync_ns to the activity page).
  * Bursts less than 2 ms apart are merged; merged bursts go to the daemon as USAGE_REPORT at
  * most every 100 ms (and the one in progress with them), never from the launch path. The
- * longest recent burst is the burst_ns estimate of the next request. A workload that syncs
- * after every launch is gated like any other: every launch checks the token.
+ * burst_ns of a request is the longest UNMERGED burst (first launch -> the synchronisation
+ * that ended it) since the previous request, else the previous figure: how long this process
+ * needs the GPU before it waits for its work, which is what a quota should fit. Merged bursts
+ * of a saturating process span its whole grant and say nothing about that. A workload that
+ * syncs after every launch is gated like any other: every launch checks the token.
  *
  * Daemon away (policy, GEMINI_HOOK_DAEMON_WAIT): the request waits for the daemon as memory
  * calls do (backoff, up to GEMINI_HOOK_DAEMON_WAIT seconds, default 30, once). If it stays
@@ -80,7 +83,8 @@ struct gpu_token {
     int64_t merged_start, merged_end;
     int64_t reports[MAX_REPORTS][2];
     int report_count;
-    int64_t last_report, last_burst_ns;
+    int64_t last_report;
+    int64_t longest_unmerged, last_unmerged;  /* sync-delimited bursts, for burst_ns */
 };
 
 static struct gpu_token gpus[GM_MAX_GPUS];
@@ -120,7 +124,7 @@ static __attribute__((constructor)) void init_state(void) {
         pthread_cond_init(&gpus[i].cond, NULL);
         pthread_mutex_init(&gpus[i].burst_lock, NULL);
         atomic_store(&gpus[i].burst_start, -1);
-        gpus[i].merged_start = gpus[i].last_burst_ns = -1;
+        gpus[i].merged_start = -1;
     }
 }
 
@@ -182,6 +186,7 @@ void gm_token_after_fork_child(void) {
         g->pending_count = 0;   /* the parent's events are not the child's */
         g->report_count = 0;
         g->merged_start = -1;
+        g->longest_unmerged = g->last_unmerged = 0;
         atomic_store(&g->ungated_until, 0);
         atomic_store(&g->burst_start, -1);
         atomic_store(&g->legacy_used, 0);
@@ -253,9 +258,9 @@ static int64_t settle(struct gpu_token *g) {
 
 static int64_t burst_estimate(struct gpu_token *g) {
     pthread_mutex_lock(&g->burst_lock);
-    int64_t estimate = g->last_burst_ns;
-    if (g->merged_start >= 0 && g->merged_end - g->merged_start > estimate)
-        estimate = g->merged_end - g->merged_start;
+    if (g->longest_unmerged > 0) g->last_unmerged = g->longest_unmerged;
+    g->longest_unmerged = 0;
+    int64_t estimate = g->last_unmerged;
     pthread_mutex_unlock(&g->burst_lock);
     return estimate > 0 ? estimate : -1;
 }
@@ -283,13 +288,13 @@ void gm_sync_observed(void) {
     int64_t to_send[MAX_REPORTS][2];
     int sending = 0;
     pthread_mutex_lock(&g->burst_lock);
+    if (end - start > g->longest_unmerged) g->longest_unmerged = end - start;
     if (g->merged_start >= 0 && start - g->merged_end < MERGE_GAP_NS) {
         g->merged_end = end;
     } else {
         if (g->merged_start >= 0 && g->report_count < MAX_REPORTS) {
             g->reports[g->report_count][0] = g->merged_start;
             g->reports[g->report_count++][1] = g->merged_end;
-            g->last_burst_ns = g->merged_end - g->merged_start;
         }
         g->merged_start = start;
         g->merged_end = end;
@@ -300,8 +305,6 @@ void gm_sync_observed(void) {
             g->reports[g->report_count][0] = g->merged_start;
             g->reports[g->report_count++][1] = g->merged_end;
         }
-        if (g->merged_end - g->merged_start > g->last_burst_ns)
-            g->last_burst_ns = g->merged_end - g->merged_start;
         g->merged_start = -1;
         memcpy(to_send, g->reports, sizeof to_send);
         sending = g->report_count;
