@@ -21,7 +21,6 @@ With no corpus directory a temporary one is seeded with a valid record, config a
 from __future__ import annotations
 
 import json
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -35,10 +34,12 @@ with atheris.instrument_imports(include=["vgpu_runtime", "device_plugin.config"]
     from device_plugin.config import PluginConfig
     from vgpu_runtime import allocation, paths
     from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
-    from vgpu_runtime.common import config as cfg
     from vgpu_runtime.common.sizes import parse_size
     from vgpu_runtime.scheduler import annotations as pod_annotations
     from vgpu_runtime.scheduler.config import SchedulerConfig
+
+from tests.fuzz.atheris_main import fuzz  # noqa: E402
+from tests.fuzz.promises import check_accepted_record, check_config_file  # noqa: E402
 
 GiB = 1 << 30
 ROOT = Path(tempfile.mkdtemp(prefix="atheris-files-"))
@@ -61,23 +62,14 @@ def record_file(data: bytes) -> None:
         assert str(err)
         return
     assert record.id == RECORD.id
-    assert all(0 < g.share <= 1 and g.memory_limit >= 0 for g in record.gpus), record
-    assert record.limit is None or 0 < record.limit <= 1, record
-    assert math.isfinite(record.created_at), record
-    allocation.check_id(record.id)
+    check_accepted_record(record)
     assert AllocationRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
 
 def config_file(data: bytes) -> None:
     CONFIG_PATH.write_bytes(data)
     for config_class in (SchedulerConfig, PluginConfig):
-        try:
-            values = cfg.load_file(str(CONFIG_PATH))
-            loaded = cfg.resolve(config_class, {}, {}, values, file_name=str(CONFIG_PATH))
-        except cfg.ConfigError as err:
-            assert str(CONFIG_PATH) in str(err) or "key" in str(err), err
-            continue
-        assert isinstance(loaded, config_class)
+        check_config_file(CONFIG_PATH, config_class)
 
 
 def annotations(data: bytes) -> None:
@@ -130,15 +122,7 @@ def seed_corpus(directory: Path) -> None:
 
 
 def main() -> None:
-    argv = list(sys.argv)
-    if not any(not a.startswith("-") for a in argv[1:]):
-        corpus = Path(tempfile.mkdtemp(prefix="atheris-files-corpus-"))
-        seed_corpus(corpus)
-        argv.append(str(corpus))
-    if not any(a.startswith("-max_len=") for a in argv):
-        argv.append("-max_len=4096")
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    fuzz("atheris-files", test_one_input, seed_corpus, max_len=4096)
 
 
 if __name__ == "__main__":

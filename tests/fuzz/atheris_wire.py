@@ -47,6 +47,7 @@ with atheris.instrument_imports(include=["vgpu_runtime"]):
     from vgpu_runtime.scheduler.session import Session
     from vgpu_runtime.scheduler.tokens import TokenService
 
+from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, random_session  # noqa: E402
 
 MiB = 1 << 20
@@ -179,15 +180,7 @@ def seed_corpus(directory: Path, count: int = 64) -> None:
 
 
 def main() -> None:
-    argv = list(sys.argv)
-    if not any(not a.startswith("-") for a in argv[1:]):
-        corpus = Path(tempfile.mkdtemp(prefix="atheris-wire-corpus-"))
-        seed_corpus(corpus)
-        argv.append(str(corpus))
-    if not any(a.startswith("-max_len=") for a in argv):
-        argv.append("-max_len=2048")
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    fuzz("atheris-wire", test_one_input, seed_corpus, max_len=2048)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from device_plugin.config import PluginConfig
+from tests.fuzz.promises import check_accepted_record, check_config_file
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common import config as cfg
@@ -82,11 +82,7 @@ def test_a_record_with_any_field_replaced_parses_or_is_refused(tmp_path: Path, k
     except RecordError as err:
         assert str(err)
         return
-    # Accepted: then it is a record the daemon can rely on.
-    assert all(0 < g.share <= 1 and g.memory_limit >= 0 for g in record.gpus)
-    assert record.limit is None or 0 < record.limit <= 1
-    assert math.isfinite(record.created_at)
-    allocation.check_id(record.id)
+    check_accepted_record(record)
 
 
 @fuzz(150)
@@ -195,13 +191,7 @@ def test_any_configuration_file_loads_or_is_a_config_error(
         path.write_bytes(raw)
     else:
         path.write_text(text)
-    try:
-        values = cfg.load_file(str(path))
-        loaded = cfg.resolve(config_class, {}, {}, values, file_name=str(path))
-    except cfg.ConfigError as err:
-        assert str(path) in str(err) or "key" in str(err), err
-        return
-    assert isinstance(loaded, config_class)
+    check_config_file(path, config_class)
 
 
 @fuzz(300)

@@ -1,0 +1,31 @@
+"""What a parser promises on any input, checked the same way by the hypothesis tests and the
+atheris harnesses."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from vgpu_runtime import allocation
+from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.common import config as cfg
+
+
+def check_accepted_record(record: AllocationRecord) -> None:
+    """An accepted record is one the daemon can rely on."""
+    assert all(0 < g.share <= 1 and g.memory_limit >= 0 for g in record.gpus), record
+    assert record.limit is None or 0 < record.limit <= 1, record
+    assert math.isfinite(record.created_at), record
+    allocation.check_id(record.id)
+
+
+def check_config_file(path: Path, config_class: type[Any]) -> None:
+    """The file loads as `config_class`, or gives a ConfigError naming the file or the key."""
+    try:
+        values = cfg.load_file(str(path))
+        loaded = cfg.resolve(config_class, {}, {}, values, file_name=str(path))
+    except cfg.ConfigError as err:
+        assert str(path) in str(err) or "key" in str(err), err
+        return
+    assert isinstance(loaded, config_class)
