@@ -31,20 +31,3 @@ class UsageWindow:
         horizon = now - self.span
         return sum(min(end, now) - max(start, horizon)
                    for start, end in self._intervals if min(end, now) > max(start, horizon))
-
-    def time_until_usage_at_most(self, now: float, target: float) -> float:
-        """How long until usage drops to `target` if nothing more is charged (0 if already)."""
-        excess = self.usage(now) - target
-        if excess <= 0:
-            return 0.0
-        # Usage falls as the window's trailing edge moves over charged time.
-        horizon = now - self.span
-        for start, end in self._intervals:
-            lo = max(start, horizon)
-            length = min(end, now) - lo
-            if length <= 0:
-                continue
-            if length >= excess:
-                return lo + excess - horizon
-            excess -= length
-        return self.span
