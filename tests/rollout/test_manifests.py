@@ -29,7 +29,7 @@ from vgpu_runtime import __version__, paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.install import InstallConfig
 from vgpu_runtime.scheduler import annotations as pod_annotations
-from vgpu_runtime.scheduler.config import SchedulerConfig
+from vgpu_runtime.scheduler.config import PROCESS_MEMORY_SOURCES, SchedulerConfig
 
 needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,
@@ -428,6 +428,115 @@ def test_overlay_adds_a_disjoint_pool_with_four_slices(built: dict[Path, list[m.
                for ds in (default, pool)]
     assert volumes[0] == volumes[1]
     assert pool["spec"]["template"]["spec"]["serviceAccountName"] == "gemini-vgpu"
+
+
+# ---- the context charge from NVML: hostPID only where it is asked for ----
+
+NVML_OVERLAY = m.DAEMONSET / "overlays" / "nvml-context-charge"
+NVML_COMPONENT = m.DAEMONSET / "components" / "nvml-context-charge"
+
+
+def pod_config_map(objects: list[m.Obj], daemonset: m.Obj, volume_name: str) -> m.Obj:
+    """The ConfigMap a DaemonSet's pods mount as `volume_name`, by its hashed name."""
+    volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
+    return m.find(objects, "ConfigMap", volumes[volume_name]["configMap"]["name"])
+
+
+def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj,
+                         scratch: Path) -> SchedulerConfig:
+    """What gemini-scheduler would load in this DaemonSet's pod: its own loader, given the
+    container's env (and envFrom ConfigMap) and the mounted ConfigMap's scheduler.yaml."""
+    container = m.containers(daemonset)["scheduler"]
+    environ: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        environ.update(m.find(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
+    environ.update({k: e["value"] for k, e in m.env(container).items() if "value" in e})
+    settings_file = scratch / "scheduler.yaml"
+    settings_file.write_text(pod_config_map(objects, daemonset, "config")["data"][
+        "scheduler.yaml"])
+    environ[cfg.CONFIG_FILE_ENV] = str(settings_file)
+    config = cfg.load(SchedulerConfig, [], environ)
+    config.check()
+    return config
+
+
+@needs_kustomize
+def test_only_the_nvml_overlay_shares_the_hosts_pid_namespace(
+        built: dict[Path, list[m.Obj]]) -> None:
+    daemonsets = 0
+    for root, objects in built.items():
+        for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
+            pod = daemonset["spec"]["template"]["spec"]
+            assert pod.get("hostPID", False) is (root == NVML_OVERLAY), (root, pod.get("hostPID"))
+            assert not pod.get("hostNetwork") and not pod.get("hostIPC")
+            daemonsets += 1
+    assert daemonsets == len(built) + 1   # one per build, and the four-slices pool
+
+
+@needs_kustomize
+def test_nvml_overlay_changes_nothing_else_in_the_daemonset(
+        built: dict[Path, list[m.Obj]], node_ds: m.Obj) -> None:
+    """hostPID and the ConfigMap's content hash (a rollout on apply) are the whole difference."""
+    overlay_ds = copy.deepcopy(m.find(built[NVML_OVERLAY], "DaemonSet", "gemini-vgpu-node"))
+    pod = overlay_ds["spec"]["template"]["spec"]
+    assert pod.pop("hostPID") is True
+    config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    base_config = pod_config_map(built[m.DAEMONSET], node_ds, "config")["metadata"]["name"]
+    assert config_volume["configMap"]["name"] != base_config
+    config_volume["configMap"]["name"] = base_config
+    assert overlay_ds == node_ds
+    others = [o for o in built[NVML_OVERLAY] if o["kind"] not in ("DaemonSet", "ConfigMap")]
+    assert others == [o for o in built[m.DAEMONSET] if o["kind"] not in ("DaemonSet",
+                                                                          "ConfigMap")]
+
+
+@needs_kustomize
+def test_daemon_loads_process_memory_nvml_in_the_overlay_and_auto_in_the_base(
+        built: dict[Path, list[m.Obj]], node_ds: m.Obj, tmp_path: Path) -> None:
+    """Through the daemon's loader, from the ConfigMap the pods mount: the overlay's settings
+    are the base's with process_memory=nvml, so the copied file has not drifted."""
+    in_base = daemon_config_in_pod(built[m.DAEMONSET], node_ds, tmp_path)
+    overlay = built[NVML_OVERLAY]
+    overlay_ds = m.find(overlay, "DaemonSet", "gemini-vgpu-node")
+    in_overlay = daemon_config_in_pod(overlay, overlay_ds, tmp_path)
+    assert in_base.process_memory == "auto"   # chooses NVML only in the host's pid namespace
+    assert in_overlay.process_memory == "nvml"
+    assert in_overlay.process_memory in PROCESS_MEMORY_SOURCES
+    assert in_overlay == dataclasses.replace(in_base, process_memory="nvml")
+    # The plugin's file is the base's, untouched by the merge.
+    assert (pod_config_map(overlay, overlay_ds, "config")["data"]["device-plugin.yaml"]
+            == pod_config_map(built[m.DAEMONSET], node_ds, "config")["data"][
+                "device-plugin.yaml"])
+
+
+def test_a_misspelled_process_memory_in_the_overlay_file_is_refused_by_name(
+        tmp_path: Path) -> None:
+    """The loader the last test relies on rejects a value the daemon would not run with."""
+    text = (NVML_COMPONENT / "config" / "scheduler.yaml").read_text()
+    assert text.count("process_memory: nvml\n") == 1
+    broken = tmp_path / "scheduler.yaml"
+    broken.write_text(text.replace("process_memory: nvml\n", "process_memory: nvlm\n"))
+    with pytest.raises(cfg.ConfigError, match="process_memory"):
+        cfg.load(SchedulerConfig, [], {cfg.CONFIG_FILE_ENV: str(broken)})
+
+
+@needs_kustomize
+def test_nvml_component_composes_with_the_four_slices_pool(tmp_path: Path) -> None:
+    """As the README says: a pool overlay that takes the component gets hostPID on every node
+    DaemonSet and one ConfigMap with process_memory=nvml."""
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(m.DAEMONSET / "overlays" / "four-slices", tmp_path)],
+        "components": [os.path.relpath(NVML_COMPONENT, tmp_path)]}))
+    objects = m.build(tmp_path)
+    daemonsets = [o for o in objects if o["kind"] == "DaemonSet"]
+    assert sorted(d["metadata"]["name"] for d in daemonsets) == [
+        "gemini-vgpu-node", "gemini-vgpu-node-four-slices"]
+    for daemonset in daemonsets:
+        validate(daemonset)
+        assert daemonset["spec"]["template"]["spec"]["hostPID"] is True
+        config = daemon_config_in_pod(objects, daemonset, tmp_path)
+        assert config.process_memory == "nvml"
 
 
 # ---- examples ----
