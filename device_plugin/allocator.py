@@ -25,6 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -43,6 +44,24 @@ log = logging.getLogger(__name__)
 ALLOCATION_ANNOTATION = "gemini.ai/allocation-id"
 CONTAINER_HOOK = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+# Answers kept for replays (a node holds a few hundred allocations; this only bounds memory).
+KEPT_ANSWERS = 4096
+
+Defer = Callable[[Callable[[], None]], object]
+
+
+def _now(work: Callable[[], None]) -> None:
+    work()
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A record's bytes as this process last wrote or read them, and the answer they give.
+    Equal bytes in the file mean an unchanged record, so a replay reads the file and compares
+    instead of parsing, rebuilding and re-checking it (any change by the daemon, the pod
+    binding or a limit, changes the bytes and takes the full path)."""
+    payload: bytes
+    answer: api_pb2.ContainerAllocateResponse
 
 
 class AllocationError(Exception):
@@ -66,13 +85,18 @@ class Allocator:
     def __init__(self, config: PluginConfig, table: SliceTable,
                  health: HealthTracker | None = None,
                  clock: Callable[[], float] = time.time,
-                 syncer: DirectorySyncer | None = None) -> None:
+                 syncer: DirectorySyncer | None = None, defer: Defer = _now) -> None:
         self.config = config
         self.table = table
         self.health = health
         self.clock = clock
         # None: every directory fsync is done before Allocate answers (tests, tools).
         self.syncer = syncer
+        # Runs work that the answer does not wait for (the log line); the server passes the
+        # event loop's call_soon, so it runs once the answer is on its way.
+        self.defer = defer
+        self._kept: dict[str, _Kept] = {}
+        self._socket_fits_in: tuple[str, bool] = ("", False)
         for gpu in table.gpus:
             if gpu.memory_total <= config.memory_reserve:
                 raise ValueError(f"memory_reserve ({config.memory_reserve} bytes) leaves nothing "
@@ -94,23 +118,27 @@ class Allocator:
         if not device_ids:
             raise _invalid("Allocate named no devices; kubelet should send at least one "
                            f"{self.config.resource_name} device ID")
-        duplicates = sorted(d for d, n in Counter(device_ids).items() if n > 1)
-        if duplicates:
+        if len(set(device_ids)) != len(device_ids):
+            duplicates = sorted(d for d, n in Counter(device_ids).items() if n > 1)
             raise _invalid(f"device ID(s) {', '.join(duplicates)} appear more than once in one "
                            "Allocate; each slice can be given once")
-        unknown = self.table.unknown(device_ids)
-        if unknown:
+        try:
+            slices = self.table.in_order(device_ids)
+        except KeyError:
             raise _invalid(
-                f"unknown device ID(s) {', '.join(unknown)}: this plugin serves "
-                f"{len(self.table)} slices named <GPU UUID>::<0..{per_gpu - 1}> on "
+                f"unknown device ID(s) {', '.join(self.table.unknown(device_ids))}: this plugin "
+                f"serves {len(self.table)} slices named <GPU UUID>::<0..{per_gpu - 1}> on "
                 f"{len(self.table.gpus)} GPU(s). If the node's GPUs or --slices-per-gpu changed, "
-                "delete the pod so kubelet allocates again from the current devices")
-        slices = sorted((s for s in map(self.table.get, device_ids) if s is not None),
-                        key=lambda s: (s.gpu.index, s.number))
-        by_gpu: dict[str, list[Slice]] = {}
-        for item in slices:
-            by_gpu.setdefault(item.gpu.uuid, []).append(item)
+                "delete the pod so kubelet allocates again from the current devices") from None
         k = len(slices)
+        if slices[0].gpu is slices[-1].gpu:     # in GPU order: one GPU (the usual request)
+            if k <= per_gpu:
+                return slices
+            by_gpu = {slices[0].gpu.uuid: slices}
+        else:
+            by_gpu = {}
+            for item in slices:
+                by_gpu.setdefault(item.gpu.uuid, []).append(item)
         if k <= per_gpu and len(by_gpu) > 1:
             raise _precondition(
                 f"the {k} slices come from {len(by_gpu)} GPUs ({', '.join(by_gpu)}); a request of "
@@ -143,10 +171,13 @@ class Allocator:
 
     # ---- the record and the response ----
 
-    def build_record(self, slices: list[Slice], created_at: float) -> AllocationRecord:
+    def build_record(self, slices: list[Slice], created_at: float,
+                     allocation_id: str | None = None) -> AllocationRecord:
+        """`allocation_id`: id_for_devices of the slices, when the caller has it already."""
         per_gpu = self.table.per_gpu
         device_ids = tuple(s.id for s in slices)
-        allocation_id = allocation.id_for_devices(device_ids)
+        if allocation_id is None:
+            allocation_id = allocation.id_for_devices(device_ids)
         gpus: dict[str, GpuInfo] = {s.gpu.uuid: s.gpu for s in slices}
         k = len(slices)
         if k <= per_gpu:
@@ -211,39 +242,83 @@ class Allocator:
         return self._allocate(self.validate(device_ids))[0]
 
     def _allocate(self, slices: list[Slice]) -> tuple[api_pb2.ContainerAllocateResponse, bool]:
-        """For validated slices: the response, and whether this call created the record."""
+        """For validated slices: the response, and whether this call created the record.
+        The response may be one kept from an earlier call: callers must not change it."""
         allocation_id = allocation.id_for_devices(s.id for s in slices)
-        channel = paths.channel_dir(self.config.state_dir, allocation_id)
-        socket = paths.channel_socket(channel)
-        if not paths.fits_unix_socket(socket):
+        if not self._socket_fits():
+            socket = paths.channel_socket(paths.channel_dir(self.config.state_dir, allocation_id))
             raise _precondition(
                 f"channel socket path {socket} is longer than {paths.UNIX_PATH_MAX} bytes; "
                 "configure a shorter --state-dir and restart the plugin")
         try:
-            existing = allocation.load_record(self.config.state_dir, allocation_id)
+            raw = allocation.load_record_bytes(self.config.state_dir, allocation_id)
+            kept = self._kept.get(allocation_id)
+            if raw is not None and kept is not None and raw == kept.payload:
+                self._restore_preload_file(allocation_id)
+                self._log_allocated(allocation_id, slices, replay=True)
+                return kept.answer, False
+            existing = None if raw is None else allocation.decode_record(
+                allocation.record_path(self.config.state_dir, allocation_id), raw)
         except RecordError as err:
             raise AllocationError(grpc.StatusCode.INTERNAL,
                                   f"{err}; move the file aside and delete the pod to retry"
                                   ) from None
+        channel = paths.channel_dir(self.config.state_dir, allocation_id)
         if existing is None:
             self._check_health(slices)
-            record = self.build_record(slices, self.clock())
+            record = self.build_record(slices, self.clock(), allocation_id)
         else:
             # Keep what a replay must not change: creation time, the pod binding, and limits
             # the daemon applied from the pod's annotations.
-            fresh = self.build_record(slices, existing.created_at)
-            kept = {g.uuid: g.memory_limit for g in existing.gpus}
-            gpus = tuple(dataclasses.replace(g, memory_limit=kept.get(g.uuid, g.memory_limit))
+            fresh = self.build_record(slices, existing.created_at, allocation_id)
+            kept_limits = {g.uuid: g.memory_limit for g in existing.gpus}
+            gpus = tuple(dataclasses.replace(g, memory_limit=kept_limits.get(g.uuid,
+                                                                             g.memory_limit))
                          for g in fresh.gpus)
             record = dataclasses.replace(fresh, gpus=gpus, pod=existing.pod, limit=existing.limit)
         if record != existing:
-            self._store(record, channel)
-        elif self.config.injection != "ld-preload" and not (
-                channel / paths.CHANNEL_PRELOAD_NAME).exists():
-            self._write_preload_file(channel)   # the node switched injection since the first call
-        log.info("allocated", extra={"allocation_id": record.id, "devices": list(record.device_ids),
-                                     "share": record.gpus[0].share, "replay": existing is not None})
-        return self.response(record, slices), existing is None
+            payload = self._store(record, channel)
+        else:
+            assert raw is not None
+            payload = raw
+            self._restore_preload_file(allocation_id)
+        answer = self.response(record, slices)
+        self._keep(allocation_id, _Kept(payload, answer))
+        self._log_allocated(allocation_id, slices, replay=existing is not None)
+        return answer, existing is None
+
+    def _socket_fits(self) -> bool:
+        """Whether channel socket paths fit in sun_path: the same for every allocation (IDs
+        have one length), so worked out once per state dir."""
+        state_dir = self.config.state_dir
+        if self._socket_fits_in[0] != state_dir:
+            sample = paths.channel_socket(paths.channel_dir(state_dir, "k-" + "0" * 16))
+            self._socket_fits_in = (state_dir, paths.fits_unix_socket(sample))
+        return self._socket_fits_in[1]
+
+    def _restore_preload_file(self, allocation_id: str) -> None:
+        """On a replay: the preload file the response points to, if it is missing (the node
+        switched injection since the first call, or it was removed)."""
+        if self.config.injection != "ld-preload":
+            channel = paths.channel_dir(self.config.state_dir, allocation_id)
+            if not (channel / paths.CHANNEL_PRELOAD_NAME).exists():
+                self._write_preload_file(channel)
+
+    def _keep(self, allocation_id: str, kept: _Kept) -> None:
+        self._kept.pop(allocation_id, None)
+        if len(self._kept) >= KEPT_ANSWERS:
+            del self._kept[next(iter(self._kept))]     # the oldest
+        self._kept[allocation_id] = kept
+
+    def _log_allocated(self, allocation_id: str, slices: list[Slice], replay: bool) -> None:
+        """Logged after the answer (self.defer): the slice count and GPUs, not every slice ID
+        (the record has them), so a 200-slice request costs no more to log than one."""
+        def emit() -> None:
+            log.info("allocated", extra={
+                "allocation_id": allocation_id, "slices": len(slices),
+                "gpus": list(dict.fromkeys(s.gpu.uuid for s in slices)),
+                "replay": replay})
+        self.defer(emit)
 
     def allocate_all(self, requests: Sequence[Sequence[str]]
                      ) -> list[api_pb2.ContainerAllocateResponse]:
@@ -287,12 +362,15 @@ class Allocator:
         # directory when it serves the record.
         return True
 
-    def _store(self, record: AllocationRecord, channel: Path) -> None:
+    def _store(self, record: AllocationRecord, channel: Path) -> bytes:
+        """Write the channel directory and the record; returns the record's bytes."""
         created = False
         try:
             created = self._make_channel(channel)
             self._write_preload_file(channel)
-            allocation.write_record(self.config.state_dir, record, self.syncer)
+            payload = allocation.encode_record(record)
+            allocation.write_encoded_record(self.config.state_dir, record.id, payload,
+                                            self.syncer)
         except (OSError, RecordError) as err:
             if created:
                 with contextlib.suppress(OSError):
@@ -304,3 +382,4 @@ class Allocator:
                 f"cannot store allocation {record.id} under state dir {self.config.state_dir}: "
                 f"{detail}. Check that the node's state directory is writable and has free "
                 "space, then delete the pod to retry") from None
+        return payload

@@ -50,9 +50,11 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
                             config.recovery_quiet_period)
     prepare_state_dir(config.state_dir)
     publish_health(config.state_dir, tracker)   # for the node daemon's telemetry
-    # Directory fsyncs after Allocate answers, batched (the rule: device_plugin.allocator).
+    # Directory fsyncs after Allocate answers, batched (the rule: device_plugin.allocator);
+    # its log line is written once the answer is on its way (the loop's next turn).
     syncer = DirectorySyncer()
-    allocator = Allocator(config, table, tracker, syncer=syncer)
+    allocator = Allocator(config, table, tracker, syncer=syncer,
+                          defer=asyncio.get_running_loop().call_soon)
     devices = DeviceList(table, tracker)
     service = DevicePluginService(devices, allocator, config.placement)
     server = PluginServer(config.plugin_socket, service)

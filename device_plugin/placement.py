@@ -29,18 +29,34 @@ class PlacementError(ValueError):
 
 
 def _group_by_gpu(slices: Sequence[Slice]) -> dict[str, list[Slice]]:
+    """Slices already in table order, grouped by GPU (groups in GPU index order)."""
     groups: dict[str, list[Slice]] = {}
-    for item in sorted(slices, key=lambda s: (s.gpu.index, s.number)):
+    for item in slices:
         groups.setdefault(item.gpu.uuid, []).append(item)
     return groups
 
 
-def _resolve(table: SliceTable, ids: Sequence[str], what: str) -> list[Slice]:
+def _check_known(table: SliceTable, ids: Sequence[str], what: str) -> None:
     unknown = table.unknown(ids)
     if unknown:
         raise PlacementError(f"{what} device ID(s) not served by this plugin: "
                              f"{', '.join(sorted(unknown))}")
+
+
+def _resolve(table: SliceTable, ids: Sequence[str], what: str) -> list[Slice]:
+    """The slices named, once each, in the order given."""
+    _check_known(table, ids, what)
     return [s for s in (table.get(d) for d in dict.fromkeys(ids)) if s is not None]
+
+
+def _resolve_in_order(table: SliceTable, ids: Sequence[str], what: str) -> list[Slice]:
+    """The slices named, once each, in table order (kubelet sends all available IDs, 800 on
+    a full node: one sort by a precomputed rank, no per-ID key tuples)."""
+    try:
+        return table.in_order(set(ids))
+    except KeyError:
+        _check_known(table, ids, what)
+        raise
 
 
 def preferred(table: SliceTable, available_ids: Sequence[str], must_include_ids: Sequence[str],
@@ -49,7 +65,7 @@ def preferred(table: SliceTable, available_ids: Sequence[str], must_include_ids:
     per_gpu = table.per_gpu
     if size < 1:
         raise PlacementError(f"allocation size must be at least 1, got {size}")
-    available = _resolve(table, available_ids, "available")
+    available = _resolve_in_order(table, available_ids, "available")
     must = _resolve(table, must_include_ids, "must-include")
     available_set = {s.id for s in available}
     missing = [s.id for s in must if s.id not in available_set]

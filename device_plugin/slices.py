@@ -50,6 +50,9 @@ class SliceTable:
             raise ValueError("two GPUs report the same UUID")
         self._by_id: dict[str, Slice] = {}
         self._by_gpu: dict[str, list[Slice]] = {}
+        # Each ID's place in table order (GPU index, then slice number): sorting IDs by it is
+        # a C-level dict lookup per ID, where a (gpu.index, number) key was a tuple per ID.
+        self._rank: dict[str, int] = {}
         for gpu in self.gpus:
             row = [Slice(slice_id(gpu.uuid, n), gpu, n) for n in range(per_gpu)]
             longest = row[-1].id
@@ -58,6 +61,7 @@ class SliceTable:
                                  "characters; lower slices_per_gpu")
             self._by_gpu[gpu.uuid] = row
             self._by_id.update((s.id, s) for s in row)
+        self._rank = {device_id: n for n, device_id in enumerate(self._by_id)}
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -76,3 +80,9 @@ class SliceTable:
 
     def unknown(self, device_ids: Iterable[str]) -> list[str]:
         return [d for d in device_ids if d not in self._by_id]
+
+    def in_order(self, device_ids: Iterable[str]) -> list[Slice]:
+        """The slices of known IDs, in table order (GPU index, then slice number); raises
+        KeyError for an unknown ID (callers check `unknown()` for the message)."""
+        by_id = self._by_id
+        return [by_id[d] for d in sorted(device_ids, key=self._rank.__getitem__)]

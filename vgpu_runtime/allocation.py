@@ -183,20 +183,39 @@ def record_path(state_dir: str | Path, allocation_id: str) -> Path:
     return paths.allocations_dir(state_dir) / f"{check_id(allocation_id)}.json"
 
 
+def encode_record(record: AllocationRecord) -> bytes:
+    """The bytes write_record stores for `record` (the same record always gives the same bytes,
+    so a reader holding them can tell an unchanged file by comparing)."""
+    # Compact: with `indent`, json falls back to its pure-Python encoder (slow for 200 IDs).
+    return json.dumps(record.to_json(), sort_keys=True).encode()
+
+
 def write_record(state_dir: str | Path, record: AllocationRecord,
                  syncer: DirectorySyncer | None = None) -> Path:
     """Write atomically; on any failure the previous record (if any) is left untouched. With
     `syncer`, the directory fsync (power-loss durability) is done by it just after returning."""
+    return write_encoded_record(state_dir, record.id, encode_record(record), syncer)
+
+
+def write_encoded_record(state_dir: str | Path, allocation_id: str, payload: bytes,
+                         syncer: DirectorySyncer | None = None) -> Path:
+    """write_record for bytes from encode_record (a caller that keeps them)."""
     directory = paths.allocations_dir(state_dir)
-    target = record_path(state_dir, record.id)
-    # Compact: with `indent`, json falls back to its pure-Python encoder (slow for 200 IDs).
-    payload = json.dumps(record.to_json(), sort_keys=True).encode()
+    target = record_path(state_dir, allocation_id)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise RecordError(f"cannot write to state directory {directory}: {err.strerror}") from None
-    try:
-        write_atomic(target, payload, syncer=syncer)
+        try:
+            write_atomic(target, payload, syncer=syncer)
+        except FileNotFoundError:
+            # The first record in this state dir: make allocations/ and write again (not
+            # made up front on every call: the device plugin writes records on its hot path).
+            if directory.is_dir():
+                raise
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise RecordError(f"cannot write to state directory {directory}: "
+                                  f"{err.strerror}") from None
+            write_atomic(target, payload, syncer=syncer)
     except OSError as err:
         raise RecordError(f"cannot write allocation record {target}: {err.strerror}") from None
     return target
@@ -207,10 +226,12 @@ def read_record(path: str | Path) -> AllocationRecord:
         raw = Path(path).read_bytes()
     except OSError as err:
         raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
-    return _decode(path, raw)
+    return decode_record(path, raw)
 
 
-def _decode(path: str | Path, raw: bytes) -> AllocationRecord:
+def decode_record(path: str | Path, raw: bytes) -> AllocationRecord:
+    """Parse and check a record file's bytes; `path` is where they came from (its name must
+    match the id)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as err:
@@ -224,14 +245,19 @@ def _decode(path: str | Path, raw: bytes) -> AllocationRecord:
 
 
 def load_record(state_dir: str | Path, allocation_id: str) -> AllocationRecord | None:
+    raw = load_record_bytes(state_dir, allocation_id)
+    return None if raw is None else decode_record(record_path(state_dir, allocation_id), raw)
+
+
+def load_record_bytes(state_dir: str | Path, allocation_id: str) -> bytes | None:
+    """The record file's bytes, unparsed, or None if there is none."""
     path = record_path(state_dir, allocation_id)
     try:
-        raw = path.read_bytes()     # one open, no separate exists(): Allocate's hot path
+        return path.read_bytes()     # one open, no separate exists(): Allocate's hot path
     except FileNotFoundError:
         return None
     except OSError as err:
         raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
-    return _decode(path, raw)
 
 
 def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord | RecordError]]:
