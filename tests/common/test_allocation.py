@@ -142,3 +142,25 @@ def test_random_json_is_refused_cleanly(value: object) -> None:
         variant = dict(data, **{key: value})
         with contextlib.suppress(alloc.RecordError):
             alloc.AllocationRecord.from_json(json.loads(json.dumps(variant)))
+
+
+def test_first_record_makes_the_allocations_directory(tmp_path: Path) -> None:
+    record = sample()
+    alloc.write_record(tmp_path / "new-state", record)
+    assert alloc.load_record(tmp_path / "new-state", record.id) == record
+
+
+def test_allocations_path_that_is_not_a_directory_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "allocations").write_text("not a directory")
+    with pytest.raises(alloc.RecordError, match="cannot write"):
+        alloc.write_record(tmp_path, sample())
+    assert (tmp_path / "allocations").read_text() == "not a directory"
+
+
+def test_encoded_bytes_are_what_is_stored(tmp_path: Path) -> None:
+    record = sample()
+    payload = alloc.encode_record(record)
+    alloc.write_encoded_record(tmp_path, record.id, payload)
+    assert alloc.load_record_bytes(tmp_path, record.id) == payload
+    assert alloc.decode_record(alloc.record_path(tmp_path, record.id), payload) == record
+    assert alloc.load_record_bytes(tmp_path, alloc.id_for_devices(["GPU-b::0"])) is None

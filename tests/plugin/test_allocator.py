@@ -326,3 +326,68 @@ def test_record_is_valid_json_for_the_daemon(make: Make) -> None:
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["origin"] == "kubelet"
     assert allocation.read_record(path).gpus[0].share == 0.1
+
+
+# ---- replays answered from a kept response ----
+
+def test_replay_after_the_daemon_changed_the_record_answers_from_the_file(make: Make) -> None:
+    """A kept answer is used only while the file holds the very bytes it was made from: a
+    memory limit the daemon wrote after the first answer shows in the next one."""
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 3)
+    first = allocator.allocate(ids)
+    assert allocator.allocate(ids) is first     # unchanged file: the kept answer
+    state = allocator.config.state_dir
+    record = allocation.load_record(state, first.envs[paths.ENV_ALLOCATION_ID])
+    assert record is not None
+    annotated = dataclasses.replace(
+        record, gpus=tuple(dataclasses.replace(g, memory_limit=5 << 30) for g in record.gpus))
+    allocation.write_record(state, annotated)
+    again = allocator.allocate(ids)
+    assert again.envs[paths.ENV_MEMORY_LIMIT] == str(5 << 30)
+    assert allocation.load_record(state, record.id) == annotated
+    assert allocator.allocate(ids) is again     # and that answer is kept in turn
+
+
+def test_replay_after_the_record_was_removed_writes_it_again(make: Make) -> None:
+    allocator, table, tracker = make()
+    ids = slice_ids(table, 1, 2)
+    first = allocator.allocate(ids)
+    path = allocation.record_path(allocator.config.state_dir, first.envs[paths.ENV_ALLOCATION_ID])
+    path.unlink()
+    assert allocator.allocate(ids) == first
+    assert allocation.read_record(path).device_ids == tuple(ids)
+    path.unlink()                                 # gone, and now a new allocation: health counts
+    tracker.xid(table.gpus[1].uuid, 79)
+    assert rejected(allocator, ids).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not path.exists()
+
+
+def test_replay_over_a_record_corrupted_after_the_answer_is_refused(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 2)
+    first = allocator.allocate(ids)
+    path = allocation.record_path(allocator.config.state_dir, first.envs[paths.ENV_ALLOCATION_ID])
+    path.write_text("{half")
+    err = rejected(allocator, ids)
+    assert err.code == grpc.StatusCode.INTERNAL and "not valid JSON" in err.message
+    assert path.read_text() == "{half"
+
+
+def test_log_line_waits_for_the_answer_and_names_no_slice(
+        make_config: Callable[..., PluginConfig], caplog: pytest.LogCaptureFixture) -> None:
+    config = make_config(slices_per_gpu=100)
+    gpus = SimulatedBackend(2, memory=100 * GIB).discover()
+    table = SliceTable(gpus, 100)
+    later: list[Callable[[], None]] = []
+    allocator = Allocator(config, table, defer=later.append)
+    ids = [s.id for g in gpus for s in table.slices_of(g.uuid)]
+    with caplog.at_level("INFO", logger="device_plugin.allocator"):
+        allocator.allocate(ids)
+        allocator.allocate(ids)
+        assert not [r for r in caplog.records if r.msg == "allocated"]
+        for work in later:
+            work()
+    lines = [r for r in caplog.records if r.msg == "allocated"]
+    assert [(r.slices, r.gpus, r.replay) for r in lines] == [  # type: ignore[attr-defined]
+        (200, [g.uuid for g in gpus], False), (200, [g.uuid for g in gpus], True)]

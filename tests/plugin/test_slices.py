@@ -44,3 +44,13 @@ def test_malformed_ids_are_rejected(bad: str) -> None:
 
 def test_slice_id_round_trip() -> None:
     assert parse_slice_id(slice_id("GPU-a", 7)) == ("GPU-a", 7)
+
+
+def test_in_order_sorts_by_gpu_then_number_and_refuses_unknown(gpus: list[GpuInfo]) -> None:
+    table = SliceTable(gpus, 12)
+    wanted = [slice_id(gpus[1].uuid, 10), slice_id(gpus[0].uuid, 2), slice_id(gpus[1].uuid, 9),
+              slice_id(gpus[0].uuid, 11)]
+    assert [(s.gpu.index, s.number) for s in table.in_order(wanted)] == [
+        (0, 2), (0, 11), (1, 9), (1, 10)]
+    with pytest.raises(KeyError):
+        table.in_order([*wanted, "GPU-gone::0"])
