@@ -194,20 +194,22 @@ def write_record(state_dir: str | Path, record: AllocationRecord,
                  syncer: DirectorySyncer | None = None) -> Path:
     """Write atomically; on any failure the previous record (if any) is left untouched. With
     `syncer`, the directory fsync (power-loss durability) is done by it just after returning."""
-    return write_encoded_record(state_dir, record.id, encode_record(record), syncer)
+    target = record_path(state_dir, record.id)
+    write_record_bytes(target, encode_record(record), syncer)
+    return target
 
 
-def write_encoded_record(state_dir: str | Path, allocation_id: str, payload: bytes,
-                         syncer: DirectorySyncer | None = None) -> Path:
-    """write_record for bytes from encode_record (a caller that keeps them)."""
-    directory = paths.allocations_dir(state_dir)
-    target = record_path(state_dir, allocation_id)
+def write_record_bytes(target: str | Path, payload: bytes,
+                       syncer: DirectorySyncer | None = None) -> None:
+    """write_record for a caller that keeps the bytes (from encode_record) and the record's
+    path (record_path; a string saves pathlib's cost on the device plugin's hot path)."""
     try:
         try:
             write_atomic(target, payload, syncer=syncer)
         except FileNotFoundError:
             # The first record in this state dir: make allocations/ and write again (not
             # made up front on every call: the device plugin writes records on its hot path).
+            directory = Path(target).parent
             if directory.is_dir():
                 raise
             try:
@@ -218,7 +220,6 @@ def write_encoded_record(state_dir: str | Path, allocation_id: str, payload: byt
             write_atomic(target, payload, syncer=syncer)
     except OSError as err:
         raise RecordError(f"cannot write allocation record {target}: {err.strerror}") from None
-    return target
 
 
 def read_record(path: str | Path) -> AllocationRecord:
@@ -245,15 +246,16 @@ def decode_record(path: str | Path, raw: bytes) -> AllocationRecord:
 
 
 def load_record(state_dir: str | Path, allocation_id: str) -> AllocationRecord | None:
-    raw = load_record_bytes(state_dir, allocation_id)
-    return None if raw is None else decode_record(record_path(state_dir, allocation_id), raw)
-
-
-def load_record_bytes(state_dir: str | Path, allocation_id: str) -> bytes | None:
-    """The record file's bytes, unparsed, or None if there is none."""
     path = record_path(state_dir, allocation_id)
+    raw = read_record_bytes(path)
+    return None if raw is None else decode_record(path, raw)
+
+
+def read_record_bytes(path: str | Path) -> bytes | None:
+    """A record file's bytes, unparsed (decode_record parses them), or None if there is none."""
     try:
-        return path.read_bytes()     # one open, no separate exists(): Allocate's hot path
+        with open(path, "rb") as file:   # one open, no separate exists(): Allocate's hot path
+            return file.read()
     except FileNotFoundError:
         return None
     except OSError as err:

@@ -160,7 +160,8 @@ def test_allocations_path_that_is_not_a_directory_fails_clearly(tmp_path: Path) 
 def test_encoded_bytes_are_what_is_stored(tmp_path: Path) -> None:
     record = sample()
     payload = alloc.encode_record(record)
-    alloc.write_encoded_record(tmp_path, record.id, payload)
-    assert alloc.load_record_bytes(tmp_path, record.id) == payload
-    assert alloc.decode_record(alloc.record_path(tmp_path, record.id), payload) == record
-    assert alloc.load_record_bytes(tmp_path, alloc.id_for_devices(["GPU-b::0"])) is None
+    path = str(alloc.record_path(tmp_path, record.id))
+    alloc.write_record_bytes(path, payload)
+    assert alloc.read_record_bytes(path) == payload
+    assert alloc.decode_record(path, payload) == record
+    assert alloc.read_record_bytes(alloc.record_path(tmp_path, "k-" + "0" * 16)) is None

@@ -45,17 +45,18 @@ def fsync_dir(directory: str | Path) -> None:
         os.close(fd)
 
 
-def temp_prefix(target: Path) -> str:
-    return f".{target.name}.{os.getpid()}."
+def temp_prefix(target: str | Path) -> str:
+    return f".{os.path.basename(target)}.{os.getpid()}."
 
 
-def write_atomic(target: Path, payload: bytes, mode: int = 0o644, durable: bool = True,
+def write_atomic(target: str | Path, payload: bytes, mode: int = 0o644, durable: bool = True,
                  syncer: DirectorySyncer | None = None) -> None:
     """Write to a temporary file beside `target`, fsync it, rename it over `target` and, when
     `durable`, fsync the directory: now, or through `syncer` just after returning (see the
     module docstring). Raises OSError; on failure `target` is untouched and no temporary file
     is left behind."""
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=target.parent)
+    directory = os.path.dirname(target) or "."
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target), suffix=TEMP_SUFFIX, dir=directory)
     try:
         try:
             os.fchmod(fd, mode)
@@ -72,9 +73,9 @@ def write_atomic(target: Path, payload: bytes, mode: int = 0o644, durable: bool 
         raise
     if durable:
         if syncer is None:
-            fsync_dir(target.parent)
+            fsync_dir(directory)
         else:
-            syncer.request(target.parent)
+            syncer.request(directory)
 
 
 class DirectorySyncer:
