@@ -92,6 +92,37 @@ def test_strict_cap_is_a_rate_with_no_stall_after_a_late_start() -> None:
     assert abs(sim.share("capped", 9.0, 20.0) - 0.30) <= 0.02
 
 
+INFERENCE = Workload(0.0004, 1, cpu_gap=0.004)   # one short request, then 4 ms of host time
+
+
+def inference_next_to_a_trainer(preempt_after: float) -> tuple[Simulation, list[float]]:
+    sim = Simulation(SchedulerConfig(preempt_after=preempt_after), handoff=0.0005)
+    sim.add("infer", 0.5, 1.0, INFERENCE)
+    sim.add("train", 0.5, 1.0, LOADS["matmul-8192-stream"])
+    sim.run(20.0)
+    return sim, sorted(sim.scheduler.tenants["infer"].waits)
+
+
+def test_a_waking_tenant_preempts_the_holder_when_asked_to() -> None:
+    sim, waits = inference_next_to_a_trainer(preempt_after=0.005)
+    # Its wait: the holder's 5 ms, the handoff; not a whole quota (150 ms).
+    assert waits[int(0.99 * len(waits))] <= 0.005 + 0.002, waits[-5:]
+    assert sim.share("infer", 10.0, 20.0) >= 0.35       # of its throughput alone
+    assert sim.share("train", 10.0, 20.0) >= 0.5        # the trainer keeps its request
+    off, waits_off = inference_next_to_a_trainer(preempt_after=0.0)
+    assert off.scheduler.preemptions == 0
+    assert waits_off[len(waits_off) // 2] >= 0.1          # without: a quota per request
+    assert off.share("infer", 10.0, 20.0) <= 0.1
+
+
+def test_busy_tenants_never_preempt_each_other() -> None:
+    # Tenants that were waiting when the holder was granted leave the round to decide.
+    sim, achieved = run((0.2, 0.3, 0.5), LOADS["matmul-2048-sync-each"], preempt_after=0.005)
+    assert sim.scheduler.preemptions == 0
+    for want, got in zip((0.2, 0.3, 0.5), achieved, strict=True):
+        assert abs(got - want) <= 0.02, achieved
+
+
 def test_limit_change_at_run_time() -> None:
     sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
     sim.add("a", 0.3, 0.3, LOADS["matmul-2048-stream"])

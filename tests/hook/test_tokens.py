@@ -156,6 +156,32 @@ def test_two_containers_take_turns(hooked: Hooked, node: Node, sync_each: bool) 
 LAUNCH = "lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)"
 
 
+def test_a_waking_tenant_cuts_a_hooked_holders_quota_short(hooked: Hooked) -> None:
+    # --preempt-after: a tenant that starts waiting while the hook holds the token gets it
+    # after 5 ms of the holder's quota (150 ms here), not at its end. The hook learns it from
+    # its page at its next launch, settles and asks again.
+    node = start_node(0.5, "--preempt-after", "0.005")
+    try:
+        rival = Rival(node.allocate(0.5))
+        loop = Loop(hooked, node.env(), 1.0)
+        try:
+            loop.go()
+            time.sleep(0.3)                       # the loop holds and keeps launching
+            asked = time.monotonic_ns()
+            rival.hold()
+            waited = (time.monotonic_ns() - asked) / 1e9
+            result = loop.result()
+        finally:
+            loop.kill()
+            rival.close()
+        status = client.request(node.state_dir, "status")
+        assert status["gpus"][0]["preemptions"] >= 1, status["gpus"][0]
+        assert waited < 0.075, waited             # 5 ms + the loop's next launch + a round trip
+        assert result["stats"]["ungated_launches"] == 0
+    finally:
+        stop_node(node)
+
+
 def test_requests_carry_the_longest_unmerged_burst(hooked: Hooked, node: Node) -> None:
     # 5 ms bursts back to back (gaps far below the 2 ms merge gap) merge into one long run in
     # the usage reports; the figure quota sizing gets is the burst from launch to sync.

@@ -83,6 +83,10 @@ class SchedulerConfig:
     revoke_grace: float = cfg.setting(
         _ALGORITHM.revoke_grace, "seconds a holder may overrun its quota before revocation",
         cfg.number(0.0, 10), "SECONDS")
+    preempt_after: float = cfg.setting(
+        _ALGORITHM.preempt_after, "a holder keeps the token at least this long once a tenant "
+        "that woke up behind it waits, then gives way (e.g. 0.005); 0 = off, seconds",
+        cfg.number(0.0, 10), "SECONDS")
     burst_merge_gap: float = cfg.setting(
         _ALGORITHM.burst_merge_gap, "kernel bursts closer than this are one burst, seconds",
         cfg.number(0.0, 1.0), "SECONDS")
