@@ -3,7 +3,9 @@
  *
  * Real symbols are resolved lazily, once per library (pthread_once), from libcuda.so.1
  * or libnvidia-ml.so.1 through the real dlsym. A missing symbol gets a stub that answers
- * "not found", so an exported wrapper never calls through NULL.
+ * "not found", so an exported wrapper never calls through NULL. Once a library is loaded,
+ * a lookup is one acquire load and an array read: every launch makes one, and the TLS read
+ * and pthread_once call of the first-time path cost more than the rest of the open gate.
  */
 #include <dlfcn.h>
 #include <string.h>
@@ -29,6 +31,7 @@ static const struct gm_entry entries[GM_ENTRY_COUNT] = {
 
 static void *slots[GM_ENTRY_COUNT];
 static pthread_once_t lib_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
+static _Atomic int lib_loaded[2];   /* set (release) once that library's slots are filled */
 static const char *const lib_names[2] = {"libcuda.so.1", "libnvidia-ml.so.1"};
 
 static void load_lib(enum gm_lib lib) {
@@ -43,6 +46,7 @@ static void load_lib(enum gm_lib lib) {
         }
     }
     gm_in_loader = 0;
+    atomic_store_explicit(&lib_loaded[lib], 1, memory_order_release);
 }
 
 static void load_cuda(void) { load_lib(GM_LIB_CUDA); }
@@ -58,6 +62,7 @@ static CUresult missing_entry(void) { return CUDA_ERROR_NOT_FOUND; }
 static nvmlReturn_t missing_nvml_entry(void) { return NVML_ERROR_FUNCTION_NOT_FOUND; }
 
 void *gm_real_raw(enum gm_entry_id id) {
+    if (atomic_load_explicit(&lib_loaded[entries[id].lib], memory_order_acquire)) return slots[id];
     if (!ensure_lib(entries[id].lib)) return NULL;
     return slots[id];
 }
