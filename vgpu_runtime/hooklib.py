@@ -36,3 +36,14 @@ def library_path(rebuild: bool = False) -> Path:
     if target.is_file() and not rebuild:
         return target
     return build.build_library(out_dir)
+
+
+def read_stats_file(path: str | Path) -> dict[str, int]:
+    """The counters the hook writes at exit to GEMINI_HOOK_STATS=<path> (core/stats.c:
+    `key=value` lines); {} when the process wrote none."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line)
+    return {key: int(value) for key, value in pairs if value.strip().isdigit()}
