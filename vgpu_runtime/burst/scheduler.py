@@ -108,7 +108,7 @@ class Tenant:
     id: str
     request: float
     limit: float
-    usage: UsageWindow          # the window: caps and what status reports
+    usage: UsageWindow          # the window: what status and metrics report
     bursts: BurstEstimator
     vtime: float = 0.0          # charged GPU time / request: the order of service
     credit: float = 0.0         # limit < 1: GPU seconds it may still use (fills at `limit`/s)
@@ -279,11 +279,9 @@ class TokenScheduler:
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
         """Cut the holder's quota short for a tenant that woke up behind it."""
         grant = self.holder
-        if self.config.preempt_after <= 0 or grant is None or grant.tenant == waiter.id:
-            return
-        if waiter.waiting_since is None:
-            return
-        if waiter.waiting_since <= grant.granted_at or not self._has_credit(waiter, now):
+        if (self.config.preempt_after <= 0 or grant is None or grant.tenant == waiter.id
+                or waiter.waiting_since is None or waiter.waiting_since <= grant.granted_at
+                or not self._has_credit(waiter, now)):
             return
         holder = self.tenants[grant.tenant]
         running = holder.vtime + (now - grant.granted_at) / self.requests()[holder.id]

@@ -110,7 +110,6 @@ class GpuTokens:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_backoff = config.idle_release
         self.grants = 0
-        self.preemptions = 0
         self.idle_releases = 0
         # The gate every slot's page shows; None until written to all (a new slot's page may
         # differ). Writing only on a change keeps each token hand-off O(1) in the tenants.
@@ -204,7 +203,6 @@ class GpuTokens:
                 # reads the new end from its page and asks again.
                 self.slots[holder.tenant].page.grant(holder.generation, to_ns(holder.expires_at))
                 self.published = holder
-                self.preemptions += 1
             if holder is None or self.published is not None:
                 break
             slot = self.slots[holder.tenant]
@@ -361,7 +359,7 @@ class GpuTokens:
             "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
             "generation": self.scheduler.generation,
             "grants": self.grants, "idle_releases": self.idle_releases,
-            "preemptions": self.preemptions,
+            "preemptions": self.scheduler.preemptions,
             "window_s": self.config.window,
             "tenants": tenants,
         }
