@@ -5,12 +5,18 @@ here, so that Allocate's hot path only ever adds names inside them. Temporary fi
 atomic writes that a crash interrupted (records, the preload files in channel directories,
 health.json) are swept here: the plugin owns these directories. The rule that keeps a live
 writer's temporary file (gemini-run writes records too) is in atomicfile.sweep_stale_temps.
+
+So are empty channel directories that no record names: a crash between Allocate's mkdir of the
+channel and the record's rename leaves one. The same age rule keeps a live writer's (gemini-run
+makes its channel just before its record), and a channel whose record exists is always kept,
+empty or not (its daemon may not have served it yet).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from vgpu_runtime import allocation, paths
@@ -40,4 +46,25 @@ def prepare(state_dir: str | Path, stale_age: float = STALE_TEMP_AGE) -> list[Pa
         channels = []   # no channels yet, or an unusable state dir (logged above)
     for channel in channels:
         removed += sweep_stale_temps(channel, stale_age)
+    removed += _sweep_orphan_channels(state, channels, stale_age)
+    return removed
+
+
+def _sweep_orphan_channels(state: Path, channels: list[str], stale_age: float) -> list[Path]:
+    allocations = paths.allocations_dir(state)
+    now = time.time()
+    removed = []
+    for channel in channels:
+        name = os.path.basename(channel)
+        if (allocations / f"{name}.json").exists():
+            continue
+        try:
+            if now - os.stat(channel).st_mtime <= stale_age:
+                continue
+            os.rmdir(channel)   # empty ones only: anything inside says someone uses it
+        except OSError:
+            continue
+        log.info("removed an empty channel directory no record names",
+                 extra={"channel_dir": channel})
+        removed.append(Path(channel))
     return removed

@@ -107,6 +107,24 @@ def test_start_sweeps_stale_temps_of_records_channels_and_health(short_dir: Path
     assert paths.channels_dir(state).is_dir()
 
 
+def test_start_removes_old_empty_channels_that_no_record_names(short_dir: Path) -> None:
+    state = short_dir / "state"
+    paths.allocations_dir(state).mkdir(parents=True)
+    orphan = paths.channel_dir(state, "k-00000000000000aa")     # crash before the record
+    young = paths.channel_dir(state, "r-00000000000000bb")      # a gemini-run writing now
+    recorded = paths.channel_dir(state, "k-00000000000000cc")   # its daemon not up yet
+    busy = paths.channel_dir(state, "k-00000000000000dd")       # something inside
+    for channel in (orphan, young, recorded, busy):
+        channel.mkdir(parents=True)
+    (busy / "sched.sock").write_bytes(b"")
+    allocation.record_path(state, "k-00000000000000cc").write_text("{}")
+    for channel in (orphan, recorded, busy):
+        _age(channel, atomicfile.STALE_TEMP_AGE + 1)
+    assert statedir.prepare(state) == [orphan]
+    assert not orphan.exists()
+    assert young.is_dir() and recorded.is_dir() and busy.is_dir()
+
+
 def test_start_on_an_unusable_state_dir_does_not_raise(short_dir: Path) -> None:
     blocker = short_dir / "file"
     blocker.write_text("not a directory")

@@ -65,12 +65,19 @@ def check_status_table(state_dir: Path) -> None:
     assert "1.00" in next(line for line in out.splitlines() if whole.id in line)
 
 
-def test_status_json_parses(daemon: DaemonProcess, state_dir: Path) -> None:
-    record = make_record(state_dir)
-    with ChannelClient(wait_served(record)) as client:
-        client.hello()
-        client.request_token(0)
-        result = run_status(state_dir, "--json")
+def test_status_json_parses(state_dir: Path) -> None:
+    # Long quotas, as above: the holder must still hold when the status process asks.
+    state_dir.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(state_dir, "--window", "60", "--min-quota", "9",
+                           "--max-quota", "9").wait_ready()
+    try:
+        record = make_record(state_dir)
+        with ChannelClient(wait_served(record)) as client:
+            client.hello()
+            client.request_token(0)
+            result = run_status(state_dir, "--json")
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
     assert result.returncode == 0, result.stderr
     answer = json.loads(result.stdout)
     (gpu,) = answer["gpus"]
