@@ -7,16 +7,32 @@
  * device pointers are invented addresses, never dereferenceable. Pools grow by 2 MiB
  * chunks and trim at synchronisation (release threshold 0) or cuMemPoolTrimTo. Graph memory:
  * cuGraphLaunch treats the graph handle's value as the bytes the graph allocates.
- * Launches just count. cuGetProcAddress answers by version and flags like the driver.
+ * cuGetProcAddress answers by version and flags like the driver.
+ *
+ * GPU time (for tests of charging; off by default): fake_cuda_set_kernel_ns(ns), called
+ * through ctypes, gives every later launch of the process (kernels, cooperative, Ex, graphs)
+ * a duration of ns; 0 (the default) makes launches free and every call below behave as if
+ * the GPU were infinitely fast. Each stream handle has a "busy until" time (CLOCK_MONOTONIC
+ * ns): a launch sets it to max(now, busy until) + duration, so work queues on its stream.
+ * The legacy default stream is NULL or CU_STREAM_LEGACY; a NULL stream given to a _ptsz
+ * entry point is the per-thread default stream, one queue for the whole process. Streams do
+ * not wait for each other (no implicit legacy-stream synchronisation). cuEventRecord takes
+ * the stream's busy-until time; cuEventQuery answers CUDA_ERROR_NOT_READY before it,
+ * cuEventSynchronize and cuStreamSynchronize sleep until it, cuCtxSynchronize(_v2) until the
+ * latest stream's. Blocking copies copy nothing and wait for nothing.
+ * fake_cuda_busy_until(stream) says a stream's busy-until time (0 if never launched into).
  * fake_cuda_calls(name) says how often an entry point was called.
  *
  * Built with -Bsymbolic so the pointers it hands out are its own, whatever is preloaded.
  */
+#include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cuda_types.h"
 
@@ -318,6 +334,76 @@ static CUresult free_any(uint64_t key) {
 }
 EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr) { CALLED(); return free_any(dptr); }
 
+
+/* ---- GPU time: per-stream "busy until" (CLOCK_MONOTONIC ns), see the header ---- */
+#define MAX_STREAMS 64
+static _Atomic int64_t kernel_ns;   /* duration of each later launch; 0: launches are free */
+static struct { uintptr_t handle; int64_t busy_until; } streams[MAX_STREAMS];
+
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void sleep_until(int64_t deadline) {
+    if (deadline <= 0) return;
+    struct timespec ts = {(time_t)(deadline / 1000000000LL), (long)(deadline % 1000000000LL)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {}
+}
+
+/* One key per queue: NULL and CU_STREAM_LEGACY are the same (legacy) stream. */
+static uintptr_t stream_key(CUstream s, int per_thread) {
+    if (s == NULL) return per_thread ? (uintptr_t)CU_STREAM_PER_THREAD : (uintptr_t)CU_STREAM_LEGACY;
+    return (uintptr_t)s;
+}
+
+/* Caller holds the lock. The slot of a stream, made on first use; NULL if the table is full. */
+static int64_t *stream_busy(uintptr_t key, int make) {
+    for (int i = 0; i < MAX_STREAMS; i++) {
+        if (streams[i].handle == key) return &streams[i].busy_until;
+        if (streams[i].handle == 0) {
+            if (!make) return NULL;
+            streams[i].handle = key;
+            streams[i].busy_until = 0;
+            return &streams[i].busy_until;
+        }
+    }
+    return NULL;
+}
+
+static void queue_work(CUstream s, int per_thread) {
+    int64_t duration = atomic_load(&kernel_ns);
+    if (duration <= 0) return;
+    pthread_mutex_lock(&lock);
+    int64_t *busy = stream_busy(stream_key(s, per_thread), 1);
+    if (busy != NULL) {
+        int64_t now = monotonic_ns();
+        *busy = (*busy > now ? *busy : now) + duration;
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+static int64_t busy_until(uintptr_t key) {
+    pthread_mutex_lock(&lock);
+    int64_t *busy = stream_busy(key, 0);
+    int64_t until = busy != NULL ? *busy : 0;
+    pthread_mutex_unlock(&lock);
+    return until;
+}
+
+static int64_t latest_busy_until(void) {
+    int64_t latest = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < MAX_STREAMS && streams[i].handle != 0; i++)
+        if (streams[i].busy_until > latest) latest = streams[i].busy_until;
+    pthread_mutex_unlock(&lock);
+    return latest;
+}
+
+EXPORT void fake_cuda_set_kernel_ns(long long ns) { atomic_store(&kernel_ns, ns > 0 ? ns : 0); }
+EXPORT long long fake_cuda_busy_until(CUstream s) { return busy_until(stream_key(s, 0)); }
+
 /* ---- stream-ordered pools ---- */
 static CUresult pool_alloc(CUdeviceptr *dptr, uint64_t bytes, int p) {
     pthread_mutex_lock(&lock);
@@ -381,18 +467,19 @@ EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     pthread_mutex_unlock(&lock);
     return CUDA_SUCCESS;
 }
-#define SYNC(name, params)                \
+#define SYNC(name, params, until)         \
     EXPORT CUresult name params {         \
         CALLED();                         \
+        sleep_until(until);               \
         pthread_mutex_lock(&lock);        \
         trim_all_pools();                 \
         pthread_mutex_unlock(&lock);      \
         return CUDA_SUCCESS;              \
     }
-SYNC(cuStreamSynchronize, (CUstream s))
-SYNC(cuStreamSynchronize_ptsz, (CUstream s))
-SYNC(cuCtxSynchronize, (void))
-SYNC(cuCtxSynchronize_v2, (CUcontext c))
+SYNC(cuStreamSynchronize, (CUstream s), busy_until(stream_key(s, 0)))
+SYNC(cuStreamSynchronize_ptsz, (CUstream s), busy_until(stream_key(s, 1)))
+SYNC(cuCtxSynchronize, (void), latest_busy_until())
+SYNC(cuCtxSynchronize_v2, (CUcontext c), latest_busy_until())
 
 /* ---- VMM and arrays ---- */
 EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
@@ -416,9 +503,10 @@ EXPORT CUresult cuArrayCreate_v2(CUarray *array, const CUDA_ARRAY_DESCRIPTOR *d)
 EXPORT CUresult cuArrayDestroy(CUarray array) { CALLED(); return free_any((uintptr_t)array); }
 
 /* ---- graphs: the exec handle's value is the memory the graph allocates ---- */
-#define GRAPH_LAUNCH(name)                                                   \
+#define GRAPH_LAUNCH(name, per_thread)                                       \
     EXPORT CUresult name(CUgraphExec exec, CUstream s) {                     \
         CALLED();                                                            \
+        queue_work(s, per_thread);                                           \
         uint64_t bytes = (uintptr_t)exec;                                    \
         pthread_mutex_lock(&lock);                                           \
         if (current_device >= 0 && bytes > graph_reserved[current_device]) { \
@@ -428,8 +516,8 @@ EXPORT CUresult cuArrayDestroy(CUarray array) { CALLED(); return free_any((uintp
         pthread_mutex_unlock(&lock);                                         \
         return CUDA_SUCCESS;                                                 \
     }
-GRAPH_LAUNCH(cuGraphLaunch)
-GRAPH_LAUNCH(cuGraphLaunch_ptsz)
+GRAPH_LAUNCH(cuGraphLaunch, 0)
+GRAPH_LAUNCH(cuGraphLaunch_ptsz, 1)
 EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, int attr, void *value) {
     CALLED();
     *(cuuint64_t *)value = attr == CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT ? graph_reserved[dev] : 0;
@@ -446,18 +534,22 @@ EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
 
 /* ---- launches and capture: the stream handle 0x5eed is "capturing" once begun ---- */
 static int capturing;
-#define LAUNCH(name, params) EXPORT CUresult name params { CALLED(); return CUDA_SUCCESS; }
+#define LAUNCH(name, params, stream, per_thread) \
+    EXPORT CUresult name params { CALLED(); queue_work(stream, per_thread); return CUDA_SUCCESS; }
 LAUNCH(cuLaunchKernel, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                        unsigned bz, unsigned shm, CUstream s, void **p, void **e))
+                        unsigned bz, unsigned shm, CUstream s, void **p, void **e), s, 0)
 LAUNCH(cuLaunchKernel_ptsz, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                             unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e))
+                             unsigned by, unsigned bz, unsigned shm, CUstream s, void **p, void **e),
+       s, 1)
 LAUNCH(cuLaunchCooperativeKernel, (CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                                   unsigned by, unsigned bz, unsigned shm, CUstream s, void **p))
+                                   unsigned by, unsigned bz, unsigned shm, CUstream s, void **p), s, 0)
 LAUNCH(cuLaunchCooperativeKernel_ptsz, (CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                                         unsigned bx, unsigned by, unsigned bz, unsigned shm,
-                                        CUstream s, void **p))
-LAUNCH(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e))
-LAUNCH(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **p, void **e))
+                                        CUstream s, void **p), s, 1)
+LAUNCH(cuLaunchKernelEx, (const CUlaunchConfig *c, CUfunction f, void **p, void **e),
+       c ? c->hStream : NULL, 0)
+LAUNCH(cuLaunchKernelEx_ptsz, (const CUlaunchConfig *c, CUfunction f, void **p, void **e),
+       c ? c->hStream : NULL, 1)
 EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int mode) { CALLED(); capturing = 1; return 0; }
 EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) { CALLED(); capturing = 0; return 0; }
 static CUresult is_capturing(CUstream s, CUstreamCaptureStatus *status) {
@@ -467,23 +559,48 @@ static CUresult is_capturing(CUstream s, CUstreamCaptureStatus *status) {
 EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
 EXPORT CUresult cuStreamIsCapturing_ptsz(CUstream s, CUstreamCaptureStatus *st) { CALLED(); return is_capturing(s, st); }
 
-/* ---- events and blocking copies: events complete at once; copies copy nothing ---- */
-static unsigned long events_live;
+/* ---- events (complete at their stream's busy-until time) and blocking copies ---- */
+#define MAX_EVENTS 1024
+static unsigned long events_live, events_made;
+static int64_t event_done_at[MAX_EVENTS];   /* by handle; a handle is reused after 1024 */
+
+static int64_t *event_slot(CUevent event) {
+    return &event_done_at[((uintptr_t)event - 0xe0000) % MAX_EVENTS];
+}
 EXPORT CUresult cuEventCreate(CUevent *event, unsigned int flags) {
     CALLED();
     pthread_mutex_lock(&lock);
     events_live++;
+    *event = (CUevent)(uintptr_t)(0xe0000 + ++events_made);
+    *event_slot(*event) = 0;
     pthread_mutex_unlock(&lock);
-    *event = (CUevent)(uintptr_t)(0xe0000 + events_live);
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuEventRecord(CUevent event, CUstream s) {
     CALLED();
     /* The hook must never record on the legacy default stream. */
-    return s == CU_STREAM_LEGACY || s == NULL ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    if (s == CU_STREAM_LEGACY || s == NULL) return CUDA_ERROR_INVALID_VALUE;
+    int64_t until = busy_until(stream_key(s, 0));
+    pthread_mutex_lock(&lock);
+    *event_slot(event) = until;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
 }
-EXPORT CUresult cuEventQuery(CUevent event) { CALLED(); return CUDA_SUCCESS; }
-EXPORT CUresult cuEventSynchronize(CUevent event) { CALLED(); return CUDA_SUCCESS; }
+static int64_t event_done(CUevent event) {
+    pthread_mutex_lock(&lock);
+    int64_t done = *event_slot(event);
+    pthread_mutex_unlock(&lock);
+    return done;
+}
+EXPORT CUresult cuEventQuery(CUevent event) {
+    CALLED();
+    return monotonic_ns() < event_done(event) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+EXPORT CUresult cuEventSynchronize(CUevent event) {
+    CALLED();
+    sleep_until(event_done(event));
+    return CUDA_SUCCESS;
+}
 EXPORT CUresult cuEventDestroy_v2(CUevent event) {
     CALLED();
     pthread_mutex_lock(&lock);
