@@ -57,6 +57,7 @@ RUN_LOCK_NAME = "run.lock"
 DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
 SHARE_EPSILON = 1e-9
+CHILD_POLL_INTERVAL = 1.0
 SI_KERNEL = 0x80  # si_code of a signal the kernel raised itself (e.g. Ctrl-C at a terminal)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}
@@ -358,8 +359,10 @@ def supervise(command: list[str], env: dict[str, str]) -> int:
         print(f"gemini-run: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
         return 127 if isinstance(err, FileNotFoundError) else 126
     while child.poll() is None:
-        info = signal.sigwaitinfo(WATCHED)
-        if info.si_signo == signal.SIGCHLD:
+        # Timed, so that a SIGCHLD that never comes (a parent that ignored it) costs a poll
+        # interval, not a hang.
+        info = signal.sigtimedwait(WATCHED, CHILD_POLL_INTERVAL)
+        if info is None or info.si_signo == signal.SIGCHLD:
             continue
         from_terminal = info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL
         if not from_terminal:
@@ -392,6 +395,9 @@ def run(request: Request) -> int:
     library = hook_library_path(request)
     gpus = discover(request)
     prepare_state_dir(request.state_dir)
+    # An ignored SIGCHLD is inherited across exec (some supervisors set it): children would be
+    # reaped by the kernel, and COMMAND's exit status lost. gemini-run waits for its own.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # Block the signals before the record exists, so that no signal can leave it behind.
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     record: AllocationRecord | None = None

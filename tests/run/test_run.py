@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = child_env()
 ENV.pop("GEMINI_SIMULATE_GPUS", None)
 ENV.pop("GEMINI_STATE_DIR", None)
+ENV["PYTHONFAULTHANDLER"] = "1"   # a hung gemini-run shows its stack (post_mortem)
 
 # The command gemini-run runs: reports its environment and what the channel says, then waits
 # for a line on stdin (so the test can look at the node while it runs) and exits with argv[1].
@@ -68,8 +70,34 @@ def probe_started(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    _out, err = proc.communicate("\n", timeout=20)
+    try:
+        _out, err = proc.communicate("\n", timeout=20)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"gemini-run did not finish in 20 s\n{post_mortem(proc)}") from None
     return proc.returncode, err
+
+
+def post_mortem(proc: subprocess.Popen[str]) -> str:
+    """What a hung gemini-run was doing: its process tree, then its Python stack (SIGABRT with
+    PYTHONFAULTHANDLER set) and whatever it wrote to stderr."""
+    tree = subprocess.run(["ps", "-e", "-o", "pid,ppid,stat,wchan:24,args"], capture_output=True,
+                          text=True).stdout
+    related = [line for line in tree.splitlines()
+               if str(proc.pid) in line.split()[:2] or line.lstrip().startswith("PID")]
+    proc.send_signal(signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+    for line in related[1:]:   # its COMMAND holds the same pipes; the daemon is the fixture's
+        pid, ppid, *_rest = line.split()
+        if ppid == str(proc.pid) and "vgpu_runtime.scheduler" not in line:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    try:
+        _out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        err = "(stderr still open: another process holds gemini-run's pipes)"
+    return "\n".join(related) + "\n" + err
 
 
 def live_records(state_dir: Path) -> list[allocation.AllocationRecord]:
@@ -165,6 +193,17 @@ def test_sigterm_is_forwarded_and_the_record_removed(state_dir: Path,
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc)
     assert code == 7, err  # the child got SIGTERM and chose its status
+    assert live_records(state_dir) == []
+
+
+def test_an_inherited_ignored_sigchld_neither_hangs_nor_loses_the_status(
+        state_dir: Path, hook_library: Path) -> None:
+    # Before the fix gemini-run waited forever: with SIGCHLD ignored the kernel reaps the
+    # child and sends no signal, and waitpid's ECHILD read as status 0.
+    proc = gemini_run(state_dir, hook_library, command=["sh", "-c", "exit 3"],
+                      preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN))
+    code, err = finish(proc)
+    assert code == 3, err
     assert live_records(state_dir) == []
 
 
