@@ -3,11 +3,13 @@
 The client is who the socket says: the allocation behind the socket it connected through, and
 the kernel's SO_PEERCRED. Nothing it sends identifies it; the pid in HELLO is only logged.
 
-Framing: the 16-byte header is read and validated (version, type, exact length for the type,
-reserved zero, hence at most GM_MAX_FRAME) before a single body byte is read. A frame that breaks
-the protocol gets GM_MSG_ERROR with a reason, then that connection alone is closed; everything
-it held is released in the ledger, and a token its allocation held is passed on if this was the
-allocation's last connection.
+Framing: the session reads whatever the socket has (one await per wake-up, not two per frame)
+and serves every whole frame in it, in order. Each 16-byte header is validated once (version,
+type, exact length for the type, reserved zero, hence at most GM_MAX_FRAME) as soon as it is
+there, before the session waits for its body. A frame that breaks the protocol gets GM_MSG_ERROR
+with a reason, after the valid frames before it were served; then that connection alone is
+closed; everything it held is released in the ledger, and a token its allocation held is passed
+on if this was the allocation's last connection.
 
 Tokens (issue 4): TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
 valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
@@ -50,6 +52,13 @@ KIND_NAMES = {C(name): name.removeprefix("GM_MEM_").lower() for name in (
     "GM_MEM_GRAPH", "GM_MEM_CONTEXT")}
 KIND_CONTEXT = C("GM_MEM_CONTEXT")
 REASON_BYTES = C("GM_REASON_BYTES")
+HEADER_SIZE = wire.HEADER_SIZE
+# What one read may take from the socket: many frames (they are at most GM_MAX_FRAME bytes).
+READ_CHUNK = 64 * 1024
+
+MEM_REPLY = wire.Packer(MSG_MEM_REPLY)
+TOKEN_GRANT = wire.Packer(MSG_TOKEN_GRANT)
+ERROR = wire.Packer(MSG_ERROR)
 
 
 class ProtocolError(Exception):
@@ -61,10 +70,15 @@ class ProtocolError(Exception):
         self.reason = reason
 
 
-def _raw_header(data: bytes) -> Any:
-    header = wire.ffi.new("struct gm_header *")
-    wire.ffi.memmove(header, data, wire.HEADER_SIZE)
-    return header
+def _check_header(data: bytes, offset: int) -> tuple[int, int]:
+    """(length, type) of the header at `offset`, validated; raises ProtocolError."""
+    try:
+        length, msg_type, _seq = wire.check_header(data, offset)
+    except wire.WrongVersion as err:
+        raise ProtocolError(C("GM_ERR_BAD_VERSION"), str(err)) from None
+    except wire.MalformedFrame as err:
+        raise ProtocolError(C("GM_ERR_MALFORMED"), str(err)) from None
+    return length, msg_type
 
 
 class Session(Waiter):
@@ -97,16 +111,7 @@ class Session(Waiter):
     async def run(self) -> None:
         log.info("client connected", extra=self._log_fields())
         try:
-            while True:
-                frame = await self._read_frame()
-                if frame is None:
-                    break
-                handler = self.handlers.get(wire.frame_type(frame))
-                if handler is None:
-                    kind = wire.frame_type(frame)
-                    raise ProtocolError(C("GM_ERR_MALFORMED"),
-                                        f"frame type {kind} is daemon-to-hook only")
-                await handler(frame)
+            await self._serve()
         except ProtocolError as err:
             log.warning("dropping client: %s", err.reason,
                         extra=self._log_fields(reason=err.reason, status=err.status))
@@ -128,39 +133,57 @@ class Session(Waiter):
             log.info("client disconnected", extra=self._log_fields(
                 used=[self.channel.ledger.used(g) for g in range(self.channel.ledger.gpu_count)]))
 
-    async def _read_frame(self) -> Any | None:
-        try:
-            head = await self.reader.readexactly(wire.HEADER_SIZE)
-        except asyncio.IncompleteReadError as err:
-            if err.partial:
-                reason = f"truncated header: {len(err.partial)} bytes then EOF"
-                raise ProtocolError(C("GM_ERR_MALFORMED"), reason) from None
-            return None
-        if self.closing_status is not None:
-            return None
-        raw = _raw_header(head)
-        try:
-            header = wire.parse_header(head)
-        except wire.MalformedFrame as err:
-            status = C("GM_ERR_BAD_VERSION") if raw.version != wire.VERSION else C(
-                "GM_ERR_MALFORMED")
-            raise ProtocolError(status, str(err)) from None
-        try:
-            body = await self.reader.readexactly(header.length - wire.HEADER_SIZE)
-        except asyncio.IncompleteReadError as err:
-            raise ProtocolError(C("GM_ERR_MALFORMED"), f"truncated frame: {len(err.partial)} of "
-                                f"{header.length - wire.HEADER_SIZE} body bytes") from None
-        return wire.decode(head + body)
+    async def _serve(self) -> None:
+        """Read until EOF or the allocation closes, serving each whole frame as it completes.
 
-    async def _send(self, frame: Any) -> None:
-        self.writer.write(wire.encode(frame))
-        await self.writer.drain()
+        `pending` holds the start of a frame whose rest has not arrived; its header (once whole)
+        has been validated already."""
+        pending = b""
+        handlers = self.handlers
+        while True:
+            chunk = await self.reader.read(READ_CHUNK)
+            if not chunk:
+                self._check_clean_eof(pending)
+                return
+            data = pending + chunk if pending else chunk
+            end, offset = len(data), 0
+            while end - offset >= HEADER_SIZE:
+                if self.closing_status is not None:
+                    return
+                length, msg_type = _check_header(data, offset)
+                if end - offset < length:
+                    break
+                handler = handlers.get(msg_type)
+                if handler is None:
+                    raise ProtocolError(C("GM_ERR_MALFORMED"),
+                                        f"frame type {msg_type} is daemon-to-hook only")
+                frame = data if length == end else data[offset:offset + length]
+                await handler(wire.view(msg_type, frame))
+                offset += length
+            pending = data[offset:] if offset else data
+
+    @staticmethod
+    def _check_clean_eof(pending: bytes) -> None:
+        """EOF is clean only between frames; raises ProtocolError for a frame cut short."""
+        if not pending:
+            return
+        if len(pending) < HEADER_SIZE:
+            raise ProtocolError(C("GM_ERR_MALFORMED"),
+                                f"truncated header: {len(pending)} bytes then EOF")
+        length, _msg_type = _check_header(pending, 0)
+        raise ProtocolError(C("GM_ERR_MALFORMED"), f"truncated frame: "
+                            f"{len(pending) - HEADER_SIZE} of {length - HEADER_SIZE} body bytes")
+
+    async def _send(self, data: bytes) -> None:
+        writer = self.writer
+        writer.write(data)
+        # drain() only matters once the transport holds unsent bytes; skip its await otherwise.
+        if writer.transport.get_write_buffer_size():
+            await writer.drain()
 
     async def _send_error(self, status: int, reason: str) -> None:
-        frame = wire.new(MSG_ERROR, status=status)
-        frame.reason = reason.encode()[:REASON_BYTES - 1]
         with contextlib.suppress(Exception):
-            await self._send(frame)
+            await self._send(ERROR.pack(0, status, 0, reason.encode()[:REASON_BYTES - 1]))
 
     async def _hello(self, frame: Any) -> None:
         if frame.proto_version != wire.VERSION:
@@ -181,7 +204,7 @@ class Session(Waiter):
             slot.share_ppm = grant.share_ppm
             slot.limit_ppm = grant.limit_ppm
         log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid))
-        await self._send(reply)
+        await self._send(wire.encode(reply))
         if self.charger is None:
             self.charger = charger_for(self.channel.tokens, self.channel.tokens.config)
             self.charger.register(self)
@@ -237,10 +260,9 @@ class Session(Waiter):
             log.info("over memory limit", extra=self._log_fields(
                 gpu=gpu, kind=KIND_NAMES[kind], bytes=nbytes, used=result.used,
                 limit=result.limit, applied=msg_type == MSG_SET))
-        reply = wire.new(MSG_MEM_REPLY, seq=frame.h.seq,
-                         status=C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"),
-                         gpu=gpu, used=result.used, limit=result.limit)
-        await self._send(reply)
+        await self._send(MEM_REPLY.pack(
+            frame.h.seq, C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"), gpu,
+            result.used, result.limit))
 
     def _token_gpu(self, frame: Any, what: str) -> int:
         """The GPU index of a token frame, checked; raises ProtocolError."""
@@ -267,7 +289,8 @@ class Session(Waiter):
         burst = self._time(int(frame.burst_ns), "burst_ns")
         work_end = self._time(int(frame.work_end_ns), "work_end_ns")
         self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end)
-        await self.writer.drain()   # a flooding client waits on its own replies, nobody else
+        if self.writer.transport.get_write_buffer_size():
+            await self.writer.drain()   # a flooding client waits on its own replies, nobody else
 
     async def _token_release(self, frame: Any) -> None:
         gpu = self._token_gpu(frame, "token release")
@@ -292,9 +315,7 @@ class Session(Waiter):
         and at most one grant is owed per request, so the buffer stays small."""
         if self.closing_status is not None or self.writer.is_closing():
             return
-        self.writer.write(wire.encode(wire.new(
-            MSG_TOKEN_GRANT, seq=seq, gpu=gpu, status=C("GM_OK"), generation=generation,
-            valid_until_ns=valid_until_ns)))
+        self.writer.write(TOKEN_GRANT.pack(seq, gpu, C("GM_OK"), generation, valid_until_ns))
 
     async def close(self, status: int, reason: str) -> None:
         """The allocation is going away: tell the client why, then close its connection."""
