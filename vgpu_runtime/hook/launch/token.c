@@ -27,7 +27,10 @@
  * - `report`: record the events and do not wait; they are queried when the process next asks,
  *   and work_end = that moment if they are done by then (an upper bound, so it can only
  *   lengthen the charge). Queued work may run into the next holder's quota, charged to this
- *   process as overuse; no bubble for this process.
+ *   process as overuse; no bubble for this process. With nothing outstanding, events that are
+ *   complete as soon as recorded, in a process that synchronised after its last launch, give
+ *   work_end = that synchronisation's return: a host stuck in a sync on a long kernel past
+ *   its revoked grant reports the kernel's end at once (else that overuse went uncharged).
  * Events go on the launch's own streams. A launch into the legacy default stream is drained
  * with cuStreamSynchronize on it (sync) or left unmeasured (report); no event is ever recorded
  * on it. A per-thread default stream is drained from the asking thread. Nothing is settled
@@ -74,6 +77,7 @@ struct gpu_token {
     _Atomic uintptr_t streams[MAX_STREAMS]; /* own streams launched into since the last ask */
     _Atomic int legacy_used;               /* a launch went to the legacy default stream */
     _Atomic int64_t burst_start;           /* first launch after the last sync, or -1 */
+    _Atomic int64_t last_sync;             /* this process's last synchronisation's return */
     pthread_mutex_t lock;                  /* slow path: one asker, the others wait */
     pthread_cond_t cond;
     int requesting;
@@ -189,6 +193,7 @@ void gm_token_after_fork_child(void) {
         g->longest_unmerged = g->last_unmerged = 0;
         atomic_store(&g->ungated_until, 0);
         atomic_store(&g->burst_start, -1);
+        atomic_store(&g->last_sync, 0);
         atomic_store(&g->legacy_used, 0);
         for (int s = 0; s < MAX_STREAMS; s++) atomic_store(&g->streams[s], 0);
     }
@@ -243,6 +248,7 @@ static int64_t settle(struct gpu_token *g) {
             g->pending_count = 0;
         }
     }
+    int outstanding = g->pending_count;
     for (int i = 0; i < n && g->pending_count < MAX_STREAMS; i++) {
         CUevent event;
         if (GM_REAL(cuEventCreate)(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) continue;
@@ -250,6 +256,17 @@ static int64_t settle(struct gpu_token *g) {
             g->pending[g->pending_count++] = event;
         else
             GM_REAL(cuEventDestroy_v2)(event);
+    }
+    /* Nothing older outstanding, the last grant's work already done, and a synchronisation
+     * returned after its last launch: the work ended by that return (exact for a host that
+     * waited on it; no later than what the idle release assumes). */
+    int64_t synced = atomic_load(&g->last_sync);
+    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && synced > 0 &&
+        atomic_load(&g->burst_start) < 0) {
+        int done = 1;
+        for (int i = 0; i < g->pending_count; i++)
+            done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
+        if (done) work_end = synced;
     }
     return work_end;
 }
@@ -282,6 +299,7 @@ void gm_sync_observed(void) {
     if (activity == NULL) return;
     int64_t end = now_ns();
     __atomic_store_n(&activity->last_sync_ns, end, __ATOMIC_RELAXED);
+    atomic_store_explicit(&g->last_sync, end, memory_order_relaxed);
     int64_t start = atomic_exchange(&g->burst_start, -1);
     GM_COUNT(syncs_observed, 1);
     if (start < 0) return;   /* nothing launched since the last synchronisation */
