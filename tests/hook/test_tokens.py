@@ -158,9 +158,11 @@ LAUNCH = "lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)"
 
 def test_a_waking_tenant_cuts_a_hooked_holders_quota_short(hooked: Hooked) -> None:
     # --preempt-after: a tenant that starts waiting while the hook holds the token gets it
-    # after 5 ms of the holder's quota (150 ms here), not at its end. The hook learns it from
-    # its page at its next launch, settles and asks again.
-    node = start_node(0.5, "--preempt-after", "0.005")
+    # after 5 ms of the holder's quota (pinned to 1 s here), not at its end. The hook learns it
+    # from its page at its next launch, settles and asks again. Without preemption the rival,
+    # asking 0.3 s into the quota, would wait about 0.7 s: the bound below keeps clear of that
+    # and of a busy box's scheduling delays (a 150 ms quota made the two overlap).
+    node = start_node(0.5, "--preempt-after", "0.005", "--min-quota", "1", "--max-quota", "1")
     try:
         rival = Rival(node.allocate(0.5))
         loop = Loop(hooked, node.env(), 1.0)
@@ -176,7 +178,7 @@ def test_a_waking_tenant_cuts_a_hooked_holders_quota_short(hooked: Hooked) -> No
             rival.close()
         status = client.request(node.state_dir, "status")
         assert status["gpus"][0]["preemptions"] >= 1, status["gpus"][0]
-        assert waited < 0.075, waited             # 5 ms + the loop's next launch + a round trip
+        assert waited < 0.3, waited               # 5 ms + the loop's next launch + a round trip
         assert result["stats"]["ungated_launches"] == 0
     finally:
         stop_node(node)
