@@ -198,3 +198,19 @@ def test_a_malformed_frame_after_valid_ones_in_one_buffer(
     assert error.status == status and reason in wire.text_field(error.reason)
     _bystander_intact(daemon, bystander)
     assert reason.split(":")[0] in daemon.logs()
+
+
+def test_a_client_gone_with_frames_unanswered_costs_one_failed_send(
+        served: tuple[DaemonProcess, Path, ChannelClient]) -> None:
+    """Frames buffered behind a client that closed: the session stops at the first reply it
+    cannot send (no write after write into a dead socket), and the daemon goes on."""
+    daemon, path, bystander = served
+    stream = _hello(1) + b"".join(_memory("GM_MSG_MEM_SET", seq, seq) for seq in range(2, 400))
+    for _ in range(5):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            sock.sendall(stream)
+        # closed unread: the daemon's replies hit a dead socket
+    _bystander_intact(daemon, bystander)
+    time.sleep(0.2)
+    assert "socket.send() raised exception" not in daemon.logs()

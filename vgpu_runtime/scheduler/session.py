@@ -175,11 +175,15 @@ class Session(Waiter):
                             f"{len(pending) - HEADER_SIZE} of {length - HEADER_SIZE} body bytes")
 
     async def _send(self, data: bytes) -> None:
-        writer = self.writer
-        writer.write(data)
+        transport = self.writer.transport
+        if transport.is_closing():
+            # A send failed (the client is gone): stop here, as drain() would have, rather
+            # than write the replies of its buffered frames into a dead socket.
+            raise ConnectionResetError("connection lost")
+        transport.write(data)
         # drain() only matters once the transport holds unsent bytes; skip its await otherwise.
-        if writer.transport.get_write_buffer_size():
-            await writer.drain()
+        if transport.get_write_buffer_size():
+            await self.writer.drain()
 
     async def _send_error(self, status: int, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -289,7 +293,10 @@ class Session(Waiter):
         burst = self._time(int(frame.burst_ns), "burst_ns")
         work_end = self._time(int(frame.work_end_ns), "work_end_ns")
         self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end)
-        if self.writer.transport.get_write_buffer_size():
+        transport = self.writer.transport
+        if transport.is_closing():
+            raise ConnectionResetError("connection lost")
+        if transport.get_write_buffer_size():
             await self.writer.drain()   # a flooding client waits on its own replies, nobody else
 
     async def _token_release(self, frame: Any) -> None:
