@@ -1,0 +1,78 @@
+"""scripts/bench-share-model end to end, tiny: the REAL daemon and interposer over the fake
+libcuda's modelled kernel time, one load and one mix in a 3 s window.
+
+The bounds are loose (a 3 s window holds about ten rounds of quotas, and this box is shared),
+but they fail when the scheduler breaks: every tenant has its own fake "GPU", so without a
+working token both would reach about 1.0 of alone; a scheduler that ignored requests would split
+about evenly (0.5 / 0.5), far outside 0.1 of 0.3 / 0.7; a token that stalls or is never passed
+on drops the aggregate below 0.8.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.childenv import child_env
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench-share-model"
+
+
+def run_script(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_shares_on_the_modelled_gpu_land_near_their_requests(tmp_path: Path) -> None:
+    out = tmp_path / "model.json"
+    out.write_text(json.dumps({"kept": "from an earlier call"}))   # merged into, not replaced
+    proc = run_script("--cases", "shares", "--loads", "2048", "--mixes", "3/7",
+                      "--duration", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["kept"] == "from an earlier call"
+    (run,) = results["runs"]
+    assert run["command"].endswith("--json " + str(out)) and run["machine"] and run["date"]
+
+    alone, hooked = results["alone"]["2048"], results["alone_hook"]["2048"]
+    assert alone["seconds"] == 3 and alone["kernel_ns"] == 27_000
+    # the fake's kernel time held: a 2048 loop keeps the modelled GPU mostly busy, never more
+    assert 0.3 < alone["busy"] <= 1.0, alone
+    assert hooked["hook"]["kernel_launches"] > 0 and hooked["kernels"] > 0
+
+    case = results["cases"]["2048 0.3/0.7"]
+    assert case["asked"] == [0.3, 0.7] and case["alone_kernels"] == alone["kernels"]
+    achieved = case["achieved"]
+    assert achieved == [t["kernels"] / alone["kernels"] for t in case["tenants"]]
+    for asked, got, tenant in zip(case["asked"], achieved, case["tenants"], strict=True):
+        assert abs(got - asked) <= 0.1, (case["asked"], achieved)
+        assert tenant["hook"]["token_requests"] > 0, tenant["hook"]   # the gate was shut
+        charged = tenant["daemon"]["achieved"]
+        assert abs(charged - asked) <= 0.1, [t["daemon"] for t in case["tenants"]]
+    assert sum(achieved) >= 0.8, achieved
+    assert case["tenants"][0]["window"]["grants"] > 3        # the token went round
+    table = proc.stdout
+    assert "| 2048 | 0.30 / 0.70 |" in table and "load average" in table
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mixes", "3/x"], "slices of 10"),
+    (["--mixes", "6/7"], "at most 10"),
+    (["--loads", "4096"], "unknown load"),
+    (["--cases", "nonsense"], "unknown case"),
+    (["--duration", "0"], "must be positive"),
+])
+def test_bad_arguments_are_refused_and_the_results_file_kept(
+        tmp_path: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "model.json"
+    out.write_text('{"cases": {"kept": 1}}')
+    proc = run_script(*args, "--json", str(out), timeout=30)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert out.read_text() == '{"cases": {"kept": 1}}'
