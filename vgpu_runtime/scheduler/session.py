@@ -142,6 +142,8 @@ class Session(Waiter):
         handlers = self.handlers
         while True:
             chunk = await self.reader.read(READ_CHUNK)
+            if self.closing_status is not None:
+                return   # the allocation is going away: its close() has told the client why
             if not chunk:
                 self._check_clean_eof(pending)
                 return
@@ -149,7 +151,7 @@ class Session(Waiter):
             end, offset = len(data), 0
             while end - offset >= HEADER_SIZE:
                 if self.closing_status is not None:
-                    return
+                    return   # closed while a handler waited
                 length, msg_type = _check_header(data, offset)
                 if end - offset < length:
                     break
