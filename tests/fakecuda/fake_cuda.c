@@ -17,9 +17,9 @@
  * The legacy default stream is NULL or CU_STREAM_LEGACY; a NULL stream given to a _ptsz
  * entry point is the per-thread default stream, one queue for the whole process. Streams do
  * not wait for each other (no implicit legacy-stream synchronisation). cuEventRecord takes
- * the stream's busy-until time; cuEventQuery answers CUDA_ERROR_NOT_READY before it,
- * cuEventSynchronize and cuStreamSynchronize sleep until it, cuCtxSynchronize(_v2) until the
- * latest stream's. Blocking copies copy nothing and wait for nothing.
+ * the stream's busy-until time; cuEventQuery (and cuStreamQuery for a stream) answers
+ * CUDA_ERROR_NOT_READY before it, cuEventSynchronize and cuStreamSynchronize sleep until it,
+ * cuCtxSynchronize(_v2) until the latest stream's. Blocking copies copy nothing and wait for nothing.
  * fake_cuda_busy_until(stream) says a stream's busy-until time (0 if never launched into).
  * fake_cuda_calls(name) says how often an entry point was called.
  *
@@ -477,6 +477,10 @@ EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
         return CUDA_SUCCESS;              \
     }
 SYNC(cuStreamSynchronize, (CUstream s), busy_until(stream_key(s, 0)))
+EXPORT CUresult cuStreamQuery(CUstream s) {
+    CALLED();
+    return monotonic_ns() < busy_until(stream_key(s, 0)) ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
 SYNC(cuStreamSynchronize_ptsz, (CUstream s), busy_until(stream_key(s, 1)))
 SYNC(cuCtxSynchronize, (void), latest_busy_until())
 SYNC(cuCtxSynchronize_v2, (CUcontext c), latest_busy_until())

@@ -362,11 +362,15 @@ def test_a_forked_child_maps_its_own_pages_and_shares_the_grant(
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
         hooked: Hooked, node: Node, drain: str) -> None:
+    # Kernels of 1 s: the work is still queued when the process asks again (its grant was
+    # revoked after quota + grace), so the sync drain has something to wait for.
     rival = Rival(node.allocate(0.5))
     proc = hooked.start("""
         import sys
         lib = cuda()
         context(lib)
+        lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
+        lib.fake_cuda_set_kernel_ns(1000000000)
         for stream in (0x77, 0x78, 0x77, None):
             lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream), None, None)
         print(json.dumps({}), flush=True)
@@ -386,6 +390,7 @@ def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
         calls = after["calls"]
         assert calls["cuEventRecord"] == 2                 # streams 0x77 and 0x78, once each
         if drain == "sync":
+            assert calls["cuEventQuery"] == 2              # asked first: still running
             assert calls["cuEventSynchronize"] == 2
             assert calls["cuStreamSynchronize"] == 1       # the legacy stream: drained, no event
             assert after["events_live"] == 0

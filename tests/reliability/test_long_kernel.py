@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from tests.hook.conftest import PRELUDE, Hooked, Node, start_node, stop_node
+from tests.hook.tokenkit import Rival
 
 KERNEL_S = 1.5          # the long kernel
 QUOTA_S = 0.05          # --cycle 0.1 at share 0.5: a 50 ms base quota
@@ -174,6 +175,55 @@ def test_a_long_kernels_overuse_is_charged_and_paid_back(
     assert len(short_out["returns"]) > 0 and len(stuck_out["returns"]) > 0
     print(f"{drain}: L charged {charged_at_ask:.3f} s when it asked after its {kernel:.3f} s "
           f"kernel; L/S over the window {ratio:.2f}; S's longest wait {worst * 1000:.0f} ms")
+
+
+IDLER = """
+    import sys
+    lib = cuda()
+    context(lib)
+    lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
+    lib.fake_cuda_set_kernel_ns(1000000)          # 1 ms kernels
+    stream = ctypes.c_void_p(0x77)
+    def step():
+        assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+        assert lib.cuStreamSynchronize(stream) == 0
+    step()
+    print(json.dumps({}), flush=True)              # done and synced: holds the token, idle
+    sys.stdin.readline()
+    step()                                         # asks again, long after its grant ended
+    print(json.dumps({"stats": stats()}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drain", ["sync", "report"])
+def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
+        hooked: Hooked, hooked_node: tuple[Node, float, float], drain: str) -> None:
+    # A tenant does 1 ms of work, synchronises and idles; a rival's request makes the daemon
+    # release it (idle release). Asking again 1 s later, its hook must not report "now" as the
+    # end of its last grant's work: that charged the idle second as overuse (found with
+    # scripts/bench-share-model: a 0.2 tenant served 0.14 after idling at start-up).
+    node, joined_before, joined_after = hooked_node
+    charges = Charges(node, joined_after, joined_before)
+    rival = Rival(node.allocate(0.5))
+    proc = hooked.start(IDLER, node.env(GEMINI_HOOK_DRAIN=drain))
+    try:
+        hooked.line(proc)
+        rival.request()
+        rival.granted()                            # after the idle holder's release
+        time.sleep(1.0)
+        after = hooked.line(proc, go=True)
+        _, most, gpu = charges.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        rival.close()
+    assert gpu["idle_releases"] >= 1, gpu
+    # Its two grants: a few ms of work, then the one just granted (charged when it ends).
+    # The idle second, had it been charged, would alone be 1 s.
+    assert most[node.record.id] < 0.3, (drain, most, gpu)
+    assert after["stats"]["drain_ns"] == 0         # nothing was left to wait for
 
 
 def test_fake_driver_queues_kernel_time_per_stream(fake_dir: Path) -> None:

@@ -22,7 +22,9 @@
  * - `sync` (default): record an event (blocking-sync, no timing) on every stream this process
  *   launched into since it last asked, and wait for them; work_end = the moment they are all
  *   done. The previous quota's work never spills into the next holder's time, and the wait
- *   yields the CPU. Cost: the GPU runs dry for this process between its quota's last kernel
+ *   yields the CPU. Work found done already (queried first) ended at the last synchronisation
+ *   if one returned after the last launch, else work_end is unknown (-1): never the idle
+ *   time since. Cost: the GPU runs dry for this process between its quota's last kernel
  *   and its next grant (one daemon round trip when it is granted again at once).
  * - `report`: record the events and do not wait; they are queried when the process next asks,
  *   and work_end = that moment if they are done by then (an upper bound, so it can only
@@ -222,18 +224,37 @@ static int64_t settle(struct gpu_token *g) {
     int64_t started = now_ns();
     if (drain_by_sync()) {
         if (n == 0 && !legacy) return -1;
+        /* Work still queued is waited for, and ended now. Work already done ended before this
+         * ask, at the last synchronisation if one returned after the last launch, else at a
+         * time unknown: "now" would charge the idle time since the grant ended (an idle
+         * release, a revocation) as overuse. Measured in the model before this rule: the
+         * smallest tenant charged seconds of start-up idling, an inference loop its think
+         * time after every request. */
+        int64_t synced = atomic_load(&g->last_sync);
+        int quiet = synced > 0 && atomic_load(&g->burst_start) < 0;
+        CUevent events[MAX_STREAMS];
+        int recorded = 0, busy = 0;
         for (int i = 0; i < n; i++) {
             CUevent event;
             if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
                 CUDA_SUCCESS)
                 continue;
-            if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
-                GM_REAL(cuEventSynchronize)(event);
-            GM_REAL(cuEventDestroy_v2)(event);
+            if (GM_REAL(cuEventRecord)(event, streams[i]) != CUDA_SUCCESS) {
+                GM_REAL(cuEventDestroy_v2)(event);
+                continue;
+            }
+            events[recorded++] = event;
+            busy |= GM_REAL(cuEventQuery)(event) == CUDA_ERROR_NOT_READY;
         }
-        if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
-        int64_t end = now_ns();
-        GM_COUNT(drain_ns, (uint64_t)(end - started));
+        if (legacy) busy |= GM_REAL(cuStreamQuery)(NULL) == CUDA_ERROR_NOT_READY;
+        int64_t end = quiet ? synced : -1;
+        if (busy) {
+            for (int i = 0; i < recorded; i++) GM_REAL(cuEventSynchronize)(events[i]);
+            if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
+            end = now_ns();
+            GM_COUNT(drain_ns, (uint64_t)(end - started));
+        }
+        for (int i = 0; i < recorded; i++) GM_REAL(cuEventDestroy_v2)(events[i]);
         return end;
     }
     /* report: what was recorded last time, if done by now, ended by now (an upper bound) */
