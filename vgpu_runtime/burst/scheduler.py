@@ -72,10 +72,13 @@ class SchedulerConfig:
       current burst; bursts up to 50 ms past the end finish, longer overruns are revoked
       (charged in full either way).
     * preempt_after 0 (off): how long a holder keeps the token once a tenant that woke up
-      behind it waits. 5 ms bounds that tenant's wait in the model (tests/burst/sim.py: an
-      inference loop's p99 wait 148 ms -> 5.3 ms next to a trainer, and its throughput 0.03 ->
-      0.43 of alone), at one extra handoff (0.5 ms of GPU) per wake-up. Off until the H200
-      confirms it; then 5 ms is the candidate default.
+      behind it waits. On the modelled GPU (scripts/bench-share-model: the real daemon and hook
+      over the fake driver's kernel time) 2 ms with the daemon's idle release at 0.5 ms brings
+      an inference loop's p99 next to a trainer from 157 ms to 8.7 ms, the trainer from 0.97 to
+      0.77 of the GPU, at ~225 handoffs/s (about 11 % of an H200 at 0.5 ms each). Alone it does
+      nothing there: the loop keeps the token through its think time, is charged for it and
+      runs ahead of the trainer. Off until the H200 measures that trade; the README gives the
+      pair for nodes serving inference.
     * burst_merge_gap 2 ms (Gemini's), burst_history 3 s (about ten rounds): the daemon's own
       burst estimate from usage reports, used only when the hook sends no figure.
     """

@@ -8,7 +8,10 @@ own additions are what they are:
   `default_limit` (1.0: an idle GPU is lent to whoever wants it), `strict` at its request.
 * `idle_release` (2 ms): the Gemini burst-merge gap. Launches less than that apart belong to one
   burst, so a holder whose last burst ended with a host sync and that launched nothing for that
-  long has finished its burst; keeping the token longer only makes a waiting tenant wait.
+  long has finished its burst; keeping the token longer only makes a waiting tenant wait. The
+  holder is charged until the release: an inference loop whose think time is about this long
+  pays for holding the token idle after every request (0.5 ms with --preempt-after 0.002 serves
+  it within 10 ms on the modelled GPU; see the README's GPU-time section).
 
 Pod awareness and telemetry (issue 5):
 
