@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -110,3 +113,24 @@ class DaemonProcess:
 
 def control_path(state_dir: Path) -> Path:
     return control_socket(state_dir)
+
+
+@contextlib.contextmanager
+def daemon_with_bystander(
+        bystander_bytes: int) -> Iterator[tuple[DaemonProcess, Path, client.ChannelClient]]:
+    """A daemon serving one allocation, and a bystander connection on it holding
+    `bystander_bytes`: what hostile clients of the same allocation must not disturb."""
+    root = Path(tempfile.mkdtemp(prefix="gm-"))   # short: socket paths must fit 107 bytes
+    state_dir = root / "state"
+    state_dir.mkdir()
+    daemon = DaemonProcess(state_dir).wait_ready()
+    path = wait_served(make_record(state_dir))
+    bystander = client.ChannelClient(path)
+    bystander.hello()
+    bystander.reserve(0, bystander_bytes)
+    try:
+        yield daemon, path, bystander
+    finally:
+        bystander.close()
+        assert daemon.stop() == 0, daemon.logs()
+        shutil.rmtree(root, ignore_errors=True)

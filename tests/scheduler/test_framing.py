@@ -8,9 +8,7 @@ client alone is dropped with its reason and loses what it held, nobody else does
 
 from __future__ import annotations
 
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.helpers import DaemonProcess, MiB, make_record, wait_for, wait_served
+from tests.scheduler.helpers import DaemonProcess, MiB, daemon_with_bystander, wait_for
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.client import ChannelClient
 
@@ -29,18 +27,8 @@ BYSTANDER_BYTES = 10 * MiB
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[DaemonProcess, Path, ChannelClient]]:
-    root = Path(tempfile.mkdtemp(prefix="gm-"))
-    state_dir = root / "state"
-    state_dir.mkdir()
-    daemon = DaemonProcess(state_dir).wait_ready()
-    path = wait_served(make_record(state_dir))
-    bystander = ChannelClient(path)
-    bystander.hello()
-    bystander.reserve(0, BYSTANDER_BYTES)
-    yield daemon, path, bystander
-    bystander.close()
-    assert daemon.stop() == 0, daemon.logs()
-    shutil.rmtree(root, ignore_errors=True)
+    with daemon_with_bystander(BYSTANDER_BYTES) as running:
+        yield running
 
 
 def _hello(seq: int = 1) -> bytes:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.scheduler.helpers import DaemonProcess, MiB, make_record, wait_served
+from tests.scheduler.helpers import DaemonProcess, MiB, daemon_with_bystander
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.client import ChannelClient
 
@@ -25,18 +23,8 @@ KNOWN_SIZES = sorted({wire.ffi.sizeof(s) for s in wire.STRUCT_OF_TYPE.values()})
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[DaemonProcess, Path, ChannelClient]]:
-    root = Path(tempfile.mkdtemp(prefix="gm-"))
-    state_dir = root / "state"
-    state_dir.mkdir()
-    daemon = DaemonProcess(state_dir).wait_ready()
-    path = wait_served(make_record(state_dir))
-    bystander = ChannelClient(path)
-    bystander.hello()
-    bystander.reserve(0, 10 * MiB)
-    yield daemon, path, bystander
-    bystander.close()
-    assert daemon.stop() == 0, daemon.logs()
-    shutil.rmtree(root, ignore_errors=True)
+    with daemon_with_bystander(10 * MiB) as running:
+        yield running
 
 
 def _header(length: int, msg_type: int, version: int = wire.VERSION, reserved: int = 0) -> bytes:
