@@ -226,6 +226,56 @@ def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
     assert after["stats"]["drain_ns"] == 0         # nothing was left to wait for
 
 
+REPORTER = """
+    import sys
+    lib = cuda()
+    context(lib)
+    lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
+    lib.fake_cuda_set_kernel_ns(1000000)          # 1 ms kernels
+    stream = ctypes.c_void_p(0x77)
+    def launch():
+        assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+    launch()                                       # no sync: work in flight, never idle-released
+    print(json.dumps({}), flush=True)
+    sys.stdin.readline()
+    launch()                                       # revoked meanwhile: asks, leaves an event
+    assert lib.cuStreamSynchronize(stream) == 0    # then quiet: done and synced
+    print(json.dumps({}), flush=True)
+    sys.stdin.readline()
+    launch()                                       # asks again long after; finds that event done
+    print(json.dumps({"stats": stats()}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_report_mode_does_not_charge_idle_time_for_an_event_found_done_later(
+        hooked: Hooked, hooked_node: tuple[Node, float, float]) -> None:
+    # Report mode keeps the events it records when it asks and queries them at its next ask.
+    # Found done then, they ended at the process's last synchronisation if it has been quiet
+    # since, not "now" (which charged the idle second before that ask as overuse).
+    node, joined_before, joined_after = hooked_node
+    charges = Charges(node, joined_after, joined_before)
+    rival = Rival(node.allocate(0.5))
+    proc = hooked.start(REPORTER, node.env(GEMINI_HOOK_DRAIN="report"))
+    try:
+        hooked.line(proc)
+        rival.hold()                               # the holder is revoked (work in flight)
+        hooked.line(proc, go=True)                 # it asked again after the rival's revocation
+        rival.hold()                               # now it is idle: released early
+        time.sleep(1.0)
+        hooked.line(proc, go=True)
+        _, most, gpu = charges.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        rival.close()
+    assert gpu["idle_releases"] >= 1, gpu
+    # One revoked grant (quota + grace, 0.1 s), one short one, the one just granted: well
+    # under the idle second that "now" charged.
+    assert most[node.record.id] < 0.5, (most, gpu)
+
+
 def test_fake_driver_queues_kernel_time_per_stream(fake_dir: Path) -> None:
     """The fake's GPU-time model, without the hook: launches queue on their stream, events
     complete at the stream's busy-until time, synchronisations sleep until then."""

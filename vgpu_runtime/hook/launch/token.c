@@ -222,6 +222,9 @@ static int64_t settle(struct gpu_token *g) {
     int n = take_streams(g, streams);
     int legacy = atomic_exchange(&g->legacy_used, 0);
     int64_t started = now_ns();
+    /* A synchronisation returned after the last launch: the work was done by then. */
+    int64_t synced = atomic_load(&g->last_sync);
+    int quiet = synced > 0 && atomic_load(&g->burst_start) < 0;
     if (drain_by_sync()) {
         if (n == 0 && !legacy) return -1;
         /* Work still queued is waited for, and ended now. Work already done ended before this
@@ -230,8 +233,6 @@ static int64_t settle(struct gpu_token *g) {
          * release, a revocation) as overuse. Measured in the model before this rule: the
          * smallest tenant charged seconds of start-up idling, an inference loop its think
          * time after every request. */
-        int64_t synced = atomic_load(&g->last_sync);
-        int quiet = synced > 0 && atomic_load(&g->burst_start) < 0;
         CUevent events[MAX_STREAMS];
         int recorded = 0, busy = 0;
         for (int i = 0; i < n; i++) {
@@ -257,14 +258,15 @@ static int64_t settle(struct gpu_token *g) {
         for (int i = 0; i < recorded; i++) GM_REAL(cuEventDestroy_v2)(events[i]);
         return end;
     }
-    /* report: what was recorded last time, if done by now, ended by now (an upper bound) */
+    /* report: what was recorded last time, if done by now, ended by now (an upper bound), or
+     * by the last synchronisation if the process has been quiet since (not its idle time) */
     int64_t work_end = -1;
     if (g->pending_count > 0) {
         int done = 1;
         for (int i = 0; i < g->pending_count; i++)
             done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
         if (done) {
-            work_end = now_ns();
+            work_end = quiet ? synced : now_ns();
             for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
             g->pending_count = 0;
         }
@@ -281,9 +283,7 @@ static int64_t settle(struct gpu_token *g) {
     /* Nothing older outstanding, the last grant's work already done, and a synchronisation
      * returned after its last launch: the work ended by that return (exact for a host that
      * waited on it; no later than what the idle release assumes). */
-    int64_t synced = atomic_load(&g->last_sync);
-    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && synced > 0 &&
-        atomic_load(&g->burst_start) < 0) {
+    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && quiet) {
         int done = 1;
         for (int i = 0; i < g->pending_count; i++)
             done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
