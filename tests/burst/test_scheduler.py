@@ -292,6 +292,27 @@ def test_usage_window_slides_and_merges() -> None:
     assert window.usage(20.0) == 0.0
 
 
+def test_a_grant_in_progress_counts_once_in_the_window() -> None:
+    window = UsageWindow(10.0)
+    window.charge(0.0, 2.0)
+    assert window.usage(5.0, ongoing_since=4.0) == pytest.approx(3.0)   # 2 done + 1 running
+    assert window.usage(5.0, ongoing_since=1.0) == pytest.approx(5.0)   # overlap counted once
+    assert window.usage(12.0, ongoing_since=11.0) == pytest.approx(1.0)  # old charge slid out
+
+
+def test_the_holders_share_includes_its_grant_so_far() -> None:
+    sched = TokenScheduler(SchedulerConfig(window=10.0), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.add("b", 0.5, 1.0, 0.0)
+    grant = sched.request("a", 1.0)
+    assert grant is not None and grant.tenant == "a"
+    # 0.1 s into a grant of 0.15 s: charged at its end, yet it is the GPU's time already.
+    assert sched.used("a", 1.1) == pytest.approx(0.1 / 1.1)
+    assert sched.used("b", 1.1) == 0.0
+    sched.release("a", 1.12)
+    assert sched.used("a", 1.2) == pytest.approx(0.12 / 1.2)   # the same time, now charged
+
+
 def test_burst_estimator_merges_close_bursts_and_forgets_old_ones() -> None:
     est = BurstEstimator(merge_gap=0.002, history=3.0)
     est.observe(0.0, 0.010)

@@ -26,8 +26,17 @@ class UsageWindow:
         while self._intervals and self._intervals[0][1] <= horizon:
             self._intervals.popleft()
 
-    def usage(self, now: float) -> float:
+    def usage(self, now: float, ongoing_since: float | None = None) -> float:
+        """With `ongoing_since`: also the charge still running since then (a grant in
+        progress, charged when it ends), counted once where it meets the last interval."""
         self._expire(now)
         horizon = now - self.span
+        intervals = list(self._intervals)
+        if ongoing_since is not None and ongoing_since < now:
+            if intervals and ongoing_since < intervals[-1][1]:
+                start, end = intervals.pop()
+                intervals.append((min(start, ongoing_since), max(end, now)))
+            else:
+                intervals.append((ongoing_since, now))
         return sum(min(end, now) - max(start, horizon)
-                   for start, end in self._intervals if min(end, now) > max(start, horizon))
+                   for start, end in intervals if min(end, now) > max(start, horizon))
