@@ -177,22 +177,28 @@ def test_a_long_kernels_overuse_is_charged_and_paid_back(
           f"kernel; L/S over the window {ratio:.2f}; S's longest wait {worst * 1000:.0f} ms")
 
 
-IDLER = """
+# A hooked process with 1 ms kernels on one stream of its own.
+ONE_MS_KERNELS = """
     import sys
     lib = cuda()
     context(lib)
     lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
-    lib.fake_cuda_set_kernel_ns(1000000)          # 1 ms kernels
+    lib.fake_cuda_set_kernel_ns(1000000)
     stream = ctypes.c_void_p(0x77)
-    def step():
+    def launch():
         assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+    def sync():
         assert lib.cuStreamSynchronize(stream) == 0
-    step()
-    print(json.dumps({}), flush=True)              # done and synced: holds the token, idle
-    sys.stdin.readline()
-    step()                                         # asks again, long after its grant ended
-    print(json.dumps({"stats": stats()}), flush=True)
-    sys.stdin.readline()
+    def ready(**more):
+        print(json.dumps(more), flush=True)
+        sys.stdin.readline()
+"""
+
+IDLER = ONE_MS_KERNELS + """
+    launch(); sync()
+    ready()                                        # done and synced: holds the token, idle
+    launch(); sync()                               # asks again, long after its grant ended
+    ready(stats=stats())
 """
 
 
@@ -220,31 +226,20 @@ def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
         proc.wait()
         rival.close()
     assert gpu["idle_releases"] >= 1, gpu
-    # Its two grants: a few ms of work, then the one just granted (charged when it ends).
-    # The idle second, had it been charged, would alone be 1 s.
+    # Its two grants: a few ms of work, then the one just granted (a few ms so far). The idle
+    # second, had it been charged, would alone be 1 s.
     assert most[node.record.id] < 0.3, (drain, most, gpu)
     assert after["stats"]["drain_ns"] == 0         # nothing was left to wait for
 
 
-REPORTER = """
-    import sys
-    lib = cuda()
-    context(lib)
-    lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
-    lib.fake_cuda_set_kernel_ns(1000000)          # 1 ms kernels
-    stream = ctypes.c_void_p(0x77)
-    def launch():
-        assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+REPORTER = ONE_MS_KERNELS + """
     launch()                                       # no sync: work in flight, never idle-released
-    print(json.dumps({}), flush=True)
-    sys.stdin.readline()
+    ready()
     launch()                                       # revoked meanwhile: asks, leaves an event
-    assert lib.cuStreamSynchronize(stream) == 0    # then quiet: done and synced
-    print(json.dumps({}), flush=True)
-    sys.stdin.readline()
+    sync()                                         # then quiet: done and synced
+    ready()
     launch()                                       # asks again long after; finds that event done
-    print(json.dumps({"stats": stats()}), flush=True)
-    sys.stdin.readline()
+    ready(stats=stats())
 """
 
 
