@@ -376,7 +376,8 @@ def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
         print(json.dumps({}), flush=True)
         sys.stdin.readline()
         lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(0x77), None, None)
-        names = ["cuEventRecord", "cuEventSynchronize", "cuEventQuery", "cuStreamSynchronize"]
+        names = ["cuEventRecord", "cuEventSynchronize", "cuEventQuery", "cuStreamSynchronize",
+                 "cuStreamQuery"]
         lib.fake_cuda_events_live.restype = ctypes.c_ulong
         print(json.dumps({"calls": {n: calls(lib, n) for n in names},
                           "events_live": lib.fake_cuda_events_live(), "stats": stats()}),
@@ -390,7 +391,7 @@ def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
         calls = after["calls"]
         assert calls["cuEventRecord"] == 2                 # streams 0x77 and 0x78, once each
         if drain == "sync":
-            assert calls["cuEventQuery"] == 2              # asked first: still running
+            assert calls["cuStreamQuery"] >= 1             # asked first: still running
             assert calls["cuEventSynchronize"] == 2
             assert calls["cuStreamSynchronize"] == 1       # the legacy stream: drained, no event
             assert after["events_live"] == 0

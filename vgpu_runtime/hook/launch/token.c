@@ -22,9 +22,9 @@
  * - `sync` (default): record an event (blocking-sync, no timing) on every stream this process
  *   launched into since it last asked, and wait for them; work_end = the moment they are all
  *   done. The previous quota's work never spills into the next holder's time, and the wait
- *   yields the CPU. Work found done already (queried first) ended at the last synchronisation
- *   if one returned after the last launch, else work_end is unknown (-1): never the idle
- *   time since. Cost: the GPU runs dry for this process between its quota's last kernel
+ *   yields the CPU. Work found done already (cuStreamQuery first) ended at the last
+ *   synchronisation if one returned after the last launch, else work_end is unknown (-1):
+ *   never the idle time since. Cost: the GPU runs dry for this process between its quota's last kernel
  *   and its next grant (one daemon round trip when it is granted again at once).
  * - `report`: record the events and do not wait; they are queried when the process next asks,
  *   and work_end = that moment if they are done by then (an upper bound, so it can only
@@ -215,6 +215,14 @@ static int take_streams(struct gpu_token *g, CUstream out[MAX_STREAMS]) {
     return n;
 }
 
+/* Work still queued on any of them (the legacy stream too, when `legacy`). */
+static int streams_busy(CUstream *streams, int n, int legacy) {
+    int busy = legacy && GM_REAL(cuStreamQuery)(NULL) == CUDA_ERROR_NOT_READY;
+    for (int i = 0; i < n && !busy; i++)
+        busy = GM_REAL(cuStreamQuery)(streams[i]) == CUDA_ERROR_NOT_READY;
+    return busy;
+}
+
 /* -1 when unknown. */
 static int64_t settle(struct gpu_token *g) {
     if (gm_capture_open()) return -1;
@@ -233,29 +241,21 @@ static int64_t settle(struct gpu_token *g) {
          * release, a revocation) as overuse. Measured in the model before this rule: the
          * smallest tenant charged seconds of start-up idling, an inference loop its think
          * time after every request. */
-        CUevent events[MAX_STREAMS];
-        int recorded = 0, busy = 0;
+        /* cuStreamQuery enqueues nothing, so it says whether the work itself is done (an event
+         * recorded just now may not have been reached yet even on an idle stream). */
+        if (!streams_busy(streams, n, legacy)) return quiet ? synced : -1;
         for (int i = 0; i < n; i++) {
             CUevent event;
             if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
                 CUDA_SUCCESS)
                 continue;
-            if (GM_REAL(cuEventRecord)(event, streams[i]) != CUDA_SUCCESS) {
-                GM_REAL(cuEventDestroy_v2)(event);
-                continue;
-            }
-            events[recorded++] = event;
-            busy |= GM_REAL(cuEventQuery)(event) == CUDA_ERROR_NOT_READY;
+            if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
+                GM_REAL(cuEventSynchronize)(event);
+            GM_REAL(cuEventDestroy_v2)(event);
         }
-        if (legacy) busy |= GM_REAL(cuStreamQuery)(NULL) == CUDA_ERROR_NOT_READY;
-        int64_t end = quiet ? synced : -1;
-        if (busy) {
-            for (int i = 0; i < recorded; i++) GM_REAL(cuEventSynchronize)(events[i]);
-            if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
-            end = now_ns();
-            GM_COUNT(drain_ns, (uint64_t)(end - started));
-        }
-        for (int i = 0; i < recorded; i++) GM_REAL(cuEventDestroy_v2)(events[i]);
+        if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
+        int64_t end = now_ns();
+        GM_COUNT(drain_ns, (uint64_t)(end - started));
         return end;
     }
     /* report: what was recorded last time, if done by now, ended by now (an upper bound), or
@@ -283,12 +283,9 @@ static int64_t settle(struct gpu_token *g) {
     /* Nothing older outstanding, the last grant's work already done, and a synchronisation
      * returned after its last launch: the work ended by that return (exact for a host that
      * waited on it; no later than what the idle release assumes). */
-    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && quiet) {
-        int done = 1;
-        for (int i = 0; i < g->pending_count; i++)
-            done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
-        if (done) work_end = synced;
-    }
+    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && quiet &&
+        !streams_busy(streams, n, 0))
+        work_end = synced;
     return work_end;
 }
 
