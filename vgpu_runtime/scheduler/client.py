@@ -254,3 +254,24 @@ def request(state_dir: str | Path, op: str = "status", timeout: float = 5.0,
                 break
             data += chunk
     return json.loads(data)
+
+
+TENANT_SAMPLE_FIELDS = ("achieved", "wait_p50_ms", "wait_p99_ms", "revocations", "burst_ms",
+                        "quota_ms")
+GPU_SAMPLE_FIELDS = ("grants", "preemptions", "idle_releases", "window_s")
+
+
+def token_sample(state_dir: str | Path, owner_pids: list[int]) -> dict[str, Any]:
+    """The token view of the GPU that the allocations of `owner_pids` (their records'
+    owner_pid: gemini-run's) share, for the benchmarks: {"gpu": its counters, "tenants":
+    {index in owner_pids: charged share over the window, waits, revocations, burst, quota}}.
+    Raises OSError when no daemon answers, LookupError when none of them is scheduled."""
+    status = request(state_dir)
+    owner = {a["id"]: owner_pids.index(a["owner_pid"]) for a in status["allocations"]
+             if a.get("owner_pid") in owner_pids}
+    for gpu in status["gpus"]:
+        tenants = {owner[t["allocation"]]: {key: t[key] for key in TENANT_SAMPLE_FIELDS}
+                   for t in gpu["tenants"] if t["allocation"] in owner}
+        if tenants:
+            return {"gpu": {key: gpu[key] for key in GPU_SAMPLE_FIELDS}, "tenants": tenants}
+    raise LookupError(f"no GPU schedules the allocations of pids {owner_pids}")
