@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.childenv import child_env
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.scheduler import client
 from vgpu_runtime.scheduler.control import control_socket
@@ -134,3 +135,24 @@ def daemon_with_bystander(
         bystander.close()
         assert daemon.stop() == 0, daemon.logs()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the daemon sends until it closes (a socket timeout fails the test: no hang)."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def split_frames(received: bytes) -> list[Any]:
+    """Whole daemon-to-hook frames, decoded, in the order they came."""
+    frames = []
+    while received:
+        header = wire.parse_header(received)
+        frames.append(wire.decode(received[:header.length]))
+        received = received[header.length:]
+    return frames

@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.helpers import DaemonProcess, MiB, daemon_with_bystander, wait_for
+from tests.scheduler.helpers import (
+    DaemonProcess,
+    MiB,
+    daemon_with_bystander,
+    read_until_closed,
+    split_frames,
+    wait_for,
+)
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.client import ChannelClient
 
@@ -39,26 +46,6 @@ def _memory(msg: str, seq: int, nbytes: int, kind: int = 1) -> bytes:
     return wire.encode(wire.new(C(msg), seq=seq, gpu=0, kind=kind, bytes=nbytes))
 
 
-def _replies(received: bytes) -> list[Any]:
-    frames = []
-    while received:
-        header = wire.parse_header(received)
-        frames.append(wire.decode(received[:header.length]))
-        received = received[header.length:]
-    return frames
-
-
-def _read_all(sock: socket.socket) -> bytes:
-    """Everything the daemon sends until it closes (a timeout fails the test: no hang)."""
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
-
-
 def _exchange(path: Path, *writes: bytes, pause: float = 0.0) -> list[Any]:
     """Send each write separately (pausing between them so the daemon reads them apart),
     half-close, and return every frame the daemon answers until it closes."""
@@ -70,7 +57,7 @@ def _exchange(path: Path, *writes: bytes, pause: float = 0.0) -> list[Any]:
                 time.sleep(pause)
             sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
-        return _replies(_read_all(sock))
+        return split_frames(read_until_closed(sock))
 
 
 def _bystander_intact(daemon: DaemonProcess, bystander: ChannelClient) -> None:
@@ -133,7 +120,7 @@ def test_more_frames_than_one_read_takes_are_all_answered(
         # Send from a thread: the replies must be read while the requests go in.
         sender = threading.Thread(target=send)
         sender.start()
-        replies = _replies(_read_all(sock))
+        replies = split_frames(read_until_closed(sock))
         sender.join()
     assert [r.h.seq for r in replies] == list(range(1, count + 2))
     assert [r.used for r in replies[1:]] == [BYSTANDER_BYTES + seq for seq in range(2, count + 2)]

@@ -12,7 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.scheduler.helpers import DaemonProcess, MiB, daemon_with_bystander
+from tests.scheduler.helpers import (
+    DaemonProcess,
+    MiB,
+    daemon_with_bystander,
+    read_until_closed,
+    split_frames,
+)
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.client import ChannelClient
 
@@ -66,18 +72,7 @@ def _exchange(path: Path, data: bytes, hello_first: bool) -> list[Any]:
             assert wire.frame_type(wire.decode(reply)) == C("GM_MSG_HELLO_REPLY")
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
-        received = b""
-        try:
-            while chunk := sock.recv(4096):  # a timeout here fails the test: no hang allowed
-                received += chunk
-        except ConnectionResetError:
-            pass
-    replies = []
-    while received:
-        header = wire.parse_header(received)
-        replies.append(wire.decode(received[:header.length]))
-        received = received[header.length:]
-    return replies
+        return split_frames(read_until_closed(sock))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
