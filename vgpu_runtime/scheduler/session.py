@@ -177,14 +177,19 @@ class Session(Waiter):
                             f"{len(pending) - HEADER_SIZE} of {length - HEADER_SIZE} body bytes")
 
     async def _send(self, data: bytes) -> None:
-        transport = self.writer.transport
-        if transport.is_closing():
+        self._check_open()
+        self.writer.transport.write(data)
+        await self._drain()
+
+    def _check_open(self) -> None:
+        if self.writer.transport.is_closing():
             # A send failed (the client is gone): stop here, as drain() would have, rather
             # than write the replies of its buffered frames into a dead socket.
             raise ConnectionResetError("connection lost")
-        transport.write(data)
+
+    async def _drain(self) -> None:
         # drain() only matters once the transport holds unsent bytes; skip its await otherwise.
-        if transport.get_write_buffer_size():
+        if self.writer.transport.get_write_buffer_size():
             await self.writer.drain()
 
     async def _send_error(self, status: int, reason: str) -> None:
@@ -295,11 +300,8 @@ class Session(Waiter):
         burst = self._time(int(frame.burst_ns), "burst_ns")
         work_end = self._time(int(frame.work_end_ns), "work_end_ns")
         self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end)
-        transport = self.writer.transport
-        if transport.is_closing():
-            raise ConnectionResetError("connection lost")
-        if transport.get_write_buffer_size():
-            await self.writer.drain()   # a flooding client waits on its own replies, nobody else
+        self._check_open()
+        await self._drain()   # a flooding client waits on its own replies, nobody else
 
     async def _token_release(self, frame: Any) -> None:
         gpu = self._token_gpu(frame, "token release")
