@@ -320,3 +320,104 @@ def test_burst_estimator_merges_close_bursts_and_forgets_old_ones() -> None:
     est.observe(0.100, 0.105)
     assert est.estimate(0.2) == pytest.approx(0.020)
     assert est.estimate(10.0) is None
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=12))
+def test_usage_window_adds_each_instant_once_in_any_order(charges: list[tuple[int, int]]
+                                                          ) -> None:
+    # Charges arrive out of order (a report of work that ran through other grants comes after
+    # them); what each returns must add up to the union, and the window must hold the union.
+    window = UsageWindow(1000.0)
+    covered: set[int] = set()
+    for start, length in charges:
+        new = set(range(start, start + length)) - covered
+        assert window.charge(float(start), float(start + length)) == pytest.approx(len(new))
+        covered |= new
+    assert window.usage(100.0) == pytest.approx(len(covered))
+
+
+def test_usage_window_does_not_recount_history_it_dropped() -> None:
+    window = UsageWindow(10.0)
+    window.charge(0.0, 2.0)
+    assert window.usage(15.0) == 0.0               # [0, 2) slid out and was dropped
+    assert window.charge(1.0, 16.0) == pytest.approx(14.0)   # only [2, 16) is new
+
+
+def quota_round(sched: TokenScheduler, holder: str) -> float:
+    """The holder's quota runs out and it asks again: returns that moment."""
+    assert sched.holder is not None and sched.holder.tenant == holder
+    now = sched.holder.expires_at
+    sched.request(holder, now)
+    return now
+
+
+def until_holder(sched: TokenScheduler, tenant: str) -> float:
+    """Others' quotas run out (each asks again) until `tenant` holds: returns its expiry."""
+    while sched.holder is not None and sched.holder.tenant != tenant:
+        quota_round(sched, sched.holder.tenant)
+    assert sched.holder is not None
+    return sched.holder.expires_at
+
+
+def two_busy_tenants() -> TokenScheduler:
+    """a and b at 0.5 each, both asking from 0; a holds first."""
+    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.add("b", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    sched.request("b", 0.0)
+    return sched
+
+
+def test_work_still_running_is_charged_through_the_others_grants() -> None:
+    # Report mode: a's hook does not wait for its work. A kernel a launched in its first grant
+    # runs on through b's grant and a's next ones; a's asks say it is still running, then when
+    # it ended. a is charged that whole run once: its grants, b's turns in between, and the
+    # tail up to the end; its virtual time matches what the window holds. b: its grants only.
+    sched = two_busy_tenants()
+    quota_round(sched, "a")                            # a's first ask: events recorded, -1
+    asked = until_holder(sched, "a")
+    sched.request("a", asked, work_running=True)       # still running at a's second ask
+    a, b = sched.tenants["a"], sched.tenants["b"]
+    assert a.usage.usage(asked) == pytest.approx(asked)   # all of it, b's turn included
+    assert a.work_running
+    asked = until_holder(sched, "a")                   # a, far ahead now, waits longer
+    sched.request("a", asked, work_running=True)
+    assert a.usage.usage(asked) == pytest.approx(asked)
+    asked = until_holder(sched, "a")
+    work_end = asked - 0.001
+    sched.request("a", asked, work_end=work_end)       # found done: it ended by then
+    assert a.usage.usage(asked) == pytest.approx(asked)
+    assert a.vtime * 0.5 == pytest.approx(a.usage.usage(asked))   # each instant once
+    assert not a.work_running
+    assert b.vtime * 0.5 == pytest.approx(b.usage.usage(asked))
+
+
+def test_without_the_running_flag_only_time_past_the_last_release_is_charged() -> None:
+    # A hook that waited for its work (sync mode) never says it is running: its work_end is
+    # measured from its last release, and b's turns before that are not a's.
+    sched = two_busy_tenants()
+    quota_round(sched, "a")
+    asked = until_holder(sched, "a")
+    sched.request("a", asked, work_end=asked)          # nothing past this release
+    a = sched.tenants["a"]
+    b_turn = sched.tenants["b"].usage.usage(asked)
+    assert a.usage.usage(asked) == pytest.approx(asked - b_turn)
+    assert a.vtime * 0.5 == pytest.approx(a.usage.usage(asked))
+
+
+def test_a_daemon_release_keeps_the_running_work_pending() -> None:
+    # The daemon takes the token back (an idle release) between the request that said the work
+    # is running and the one that says when it ended: the end is still charged from the
+    # release before the first, with no gap.
+    sched = two_busy_tenants()
+    quota_round(sched, "a")
+    asked = until_holder(sched, "a")
+    sched.request("a", asked, work_running=True)
+    expires = until_holder(sched, "a")
+    sched.release("a", expires - 0.01)                 # the daemon's idle release
+    assert sched.tenants["a"].work_running
+    end = expires + 0.3
+    sched.request("a", end + 0.1, work_end=end)
+    assert sched.tenants["a"].usage.usage(end + 0.1) == pytest.approx(end)

@@ -271,6 +271,58 @@ def test_report_mode_does_not_charge_idle_time_for_an_event_found_done_later(
     assert most[node.record.id] < 0.5, (most, gpu)
 
 
+# A long kernel, then short ones launched every millisecond without ever synchronising (a
+# pipeline that only reads results back at the end): the hook asks at every quota's end while
+# the kernel still runs.
+NO_SYNC = ONE_MS_KERNELS + """
+    import time
+    ready()
+    start = time.monotonic_ns()
+    lib.fake_cuda_set_kernel_ns(LONG_NS)
+    launch()
+    lib.fake_cuda_set_kernel_ns(200000)
+    while time.monotonic_ns() < start + RUN_NS:
+        launch()
+        time.sleep(0.001)
+    sync()
+    ready(start=start, end=time.monotonic_ns())
+""".replace("LONG_NS", str(int(KERNEL_S * 1e9))).replace("RUN_NS", str(int(2.0 * 1e9)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drain", ["sync", "report"])
+def test_a_long_kernel_launched_through_without_a_sync_is_charged_whole(
+        hooked: Hooked, hooked_node: tuple[Node, float, float], drain: str) -> None:
+    # L's 1.5 s kernel runs on while S holds the token between L's grants. In report mode L's
+    # hook does not wait for it: each ask finds the events it recorded at the previous one
+    # still running and says so, and the daemon charges L from the release before that ask
+    # (found by reading the code: before GM_TOKEN_WORK_RUNNING, L was charged its own grants
+    # only, about half the kernel). In sync mode the ask waits for the kernel instead.
+    node, joined_before, joined_after = hooked_node
+    other = node.allocate(0.5)
+    charges = Charges(node, joined_after, joined_before)
+    short = Client(hooked, node.env_of(other, GEMINI_HOOK_DRAIN=drain), 0)
+    proc = hooked.start(NO_SYNC, node.env(GEMINI_HOOK_DRAIN=drain))
+    try:
+        hooked.line(proc)
+        short.go()
+        ran = hooked.line(proc, go=True)             # L's two seconds are over and synced
+        least, most, gpu = charges.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        short.stop()
+    stuck_id, short_id = node.record.id, other.id
+    # L's GPU was busy from its first grant until the kernel ended, 1.5 s; its own grants in
+    # those two seconds come to about one.
+    assert least[stuck_id] >= 0.9 * KERNEL_S, (drain, least, gpu)
+    # Charged once: L's charge cannot pass the time it has been on the node.
+    assert least[stuck_id] <= (ran["end"] - ran["start"]) / 1e9 + 0.3, (drain, most, gpu)
+    assert most[short_id] > 0.1, (drain, most, gpu)  # S had turns meanwhile
+    print(f"{drain}: L charged {least[stuck_id]:.3f} s for its {KERNEL_S} s kernel in "
+          f"{(ran['end'] - ran['start']) / 1e9:.2f} s; S {least[short_id]:.3f} s")
+
+
 def test_fake_driver_queues_kernel_time_per_stream(fake_dir: Path) -> None:
     """The fake's GPU-time model, without the hook: launches queue on their stream, events
     complete at the stream's busy-until time, synchronisations sleep until then."""

@@ -5,7 +5,11 @@ quota sized from its estimated kernel burst. Every tenant has a request (guarant
 and a limit (cap). GPU time is charged per tenant over a sliding window:
 
 * the holder pays from grant to release at least; overuse (work that ran past the release,
-  measured by the hook) is added, and can only lengthen a charge, never shorten it;
+  measured by the hook) is added, and can only lengthen a charge, never shorten it. An
+  instant is charged once: overuse that ran into the tenant's own next grant adds only what
+  that grant did not cover. A hook that does not wait for its work (report mode) says so when
+  work queued before its last ask is still running: that work has run since the release
+  before that ask, through other tenants' grants, and is charged up to now, then to its end;
 * a token not returned by its expiry plus a grace period is revoked, and charged in full;
 * the next holder is the waiting tenant furthest behind its request, measured as weighted fair
   queuing measures it: every tenant has a virtual time, the GPU time charged to it divided by
@@ -119,6 +123,8 @@ class Tenant:
     waiting_since: float | None = None
     burst_hint: float | None = None
     last_release: float | None = None
+    previous_release: float | None = None   # the release before last_release
+    work_running: bool = False  # its last request said queued work was still running
     revocations: int = 0
     last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -183,11 +189,12 @@ class TokenScheduler:
     # ---- the token ----
 
     def request(self, tenant: str, now: float, burst_hint: float | None = None,
-                work_end: float | None = None) -> Grant | None:
+                work_end: float | None = None, work_running: bool = False) -> Grant | None:
         """The tenant wants the token. Returns a grant if the token changed hands now.
 
         `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
-        last grant finished; work past the release is overuse and is charged.
+        last grant finished; work past the release is overuse and is charged. `work_running`:
+        work queued before the hook's previous ask is still running (no `work_end` yet).
         """
         state = self.tenants[tenant]
         # Every request carries the hook's current figure; none (-1) means it saw no burst end.
@@ -198,7 +205,10 @@ class TokenScheduler:
                 return None        # still valid: asking again changes nothing
             self._end_grant(now)   # quota used up: back to the queue like everyone else
             was_active = True
-        self._charge_overuse(state, work_end, now)
+        if work_running:
+            self._charge_running(state, now)
+        else:
+            self._charge_overuse(state, work_end, now)
         if not was_active:
             # Back from idle: no credit for the idle time.
             state.vtime = max(state.vtime, self._floor(exclude=state.id))
@@ -214,7 +224,8 @@ class TokenScheduler:
             return None
         if self.holder and self.holder.tenant == tenant:
             self._end_grant(now)
-        self._charge_overuse(state, work_end, now)
+        if work_end is not None:   # the daemon's own releases know nothing of the work
+            self._charge_overuse(state, work_end, now)
         return self._dispatch(now)
 
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
@@ -272,17 +283,29 @@ class TokenScheduler:
         return min(self.config.window, now - self.started)
 
     def _charge_overuse(self, state: Tenant, work_end: float | None, now: float) -> None:
-        """Charge work that ran past the last release. A report can only add charge, and
-        never beyond the present."""
-        if work_end is None or state.last_release is None or work_end <= state.last_release:
+        """Charge work that ran past the last release, or, after a request that said it was
+        still running, past the release before that request's ask. A report can only add
+        charge, and never beyond the present."""
+        since = state.previous_release if state.work_running else state.last_release
+        state.work_running = False
+        if work_end is None or since is None or work_end <= since:
             return
-        self._charge(state, state.last_release, min(work_end, now))
+        self._charge(state, since, min(work_end, now))
+
+    def _charge_running(self, state: Tenant, now: float) -> None:
+        """Work the hook queued before its previous ask is still running. It was launched
+        under a grant that ended by the release before that ask (launches wait for a grant),
+        so it has run since then without a break: charge that, up to now. The tenant's own
+        grants in between are already charged and count once."""
+        state.work_running = True
+        if state.previous_release is not None:
+            self._charge(state, state.previous_release, now)
 
     def _end_grant(self, now: float) -> None:
         assert self.holder is not None
         state = self.tenants[self.holder.tenant]
         self._charge(state, self.holder.granted_at, max(now, self.holder.granted_at))
-        state.last_release = now
+        state.previous_release, state.last_release = state.last_release, now
         self.holder = None
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
@@ -303,12 +326,12 @@ class TokenScheduler:
             self.preemptions += 1
 
     def _charge(self, state: Tenant, start: float, end: float) -> None:
-        if end <= start:
+        added = state.usage.charge(start, end)   # what was not charged already
+        if added <= 0:
             return
-        state.usage.charge(start, end)
-        state.vtime += (end - start) / self.requests()[state.id]
+        state.vtime += added / self.requests()[state.id]
         self._refill(state, end)
-        state.credit -= end - start          # may go below zero: overuse is paid back in waiting
+        state.credit -= added                # may go below zero: overuse is paid back in waiting
 
     def _capacity(self, tenant: Tenant) -> float:
         return max(tenant.limit * self.config.cycle, self.config.min_quota)

@@ -2,41 +2,58 @@
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 
 class UsageWindow:
-    """Charged intervals [start, end); usage(now) is their overlap with [now - span, now]."""
+    """Charged intervals [start, end), kept sorted and disjoint; usage(now) is their overlap
+    with [now - span, now]."""
 
     def __init__(self, span: float) -> None:
         self.span = span
-        self._intervals: deque[tuple[float, float]] = deque()
+        self._intervals: list[tuple[float, float]] = []
+        self._forgotten_until = float("-inf")   # history before this was dropped
 
-    def charge(self, start: float, end: float) -> None:
+    def charge(self, start: float, end: float) -> float:
+        """Charge [start, end) and return the seconds it added: an instant already charged is
+        never counted twice (a report of work that ran into the tenant's own next grant), and
+        one older than the kept history is not counted at all."""
+        start = max(start, self._forgotten_until)
         if end <= start:
-            return
-        if self._intervals and start < self._intervals[-1][1]:
-            # Never count the same instant twice: overlapping charges merge.
-            last_start, last_end = self._intervals.pop()
-            start, end = min(start, last_start), max(end, last_end)
-        self._intervals.append((start, end))
+            return 0.0
+        # Every kept interval that touches [start, end) merges into it.
+        first = bisect.bisect_left(self._intervals, (start, start))
+        if first > 0 and self._intervals[first - 1][1] >= start:
+            first -= 1
+        last = first
+        while last < len(self._intervals) and self._intervals[last][0] <= end:
+            lo, hi = self._intervals[last]
+            start, end = min(start, lo), max(end, hi)
+            last += 1
+        added = (end - start) - sum(hi - lo for lo, hi in self._intervals[first:last])
+        self._intervals[first:last] = [(start, end)]
+        return added
 
     def _expire(self, now: float) -> None:
         horizon = now - self.span
-        while self._intervals and self._intervals[0][1] <= horizon:
-            self._intervals.popleft()
+        gone = 0
+        while gone < len(self._intervals) and self._intervals[gone][1] <= horizon:
+            gone += 1
+        if gone:
+            self._forgotten_until = max(self._forgotten_until, self._intervals[gone - 1][1])
+            del self._intervals[:gone]
 
     def usage(self, now: float, ongoing_since: float | None = None) -> float:
         """With `ongoing_since`: also the charge still running since then (a grant in
-        progress, charged when it ends), counted once where it meets the last interval."""
+        progress, charged when it ends), counted once where it meets the charged intervals."""
         self._expire(now)
         horizon = now - self.span
         intervals = list(self._intervals)
         if ongoing_since is not None and ongoing_since < now:
-            if intervals and ongoing_since < intervals[-1][1]:
+            until = now
+            while intervals and ongoing_since < intervals[-1][1]:
                 start, end = intervals.pop()
-                intervals.append((min(start, ongoing_since), max(end, now)))
-            else:
-                intervals.append((ongoing_since, now))
+                ongoing_since, until = min(start, ongoing_since), max(end, until)
+            intervals.append((ongoing_since, until))
         return sum(min(end, now) - max(start, horizon)
                    for start, end in intervals if min(end, now) > max(start, horizon))

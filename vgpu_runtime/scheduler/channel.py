@@ -160,9 +160,10 @@ class AllocationChannel:
     # the client is about to be told GM_ERR_NO_ALLOCATION.
 
     def token_request(self, session: Session, gpu: int, seq: int, burst: float | None,
-                      work_end: float | None) -> None:
+                      work_end: float | None, work_running: bool) -> None:
         if self.token_gpus:
-            self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end)
+            self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end,
+                                         work_running)
 
     def token_release(self, gpu: int, work_end: float | None) -> None:
         if self.token_gpus:

@@ -152,11 +152,14 @@ class ChannelClient:
 
     # ---- tokens ----
 
-    def send_token_request(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1) -> int:
+    def send_token_request(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1,
+                           work_running: bool = False) -> int:
         """Ask for the token without waiting; returns the seq the grant will echo."""
         self._seq += 1
+        flags = C("GM_TOKEN_WORK_RUNNING") if work_running else 0
         self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_REQUEST"), seq=self._seq, gpu=gpu,
-                                           burst_ns=burst_ns, work_end_ns=work_end_ns)))
+                                           flags=flags, burst_ns=burst_ns,
+                                           work_end_ns=work_end_ns)))
         return self._seq
 
     def recv_grant(self) -> TokenGrant:
@@ -165,9 +168,10 @@ class ChannelClient:
         return TokenGrant(int(reply.h.seq), int(reply.gpu), int(reply.status),
                           int(reply.generation), int(reply.valid_until_ns))
 
-    def request_token(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1) -> TokenGrant:
+    def request_token(self, gpu: int, burst_ns: int = -1, work_end_ns: int = -1,
+                      work_running: bool = False) -> TokenGrant:
         """Ask and block until the token is granted (what a hook does when its page says no)."""
-        seq = self.send_token_request(gpu, burst_ns, work_end_ns)
+        seq = self.send_token_request(gpu, burst_ns, work_end_ns, work_running)
         grant = self.recv_grant()
         if grant.seq != seq:
             raise ChannelClosed(f"grant echoes seq {grant.seq}, expected {seq}")

@@ -295,11 +295,17 @@ class Session(Waiter):
 
     async def _token_request(self, frame: Any) -> None:
         gpu = self._token_gpu(frame, "token request")
-        if frame.flags != 0:
-            raise ProtocolError(C("GM_ERR_MALFORMED"), "token request flags must be zero")
+        running = C("GM_TOKEN_WORK_RUNNING")
+        if frame.flags & ~running:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), f"token request flags {frame.flags:#x}: "
+                                f"only GM_TOKEN_WORK_RUNNING ({running:#x}) is defined")
         burst = self._time(int(frame.burst_ns), "burst_ns")
         work_end = self._time(int(frame.work_end_ns), "work_end_ns")
-        self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end)
+        if frame.flags & running and work_end is not None:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), "token request says its work is still "
+                                "running and also when it ended (work_end_ns must be -1)")
+        self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end,
+                                   bool(frame.flags & running))
         self._check_open()
         await self._drain()   # a flooding client waits on its own replies, nobody else
 

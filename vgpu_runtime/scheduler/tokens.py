@@ -148,7 +148,7 @@ class GpuTokens:
     # ---- what the connections ask ----
 
     def request(self, waiter: Waiter, allocation_id: str, seq: int, burst_hint: float | None,
-                work_end: float | None) -> None:
+                work_end: float | None, work_running: bool = False) -> None:
         """TOKEN_REQUEST. The answer goes through `waiter.send_grant`, now or later; a
         connection has at most one pending entry, so asking again changes nothing."""
         slot = self.slots[allocation_id]
@@ -160,7 +160,7 @@ class GpuTokens:
         slot.waiters[waiter] = seq
         if slot.wait_started is None:
             slot.wait_started = now
-        self.scheduler.request(allocation_id, now, burst_hint, work_end)
+        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running)
         self._publish(now)
 
     def release(self, allocation_id: str, work_end: float | None) -> None:

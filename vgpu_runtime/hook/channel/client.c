@@ -288,14 +288,14 @@ int gm_channel_ensure(int may_wait) {
     return count;
 }
 
-int gm_channel_token(uint32_t gpu, int64_t burst_ns, int64_t work_end_ns,
+int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t work_end_ns,
                      struct gm_token_grant *out, double timeout_s) {
     pthread_mutex_lock(&lock);
     int rc = -1;
     for (int attempt = 0; attempt < 2 && rc == -1; attempt++) {
         int fresh = 0;
         if (ensure_connected(1, &fresh) < 0) break;
-        struct gm_token_request request = {.gpu = gpu, .burst_ns = burst_ns,
+        struct gm_token_request request = {.gpu = gpu, .flags = flags, .burst_ns = burst_ns,
                                            .work_end_ns = work_end_ns};
         fill_header(&request.h, GM_MSG_TOKEN_REQUEST, sizeof request);
         if (send_frame(fd, &request) < 0) {

@@ -158,10 +158,19 @@ struct gm_activity_page {   /* written by the hooks of the allocation */
     uint64_t launches;
 };
 
+enum gm_token_flags {
+    /* Work this process had queued when it last asked is still running (GEMINI_HOOK_DRAIN=
+     * report, which does not wait for it): work_end_ns is -1, and the daemon charges the time
+     * since the release before that ask, when others held the token but this process's work
+     * still ran, up to now. The request after the last such one reports the work's end, and
+     * is charged from the same point. Daemons older than this flag refuse it as malformed. */
+    GM_TOKEN_WORK_RUNNING = 1
+};
+
 struct gm_token_request {
     struct gm_header h;
     uint32_t gpu;
-    uint32_t flags;         /* zero */
+    uint32_t flags;         /* enum gm_token_flags; other bits zero */
     int64_t burst_ns;       /* the hook's estimate of its kernel burst, or -1 */
     int64_t work_end_ns;    /* when the work of its previous grant finished, or -1 */
 };

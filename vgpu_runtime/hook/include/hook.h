@@ -68,10 +68,11 @@ GM_HIDDEN int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_
 GM_HIDDEN void gm_channel_after_fork_child(void);
 /* Connected (hello answered, pages mapped)? The allocation's GPU count, or -1. */
 GM_HIDDEN int gm_channel_ensure(int may_wait);
-/* TOKEN_REQUEST, then block (no busy wait) for its grant: 0 granted, -1 daemon away or
- * refused, -2 no grant within timeout_s. */
-GM_HIDDEN int gm_channel_token(uint32_t gpu, int64_t burst_ns, int64_t work_end_ns,
-                               struct gm_token_grant *out, double timeout_s);
+/* TOKEN_REQUEST (flags: enum gm_token_flags), then block (no busy wait) for its grant:
+ * 0 granted, -1 daemon away or refused, -2 no grant within timeout_s. */
+GM_HIDDEN int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns,
+                               int64_t work_end_ns, struct gm_token_grant *out,
+                               double timeout_s);
 /* A frame without reply (header type and length set), sent only if that costs no wait. */
 GM_HIDDEN int gm_channel_notify(void *frame);
 

@@ -29,7 +29,12 @@
  * - `report`: record the events and do not wait; they are queried when the process next asks,
  *   and work_end = that moment if they are done by then (an upper bound, so it can only
  *   lengthen the charge). Queued work may run into the next holder's quota, charged to this
- *   process as overuse; no bubble for this process. With nothing outstanding, events that are
+ *   process as overuse; no bubble for this process. Events not done by then are kept (one per
+ *   stream, re-recorded behind the newer work) and the request says GM_TOKEN_WORK_RUNNING: the
+ *   daemon charges the time since the release before the previous ask, through the grants of
+ *   others, and the request that finds them done reports the end against the same point.
+ *   Without that, a process that kept launching through a long kernel without synchronising
+ *   was charged only its own grants. With nothing outstanding, events that are
  *   complete as soon as recorded, in a process that synchronised after its last launch, give
  *   work_end = that synchronisation's return: a host stuck in a sync on a long kernel past
  *   its revoked grant reports the kernel's end at once (else that overuse went uncharged).
@@ -83,7 +88,8 @@ struct gpu_token {
     pthread_mutex_t lock;                  /* slow path: one asker, the others wait */
     pthread_cond_t cond;
     int requesting;
-    CUevent pending[MAX_STREAMS];          /* report mode: events not yet seen complete */
+    CUevent pending[MAX_STREAMS];          /* report mode: events not yet seen complete, */
+    CUstream pending_stream[MAX_STREAMS];  /* one per stream, on that stream */
     int pending_count;
     pthread_mutex_t burst_lock;            /* bursts: touched at synchronisations only */
     int64_t merged_start, merged_end;
@@ -223,8 +229,29 @@ static int streams_busy(CUstream *streams, int n, int legacy) {
     return busy;
 }
 
-/* -1 when unknown. */
-static int64_t settle(struct gpu_token *g) {
+/* Report mode: an event on `stream` behind everything launched into it so far; one event per
+ * stream is kept, re-recorded (FIFO: when the newer record is done, so is the older). */
+static void record_pending(struct gpu_token *g, CUstream stream) {
+    for (int i = 0; i < g->pending_count; i++)
+        if (g->pending_stream[i] == stream) {
+            GM_REAL(cuEventRecord)(g->pending[i], stream);
+            return;
+        }
+    if (g->pending_count == MAX_STREAMS) return;   /* the rest go unmeasured */
+    CUevent event;
+    if (GM_REAL(cuEventCreate)(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return;
+    if (GM_REAL(cuEventRecord)(event, stream) != CUDA_SUCCESS) {
+        GM_REAL(cuEventDestroy_v2)(event);
+        return;
+    }
+    g->pending_stream[g->pending_count] = stream;
+    g->pending[g->pending_count++] = event;
+}
+
+/* When the last grant's work ended, -1 when unknown; *running: work queued before the previous
+ * ask is still running (report mode only). */
+static int64_t settle(struct gpu_token *g, int *running) {
+    *running = 0;
     if (gm_capture_open()) return -1;
     CUstream streams[MAX_STREAMS];
     int n = take_streams(g, streams);
@@ -269,17 +296,12 @@ static int64_t settle(struct gpu_token *g) {
             work_end = quiet ? synced : now_ns();
             for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
             g->pending_count = 0;
+        } else {
+            *running = 1;
         }
     }
     int outstanding = g->pending_count;
-    for (int i = 0; i < n && g->pending_count < MAX_STREAMS; i++) {
-        CUevent event;
-        if (GM_REAL(cuEventCreate)(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) continue;
-        if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
-            g->pending[g->pending_count++] = event;
-        else
-            GM_REAL(cuEventDestroy_v2)(event);
-    }
+    for (int i = 0; i < n; i++) record_pending(g, streams[i]);
     /* Nothing older outstanding, the last grant's work already done, and a synchronisation
      * returned after its last launch: the work ended by that return (exact for a host that
      * waited on it; no later than what the idle release assumes). */
@@ -389,10 +411,12 @@ static int slow_path(int gpu) {
         }
         g->requesting = 1;
         pthread_mutex_unlock(&g->lock);
-        int64_t work_end = settle(g);
+        int running;
+        int64_t work_end = settle(g, &running);
         struct gm_token_grant grant;
         GM_COUNT(token_requests, 1);
-        int rc = gm_channel_token((uint32_t)gpu, burst_estimate(g), work_end, &grant,
+        int rc = gm_channel_token((uint32_t)gpu, running ? GM_TOKEN_WORK_RUNNING : 0,
+                                  burst_estimate(g), work_end, &grant,
                                   env_seconds("GEMINI_HOOK_TOKEN_TIMEOUT", 30.0));
         pthread_mutex_lock(&g->lock);
         g->requesting = 0;
