@@ -1,0 +1,1 @@
+"""Scripts beside the package; a package only so the benchmarks share scripts/benchkit.py."""

@@ -1,0 +1,60 @@
+"""What the share benchmarks (scripts/bench-share on a GPU, scripts/bench-share-model on the
+fake driver) both need: a node daemon per configuration, and results saved as they come."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT = 15.0   # seconds; a loaded host starts Python slowly
+
+
+class Daemon:
+    """gemini-scheduler on the bench's state directory, with the flags of one configuration.
+    Its log goes to scheduler.log beside the state directory."""
+
+    def __init__(self, state: Path, flags: list[str]) -> None:
+        self.state, self.flags = state, flags
+
+    def __enter__(self) -> Daemon:
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.state.parent / "scheduler.log"
+        self.log = open(self.log_path, "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(self.state),
+             "--metrics-port", "0", *self.flags],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        sock = self.state / "scheduler.sock"
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if sock.exists():
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.__exit__()
+        tail = self.log_path.read_text()[-2000:]
+        raise RuntimeError(f"gemini-scheduler {self.flags} did not start:\n{tail}")
+
+    def __exit__(self, *_: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def json_save(path: Path, results: dict[str, Any]) -> None:
+    """Written whole or not at all: a run killed at its time limit leaves the last good file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
