@@ -127,8 +127,20 @@ def switches(a: list[int], b: list[int]) -> int:
     return sum(1 for x, y in itertools.pairwise(merged) if x[1] != y[1])
 
 
+@pytest.fixture
+def patient_node() -> Iterator[Node]:
+    """A node whose daemon takes the token from an idle holder after 50 ms, not 2 ms: on a
+    starved box (two busy loops on two cores) a holder descheduled for a few ms looked idle,
+    and the handoffs that followed were the idle release's, not the quota's (measured: 62-100
+    switches in 0.8 s, before and after the change that first showed it)."""
+    started = start_node(0.5, "--idle-release", "0.05")
+    yield started
+    stop_node(started)
+
+
 @pytest.mark.parametrize("sync_each", [False, True], ids=["stream", "sync-each"])
-def test_two_containers_take_turns(hooked: Hooked, node: Node, sync_each: bool) -> None:
+def test_two_containers_take_turns(hooked: Hooked, patient_node: Node, sync_each: bool) -> None:
+    node = patient_node
     other = node.allocate(0.5)
     first = Loop(hooked, node.env(), 0.8, sync_each)
     second = Loop(hooked, node.env_of(other), 0.8, sync_each)
