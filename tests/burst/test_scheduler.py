@@ -372,29 +372,30 @@ def two_busy_tenants() -> TokenScheduler:
 
 def test_work_still_running_is_charged_through_the_others_grants() -> None:
     # Report mode: a's hook does not wait for its work. A kernel a launched in its first grant
-    # runs on through b's grant and a's next ones; a's asks say it is still running, then when
-    # it ended. a is charged that whole run once: its grants, b's turns in between, and the
-    # tail up to the end; its virtual time matches what the window holds. b: its grants only.
+    # runs on through b's turns and a's next grants; a's asks say it is still running since the
+    # release before the ask that recorded it, then when it ended. a is charged that whole run
+    # once: its grants, b's turns in between, the tail up to the end; its virtual time matches
+    # what the window holds. b: its grants only.
     sched = two_busy_tenants()
-    quota_round(sched, "a")                            # a's first ask: events recorded, -1
+    first = quota_round(sched, "a")                    # a's first ask: events recorded, -1
     asked = until_holder(sched, "a")
-    sched.request("a", asked, work_running=True)       # still running at a's second ask
+    sched.request("a", asked, work_running=True, work_since=first)
     a, b = sched.tenants["a"], sched.tenants["b"]
     assert a.usage.usage(asked) == pytest.approx(asked)   # all of it, b's turn included
-    assert a.work_running
+    since = a.last_release                             # the release at that ask
     asked = until_holder(sched, "a")                   # a, far ahead now, waits longer
-    sched.request("a", asked, work_running=True)
+    sched.request("a", asked, work_running=True, work_since=since)
     assert a.usage.usage(asked) == pytest.approx(asked)
+    since = a.last_release
     asked = until_holder(sched, "a")
     work_end = asked - 0.001
-    sched.request("a", asked, work_end=work_end)       # found done: it ended by then
+    sched.request("a", asked, work_end=work_end, work_since=since)   # found done by then
     assert a.usage.usage(asked) == pytest.approx(asked)
     assert a.vtime * 0.5 == pytest.approx(a.usage.usage(asked))   # each instant once
-    assert not a.work_running
     assert b.vtime * 0.5 == pytest.approx(b.usage.usage(asked))
 
 
-def test_without_the_running_flag_only_time_past_the_last_release_is_charged() -> None:
+def test_without_work_since_only_time_past_the_last_release_is_charged() -> None:
     # A hook that waited for its work (sync mode) never says it is running: its work_end is
     # measured from its last release, and b's turns before that are not a's.
     sched = two_busy_tenants()
@@ -407,17 +408,26 @@ def test_without_the_running_flag_only_time_past_the_last_release_is_charged() -
     assert a.vtime * 0.5 == pytest.approx(a.usage.usage(asked))
 
 
-def test_a_daemon_release_keeps_the_running_work_pending() -> None:
-    # The daemon takes the token back (an idle release) between the request that said the work
-    # is running and the one that says when it ended: the end is still charged from the
-    # release before the first, with no gap.
+def test_a_report_while_the_tenant_holds_a_valid_grant_is_charged() -> None:
+    # Another process of the tenant asked first and was granted: this process's request is
+    # answered with that grant, and what it reports still counts (it was dropped before).
+    sched = two_busy_tenants()
+    first = quota_round(sched, "a")
+    expires = until_holder(sched, "a")
+    granted_at = sched.holder.granted_at if sched.holder is not None else 0.0
+    sched.request("a", granted_at + 0.01, work_running=True, work_since=first)
+    assert sched.holder is not None and sched.holder.expires_at == expires   # unchanged
+    assert sched.tenants["a"].usage.usage(granted_at + 0.01) == pytest.approx(granted_at + 0.01)
+
+
+def test_a_plain_report_during_a_valid_grant_charges_nothing_before_it() -> None:
+    # A process that asks just before its grant ends (or a second process of the tenant) may
+    # report the end of work done in this very grant: measured from the last release, before
+    # the grant, it would charge b's turn to a (seen end to end: a 0.3 tenant held 0.17).
     sched = two_busy_tenants()
     quota_round(sched, "a")
-    asked = until_holder(sched, "a")
-    sched.request("a", asked, work_running=True)
     expires = until_holder(sched, "a")
-    sched.release("a", expires - 0.01)                 # the daemon's idle release
-    assert sched.tenants["a"].work_running
-    end = expires + 0.3
-    sched.request("a", end + 0.1, work_end=end)
-    assert sched.tenants["a"].usage.usage(end + 0.1) == pytest.approx(end)
+    charged = sched.tenants["a"].usage.usage(expires)
+    sched.request("a", expires - 0.0005, work_end=expires - 0.0006)
+    assert sched.tenants["a"].usage.usage(expires) == pytest.approx(charged)
+    assert sched.holder is not None and sched.holder.tenant == "a"

@@ -84,6 +84,13 @@ def post_mortem(proc: subprocess.Popen[str]) -> str:
                           text=True).stdout
     related = [line for line in tree.splitlines()
                if str(proc.pid) in line.split()[:2] or line.lstrip().startswith("PID")]
+    for line in related[1:]:   # pending, blocked, ignored and caught signals of each
+        pid = line.split()[0]
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            related.append(f"  {pid}: " + " ".join(
+                entry.replace("\t", "") for entry in status
+                if entry.startswith(("SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))))
     proc.send_signal(signal.SIGABRT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(10)

@@ -8,8 +8,9 @@ and a limit (cap). GPU time is charged per tenant over a sliding window:
   measured by the hook) is added, and can only lengthen a charge, never shorten it. An
   instant is charged once: overuse that ran into the tenant's own next grant adds only what
   that grant did not cover. A hook that does not wait for its work (report mode) says so when
-  work queued before its last ask is still running: that work has run since the release
-  before that ask, through other tenants' grants, and is charged up to now, then to its end;
+  work queued before its previous ask is still running: that work has run since the release
+  before that ask (`work_since`), through other tenants' grants, and is charged up to now,
+  then to its end;
 * a token not returned by its expiry plus a grace period is revoked, and charged in full;
 * the next holder is the waiting tenant furthest behind its request, measured as weighted fair
   queuing measures it: every tenant has a virtual time, the GPU time charged to it divided by
@@ -123,8 +124,6 @@ class Tenant:
     waiting_since: float | None = None
     burst_hint: float | None = None
     last_release: float | None = None
-    previous_release: float | None = None   # the release before last_release
-    work_running: bool = False  # its last request said queued work was still running
     revocations: int = 0
     last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
@@ -189,12 +188,16 @@ class TokenScheduler:
     # ---- the token ----
 
     def request(self, tenant: str, now: float, burst_hint: float | None = None,
-                work_end: float | None = None, work_running: bool = False) -> Grant | None:
+                work_end: float | None = None, work_running: bool = False,
+                work_since: float | None = None) -> Grant | None:
         """The tenant wants the token. Returns a grant if the token changed hands now.
 
         `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
-        last grant finished; work past the release is overuse and is charged. `work_running`:
-        work queued before the hook's previous ask is still running (no `work_end` yet).
+        last grant finished; work past the last release is overuse and is charged.
+        `work_running`: work the process queued before its previous ask is still running, and
+        has been since `work_since` (the release before that ask: launches wait for a grant).
+        `work_since` with a `work_end`: that work ran without a break from then to its end,
+        the report that follows `work_running` ones.
         """
         state = self.tenants[tenant]
         # Every request carries the hook's current figure; none (-1) means it saw no burst end.
@@ -202,13 +205,16 @@ class TokenScheduler:
         was_active = state.waiting_since is not None
         if self.holder and self.holder.tenant == tenant:
             if now < self.holder.expires_at:
-                return None        # still valid: asking again changes nothing
+                # Still valid (another process asked, or this one early). A plain work_end may
+                # be of this very grant, and the last release is before it, so measuring from
+                # there would charge others' turns: only a report anchored by `work_since`
+                # (known to have run since then without a break) is charged here.
+                if work_since is not None:
+                    self._charge_work(state, now, work_end, work_running, work_since)
+                return None
             self._end_grant(now)   # quota used up: back to the queue like everyone else
             was_active = True
-        if work_running:
-            self._charge_running(state, now)
-        else:
-            self._charge_overuse(state, work_end, now)
+        self._charge_work(state, now, work_end, work_running, work_since)
         if not was_active:
             # Back from idle: no credit for the idle time.
             state.vtime = max(state.vtime, self._floor(exclude=state.id))
@@ -282,30 +288,30 @@ class TokenScheduler:
     def _span(self, now: float) -> float:
         return min(self.config.window, now - self.started)
 
-    def _charge_overuse(self, state: Tenant, work_end: float | None, now: float) -> None:
-        """Charge work that ran past the last release, or, after a request that said it was
-        still running, past the release before that request's ask. A report can only add
-        charge, and never beyond the present."""
-        since = state.previous_release if state.work_running else state.last_release
-        state.work_running = False
+    def _charge_work(self, state: Tenant, now: float, work_end: float | None,
+                     work_running: bool, work_since: float | None) -> None:
+        """Charge what a request reports: work still running since `work_since` up to now,
+        or work that ran past the last release (or from `work_since`) up to its end."""
+        if work_running:
+            if work_since is not None:
+                self._charge(state, work_since, now)
+        else:
+            self._charge_overuse(state, work_end, now, work_since)
+
+    def _charge_overuse(self, state: Tenant, work_end: float | None, now: float,
+                        since: float | None = None) -> None:
+        """Charge work that ran past the last release (or from `since`). A report can only add
+        charge, and never beyond the present; instants already charged count once."""
+        since = since if since is not None else state.last_release
         if work_end is None or since is None or work_end <= since:
             return
         self._charge(state, since, min(work_end, now))
-
-    def _charge_running(self, state: Tenant, now: float) -> None:
-        """Work the hook queued before its previous ask is still running. It was launched
-        under a grant that ended by the release before that ask (launches wait for a grant),
-        so it has run since then without a break: charge that, up to now. The tenant's own
-        grants in between are already charged and count once."""
-        state.work_running = True
-        if state.previous_release is not None:
-            self._charge(state, state.previous_release, now)
 
     def _end_grant(self, now: float) -> None:
         assert self.holder is not None
         state = self.tenants[self.holder.tenant]
         self._charge(state, self.holder.granted_at, max(now, self.holder.granted_at))
-        state.previous_release, state.last_release = state.last_release, now
+        state.last_release = now
         self.holder = None
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:

@@ -92,6 +92,14 @@ class TenantSlot:
     waiters: dict[Waiter, int] = field(default_factory=dict)   # connection -> seq to echo
     wait_started: float | None = None    # when its oldest unanswered request came in
     waits: WaitHistogram = field(default_factory=WaitHistogram)
+    asks: dict[Waiter, Ask] = field(default_factory=dict)   # each connection's last request
+
+
+@dataclass
+class Ask:
+    """A connection's (a process's) last token request, for the next one's overuse charge."""
+    release_before: float | None   # the tenant's last release when it asked: its work since
+    running: bool                  # it said work from the ask before was still running
 
 
 class GpuTokens:
@@ -150,17 +158,30 @@ class GpuTokens:
     def request(self, waiter: Waiter, allocation_id: str, seq: int, burst_hint: float | None,
                 work_end: float | None, work_running: bool = False) -> None:
         """TOKEN_REQUEST. The answer goes through `waiter.send_grant`, now or later; a
-        connection has at most one pending entry, so asking again changes nothing."""
+        connection has at most one pending entry, so asking again changes nothing.
+
+        Overuse is measured per process: work its hook says is still running was launched
+        before its previous ask, under a grant that had ended by the tenant's release seen
+        then, and has run since; the report after such requests is charged from there too.
+        Other processes of the container ask in between without moving that point."""
         slot = self.slots[allocation_id]
         now = self.clock()
+        previous = slot.asks.get(waiter)
+        since = previous.release_before if previous is not None and (
+            work_running or previous.running) else None
         holder = self.scheduler.holder
-        if holder and holder.tenant == allocation_id and now < holder.expires_at:
+        granted = holder is not None and holder.tenant == allocation_id and now < holder.expires_at
+        if not granted:
+            slot.waiters[waiter] = seq
+            if slot.wait_started is None:
+                slot.wait_started = now
+        # With the tenant's grant still valid (another process asked) this only charges.
+        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running, since)
+        slot.asks[waiter] = Ask(self.scheduler.tenants[allocation_id].last_release, work_running)
+        if granted:
+            assert holder is not None
             waiter.send_grant(seq, slot.index, holder.generation, to_ns(holder.expires_at))
             return
-        slot.waiters[waiter] = seq
-        if slot.wait_started is None:
-            slot.wait_started = now
-        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running)
         self._publish(now)
 
     def release(self, allocation_id: str, work_end: float | None) -> None:
@@ -177,6 +198,7 @@ class GpuTokens:
         if slot is None:
             return
         slot.waiters.pop(waiter, None)
+        slot.asks.pop(waiter, None)
         if not slot.waiters:
             slot.wait_started = None
         holder = self.scheduler.holder
