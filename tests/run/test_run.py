@@ -107,6 +107,19 @@ def post_mortem(proc: subprocess.Popen[str]) -> str:
     return "\n".join(related) + "\n" + err
 
 
+def trap(signo: int, status: int) -> list[str]:
+    """A COMMAND that prints {} and exits with `status` when `signo` reaches it, up to 30 s.
+
+    The signal is blocked before the line and taken with sigwait: a Python handler around
+    time.sleep loses a signal that lands between the interpreter's last check and the sleep's
+    system call (the sleep then runs its whole 30 s). That was the run tests' rare hang, about
+    1 in 150 under load: gemini-run had forwarded SIGINT, the child slept on."""
+    code = (f"import signal, sys; signal.pthread_sigmask(signal.SIG_BLOCK, {{{signo}}}); "
+            f"print('{{}}', flush=True); "
+            f"sys.exit({status} if signal.sigtimedwait({{{signo}}}, 30) else 99)")
+    return [sys.executable, "-c", code]
+
+
 def live_records(state_dir: Path) -> list[allocation.AllocationRecord]:
     return [r for _, r in allocation.scan_records(state_dir)
             if isinstance(r, allocation.AllocationRecord)]
@@ -191,10 +204,7 @@ def test_kubelet_records_count_and_the_default_gpu_is_one_with_room(
 
 def test_sigterm_is_forwarded_and_the_record_removed(state_dir: Path,
                                                      hook_library: Path) -> None:
-    trap = ("import signal, sys, time; "
-            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); "
-            "print('{}', flush=True); time.sleep(30)")
-    proc = gemini_run(state_dir, hook_library, command=[sys.executable, "-c", trap])
+    proc = gemini_run(state_dir, hook_library, command=trap(signal.SIGTERM, 7))
     probe_started(proc)
     assert len(live_records(state_dir)) == 1
     proc.send_signal(signal.SIGTERM)
@@ -390,10 +400,7 @@ def test_default_interposer_comes_from_hooklib(state_dir: Path) -> None:
 
 
 def test_sigint_sent_with_kill_is_forwarded(state_dir: Path, hook_library: Path) -> None:
-    trap = ("import signal, sys, time; "
-            "signal.signal(signal.SIGINT, lambda *a: sys.exit(5)); "
-            "print('{}', flush=True); time.sleep(30)")
-    proc = gemini_run(state_dir, hook_library, command=[sys.executable, "-c", trap])
+    proc = gemini_run(state_dir, hook_library, command=trap(signal.SIGINT, 5))
     probe_started(proc)
     proc.send_signal(signal.SIGINT)  # si_code SI_USER: not the terminal, so forwarded
     code, err = finish(proc)
