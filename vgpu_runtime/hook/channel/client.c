@@ -116,13 +116,20 @@ static int read_frame(int sock, union frame_buffer *frame) {
     return recv_all(sock, frame->bytes + sizeof frame->h, frame->h.length - sizeof frame->h);
 }
 
-static int is_error(union frame_buffer *frame) {
-    if (frame->h.type != GM_MSG_ERROR || frame->h.length != sizeof(struct gm_error)) return 0;
+/* The status of an ERROR frame (logged), or -1 for any other frame. */
+static int error_status(union frame_buffer *frame) {
+    if (frame->h.type != GM_MSG_ERROR || frame->h.length != sizeof(struct gm_error)) return -1;
     struct gm_error *error = (struct gm_error *)frame->bytes;
     error->reason[GM_REASON_BYTES - 1] = '\0';
     gm_warn("daemon refused the connection (status %u): %s", error->status, error->reason);
-    return 1;
+    return (int)error->status;
 }
+
+static int is_error(union frame_buffer *frame) { return error_status(frame) >= 0; }
+
+/* Lock held. A daemon older than token request flags refuses any as malformed: from then on
+ * this process asks without them (report mode then charges as before the flags). */
+static int flags_refused;
 
 /* A grant whose waiter timed out earlier: nobody waits for it any more. */
 static int is_stale_grant(const union frame_buffer *frame, uint32_t expected_seq) {
@@ -295,8 +302,9 @@ int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t wor
     for (int attempt = 0; attempt < 2 && rc == -1; attempt++) {
         int fresh = 0;
         if (ensure_connected(1, &fresh) < 0) break;
-        struct gm_token_request request = {.gpu = gpu, .flags = flags, .burst_ns = burst_ns,
-                                           .work_end_ns = work_end_ns};
+        uint32_t sent_flags = flags_refused ? 0 : flags;
+        struct gm_token_request request = {.gpu = gpu, .flags = sent_flags,
+                                           .burst_ns = burst_ns, .work_end_ns = work_end_ns};
         fill_header(&request.h, GM_MSG_TOKEN_REQUEST, sizeof request);
         if (send_frame(fd, &request) < 0) {
             drop_connection();
@@ -323,9 +331,17 @@ int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t wor
                 rc = 0;
                 break;
             }
-            if (!is_error(&frame))
+            int status = error_status(&frame);
+            if (status < 0)
                 gm_warn("daemon answered type %u to a token request", frame.h.type);
             drop_connection();
+            if (status == GM_ERR_MALFORMED && sent_flags != 0) {
+                /* An older daemon: reconnect (re-declaring what this process holds) and ask
+                 * again at once, without the flags. */
+                gm_warn("the node daemon does not know token request flags; asking without");
+                flags_refused = 1;
+                break;
+            }
             attempt = 2;   /* an error (an old daemon: unsupported) is not retried now */
             break;
         }

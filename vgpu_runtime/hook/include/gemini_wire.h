@@ -163,7 +163,8 @@ enum gm_token_flags {
      * report, which does not wait for it): work_end_ns is -1, and the daemon charges the time
      * since the release before that ask, when others held the token but this process's work
      * still ran, up to now. The request after the last such one reports the work's end, and
-     * is charged from the same point. Daemons older than this flag refuse it as malformed. */
+     * is charged from the same point. Daemons older than this flag refuse it as malformed; the
+ * hook then reconnects and asks again at once without flags, and sends none after that. */
     GM_TOKEN_WORK_RUNNING = 1
 };
 
