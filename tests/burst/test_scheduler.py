@@ -420,14 +420,22 @@ def test_a_report_while_the_tenant_holds_a_valid_grant_is_charged() -> None:
     assert sched.tenants["a"].usage.usage(granted_at + 0.01) == pytest.approx(granted_at + 0.01)
 
 
-def test_a_plain_report_during_a_valid_grant_charges_nothing_before_it() -> None:
-    # A process that asks just before its grant ends (or a second process of the tenant) may
-    # report the end of work done in this very grant: measured from the last release, before
-    # the grant, it would charge b's turn to a (seen end to end: a 0.3 tenant held 0.17).
+def test_a_report_during_the_tenants_valid_grant_is_measured_from_the_release_before_it(
+        ) -> None:
+    # Another process of the tenant asked first and holds a fresh grant; this process's work,
+    # launched before that grant, ran past the release before it: charged from there, and the
+    # part inside the new grant counts once when that grant is charged.
     sched = two_busy_tenants()
     quota_round(sched, "a")
+    until_holder(sched, "a")
+    quota_round(sched, "a")                         # a's quota ends; b holds
+    released = sched.tenants["a"].last_release
+    assert released is not None
     expires = until_holder(sched, "a")
-    charged = sched.tenants["a"].usage.usage(expires)
-    sched.request("a", expires - 0.0005, work_end=expires - 0.0006)
-    assert sched.tenants["a"].usage.usage(expires) == pytest.approx(charged)
-    assert sched.holder is not None and sched.holder.tenant == "a"
+    granted_at = sched.holder.granted_at if sched.holder is not None else 0.0
+    charged = sched.tenants["a"].usage.usage(granted_at)
+    sched.request("a", granted_at + 0.002, work_end=granted_at + 0.001)
+    assert sched.holder is not None and sched.holder.expires_at == expires   # unchanged
+    a = sched.tenants["a"]
+    assert a.usage.usage(granted_at + 0.002) == pytest.approx(
+        charged + granted_at + 0.001 - released)

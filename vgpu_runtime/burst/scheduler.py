@@ -205,12 +205,11 @@ class TokenScheduler:
         was_active = state.waiting_since is not None
         if self.holder and self.holder.tenant == tenant:
             if now < self.holder.expires_at:
-                # Still valid (another process asked, or this one early). A plain work_end may
-                # be of this very grant, and the last release is before it, so measuring from
-                # there would charge others' turns: only a report anchored by `work_since`
-                # (known to have run since then without a break) is charged here.
-                if work_since is not None:
-                    self._charge_work(state, now, work_end, work_running, work_since)
+                # Still valid: another process of the tenant asked first. Its report is of work
+                # launched before this grant (it asked because its page said no), so it is
+                # measured from the release before it like any other; the caller drops the
+                # report of a connection asking ahead inside a grant it was sent itself.
+                self._charge_work(state, now, work_end, work_running, work_since)
                 return None
             self._end_grant(now)   # quota used up: back to the queue like everyone else
             was_active = True

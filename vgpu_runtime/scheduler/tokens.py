@@ -93,6 +93,7 @@ class TenantSlot:
     wait_started: float | None = None    # when its oldest unanswered request came in
     waits: WaitHistogram = field(default_factory=WaitHistogram)
     asks: dict[Waiter, Ask] = field(default_factory=dict)   # each connection's last request
+    granted: set[Waiter] = field(default_factory=set)   # the connections sent its last grant
 
 
 @dataclass
@@ -175,7 +176,12 @@ class GpuTokens:
             slot.waiters[waiter] = seq
             if slot.wait_started is None:
                 slot.wait_started = now
-        # With the tenant's grant still valid (another process asked) this only charges.
+        elif waiter in slot.granted and since is None:
+            # Asking during the grant it was sent itself (a hook never does; a client that asks
+            # ahead may): its work end is of this grant, which is charged when it ends.
+            work_end = None
+        # With the tenant's grant still valid this only charges: another process's work
+        # launched before that grant, running past the release before it.
         self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running, since)
         slot.asks[waiter] = Ask(self.scheduler.tenants[allocation_id].last_release, work_running)
         if granted:
@@ -199,6 +205,7 @@ class GpuTokens:
             return
         slot.waiters.pop(waiter, None)
         slot.asks.pop(waiter, None)
+        slot.granted.discard(waiter)
         if not slot.waiters:
             slot.wait_started = None
         holder = self.scheduler.holder
@@ -245,6 +252,7 @@ class GpuTokens:
         self._idle_backoff = self.config.idle_release
         self._cancel_idle_check()   # a pending check was about the previous holder
         waiters, slot.waiters = slot.waiters, {}
+        slot.granted = set(waiters)
         if slot.wait_started is not None:
             slot.waits.observe(max(0.0, self.clock() - slot.wait_started))
             slot.wait_started = None
