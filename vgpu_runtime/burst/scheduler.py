@@ -229,8 +229,7 @@ class TokenScheduler:
             return None
         if self.holder and self.holder.tenant == tenant:
             self._end_grant(now)
-        if work_end is not None:   # the daemon's own releases know nothing of the work
-            self._charge_overuse(state, work_end, now)
+        self._charge_overuse(state, work_end, now)   # none from the daemon's own releases
         return self._dispatch(now)
 
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
