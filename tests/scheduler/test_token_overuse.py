@@ -49,9 +49,16 @@ class Node:
         assert grant is not None
         return grant.expires_at
 
-    def ask(self, tenant: str, conn: Connection, **report: object) -> None:
-        self.tokens.request(conn, tenant, 1, None, report.get("work_end"),  # type: ignore[arg-type]
-                            bool(report.get("work_running", False)))
+    def ask(self, tenant: str, conn: Connection, work_end: float | None = None,
+            work_running: bool = False) -> None:
+        self.tokens.request(conn, tenant, 1, None, work_end, work_running)
+
+    def at_expiry(self, tenant: str, conn: Connection, work_end: float | None = None,
+                  work_running: bool = False) -> float:
+        """The holder's quota runs out and `conn` of `tenant` asks then: returns that moment."""
+        self.now = self.expiry()
+        self.ask(tenant, conn, work_end, work_running)
+        return self.now
 
     def charged(self, tenant: str) -> float:
         return self.tokens.scheduler.tenants[tenant].usage.usage(self.now)
@@ -65,17 +72,13 @@ async def test_a_process_that_says_its_work_runs_is_charged_from_its_own_previou
     node.ask("b", b)
     started = node.now
     assert node.holder() == "a"
-    node.now = node.expiry()
-    node.ask("a", x)                       # x's quota is over: its events go behind its work
+    node.at_expiry("a", x)                 # x's quota is over: its events go behind its work
     assert node.holder() == "b"
-    node.now = node.expiry()
-    node.ask("b", b)
+    node.at_expiry("b", b)
     assert node.holder() == "a"            # x is granted again
-    node.now = node.expiry()
-    node.ask("a", y)                       # y, the container's other process, asks: a release
+    node.at_expiry("a", y)                 # y, the container's other process, asks: a release
     assert node.holder() == "b"
-    node.now = node.expiry()
-    node.ask("b", b)
+    node.at_expiry("b", b)
     assert node.holder() == "a"            # granted to y
     node.now += 0.001
     node.ask("a", x, work_running=True)    # x: what it queued in its first grant still runs
@@ -92,19 +95,14 @@ async def test_the_report_after_running_ones_is_charged_from_the_ask_before_it(
     node.ask("a", x)
     node.ask("b", b)
     started = node.now
-    node.now = node.expiry()
-    node.ask("a", x)
-    node.now = node.expiry()
-    node.ask("b", b)
-    node.now = node.expiry()
-    node.ask("a", x, work_running=True)    # still running: charged up to now
+    node.at_expiry("a", x)
+    node.at_expiry("b", b)
+    node.at_expiry("a", x, work_running=True)   # still running: charged up to now
     assert node.charged("a") == pytest.approx(node.now - started)
     while node.holder() != "a":            # b's turns while a's work runs on
-        node.now = node.expiry()
-        node.ask(node.holder(), b)
+        node.at_expiry(node.holder(), b)
     ended = node.now - 0.002               # 2 ms before a's grant: b's turn, all but that
-    node.now = node.expiry()
-    node.ask("a", x, work_end=ended)       # found done: it ran until `ended`, unbroken
+    node.at_expiry("a", x, work_end=ended)   # found done: it ran until `ended`, unbroken
     assert node.charged("a") == pytest.approx(node.now - started - 0.002)
     assert x.grants and b.grants
 
@@ -118,10 +116,8 @@ async def test_a_process_that_never_says_running_is_charged_past_its_release_onl
     node.ask("a", x)
     node.ask("b", b)
     started = node.now
-    node.now = first_end = node.expiry()
-    node.ask("a", x)
-    node.now = node.expiry()
-    node.ask("b", b)
+    first_end = node.at_expiry("a", x)
+    node.at_expiry("b", b)
     assert node.holder() == "a"
     second_start, node.now = node.now, node.expiry()
     node.ask("a", x, work_end=node.now - 0.01)   # its work ended inside its own grant
@@ -137,10 +133,8 @@ async def test_a_connection_asking_inside_its_own_grant_is_not_charged_for_it(
     x, b = Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)
-    node.now = node.expiry()
-    node.ask("a", x)
-    node.now = node.expiry()
-    node.ask("b", b)
+    node.at_expiry("a", x)
+    node.at_expiry("b", b)
     assert node.holder() == "a" and len(x.grants) == 2
     before = node.charged("a")
     node.now = node.expiry() - 0.0005              # x asks ahead, inside its grant
@@ -157,11 +151,9 @@ async def test_another_process_reporting_during_the_containers_grant_is_charged(
     x, y, b = Connection(), Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)
-    node.now = released = node.expiry()
-    node.ask("a", x)
+    released = node.at_expiry("a", x)
     assert node.holder() == "b"
-    node.now = node.expiry()
-    node.ask("b", b)
+    node.at_expiry("b", b)
     assert node.holder() == "a"                    # granted to x
     before = node.charged("a")
     node.now += 0.002
