@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import json
-import subprocess
-import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.hook.conftest import PRELUDE, Hooked, Node, start_node, stop_node
+from tests.hook.conftest import Hooked, Node, start_node, stop_node
 from tests.hook.tokenkit import Rival
 
 KERNEL_S = 1.5          # the long kernel
@@ -36,14 +32,15 @@ GRACE_S = 0.05          # the default revoke grace
 RUN_S = 4.0             # each client's run, from its first launch
 STREAM = 0x77
 
-# argv: long kernel seconds (0: none), run seconds. Every launch is followed by a sync, so a
-# long kernel leaves the host thread stuck in cuStreamSynchronize, as a real one would.
+# LONG_S: long kernel seconds (0: none), RUN_S: run seconds. Every launch is followed by a
+# sync, so a long kernel leaves the host thread stuck in cuStreamSynchronize, as a real one
+# would.
 CLIENT = """
     import sys, time
     lib = cuda()
     context(lib)
     lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
-    long_s, run_s = float(sys.argv[1]), float(sys.argv[2])
+    long_s, run_s = LONG_S, RUN_S
     stream = ctypes.c_void_p(STREAM)
     def launch():
         assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
@@ -73,23 +70,15 @@ CLIENT = """
 
 
 class Client:
-    """One hooked container process running CLIENT."""
+    """One hooked container process running CLIENT, started and read as Hooked does."""
 
     def __init__(self, hooked: Hooked, env: dict[str, str], long_s: float) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + textwrap.dedent(CLIENT), str(long_s), str(RUN_S)],
-            env=hooked.env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+        code = CLIENT.replace("LONG_S", repr(long_s)).replace("RUN_S", repr(RUN_S))
+        self.proc = hooked.start(code, env)
         assert self.line().get("ready")
 
     def line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        text = self.proc.stdout.readline()
-        if not text:
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"client exited ({self.proc.poll()}):\n{err}")
-        result: dict[str, Any] = json.loads(text)
-        return result
+        return Hooked.line(self.proc)
 
     def go(self) -> None:
         assert self.proc.stdin is not None
@@ -121,11 +110,11 @@ class Charges:
 
 
 @pytest.fixture
-def hooked_node() -> Iterator[tuple[Node, float, float]]:
+def hooked_node() -> Iterator[tuple[Node, Charges]]:
     joined_before = time.monotonic()
     node = start_node(0.5, "--cycle", "0.1", "--window", "60")
     joined_after = time.monotonic()
-    yield node, joined_before, joined_after
+    yield node, Charges(node, joined_after, joined_before)
     stop_node(node)
 
 
@@ -137,10 +126,9 @@ def gaps(returns: list[int], start: int) -> list[float]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_a_long_kernels_overuse_is_charged_and_paid_back(
-        hooked: Hooked, hooked_node: tuple[Node, float, float], drain: str) -> None:
-    node, joined_before, joined_after = hooked_node
+        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+    node, charges = hooked_node
     other = node.allocate(0.5)
-    charges = Charges(node, joined_after, joined_before)
     stuck = Client(hooked, node.env(GEMINI_HOOK_DRAIN=drain), KERNEL_S)
     short = Client(hooked, node.env_of(other, GEMINI_HOOK_DRAIN=drain), 0)
     try:
@@ -205,13 +193,12 @@ IDLER = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
-        hooked: Hooked, hooked_node: tuple[Node, float, float], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
     # A tenant does 1 ms of work, synchronises and idles; a rival's request makes the daemon
     # release it (idle release). Asking again 1 s later, its hook must not report "now" as the
     # end of its last grant's work: that charged the idle second as overuse (found with
     # scripts/bench-share-model: a 0.2 tenant served 0.14 after idling at start-up).
-    node, joined_before, joined_after = hooked_node
-    charges = Charges(node, joined_after, joined_before)
+    node, charges = hooked_node
     rival = Rival(node.allocate(0.5))
     proc = hooked.start(IDLER, node.env(GEMINI_HOOK_DRAIN=drain))
     try:
@@ -245,12 +232,11 @@ REPORTER = ONE_MS_KERNELS + """
 
 @pytest.mark.timeout(60)
 def test_report_mode_does_not_charge_idle_time_for_an_event_found_done_later(
-        hooked: Hooked, hooked_node: tuple[Node, float, float]) -> None:
+        hooked: Hooked, hooked_node: tuple[Node, Charges]) -> None:
     # Report mode keeps the events it records when it asks and queries them at its next ask.
     # Found done then, they ended at the process's last synchronisation if it has been quiet
     # since, not "now" (which charged the idle second before that ask as overuse).
-    node, joined_before, joined_after = hooked_node
-    charges = Charges(node, joined_after, joined_before)
+    node, charges = hooked_node
     rival = Rival(node.allocate(0.5))
     proc = hooked.start(REPORTER, node.env(GEMINI_HOOK_DRAIN="report"))
     try:
@@ -292,15 +278,14 @@ NO_SYNC = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_a_long_kernel_launched_through_without_a_sync_is_charged_whole(
-        hooked: Hooked, hooked_node: tuple[Node, float, float], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
     # L's 1.5 s kernel runs on while S holds the token between L's grants. In report mode L's
     # hook does not wait for it: each ask finds the events it recorded at the previous one
     # still running and says so, and the daemon charges L from the release before that ask
     # (found by reading the code: before GM_TOKEN_WORK_RUNNING, L was charged its own grants
     # only, about half the kernel). In sync mode the ask waits for the kernel instead.
-    node, joined_before, joined_after = hooked_node
+    node, charges = hooked_node
     other = node.allocate(0.5)
-    charges = Charges(node, joined_after, joined_before)
     short = Client(hooked, node.env_of(other, GEMINI_HOOK_DRAIN=drain), 0)
     proc = hooked.start(NO_SYNC, node.env(GEMINI_HOOK_DRAIN=drain))
     try:
