@@ -125,8 +125,6 @@ static int error_status(union frame_buffer *frame) {
     return (int)error->status;
 }
 
-static int is_error(union frame_buffer *frame) { return error_status(frame) >= 0; }
-
 /* Lock held. A daemon older than token request flags refuses any as malformed: from then on
  * this process asks without them (report mode then charges as before the flags). */
 static int flags_refused;
@@ -144,7 +142,7 @@ static int exchange(int sock, void *request, void *reply, uint16_t reply_type, s
     do {
         if (read_frame(sock, &frame) < 0) return -1;
     } while (is_stale_grant(&frame, sent->seq));
-    if (is_error(&frame)) return -1;
+    if (error_status(&frame) >= 0) return -1;
     if (frame.h.type != reply_type || frame.h.length != reply_len || frame.h.seq != sent->seq) {
         gm_warn("daemon answered type %u (%u bytes, seq %u) to a request expecting type %u",
                 frame.h.type, frame.h.length, frame.h.seq, reply_type);
