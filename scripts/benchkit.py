@@ -58,3 +58,14 @@ def json_save(path: Path, results: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(path)
+
+
+def parse_mix(text: str) -> list[float]:
+    """'2/3/5' -> [0.2, 0.3, 0.5]: slices of 10, positive, adding up to at most 10."""
+    try:
+        shares = [int(x) / 10 for x in text.split("/")]
+    except ValueError:
+        raise SystemExit(f"a mix is slices of 10 such as 3/7, not {text!r}") from None
+    if not shares or min(shares) <= 0 or sum(shares) > 1.0 + 1e-9:
+        raise SystemExit(f"mix {text!r} must be positive slices adding up to at most 10")
+    return shares
