@@ -34,7 +34,7 @@ from device_plugin.config import PluginConfig
 from device_plugin.discovery import GpuInfo
 from device_plugin.health import HealthTracker
 from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
-from device_plugin.slices import Slice, SliceTable
+from device_plugin.slices import Slice, SliceTable, brief_ids
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
@@ -142,13 +142,13 @@ class Allocator:
                            f"{self.config.resource_name} device ID")
         if len(set(device_ids)) != len(device_ids):
             duplicates = sorted(d for d, n in Counter(device_ids).items() if n > 1)
-            raise _invalid(f"device ID(s) {', '.join(duplicates)} appear more than once in one "
+            raise _invalid(f"device ID(s) {brief_ids(duplicates)} appear more than once in one "
                            "Allocate; each slice can be given once")
         try:
             slices = self.table.in_order(device_ids)
         except KeyError:
             raise _invalid(
-                f"unknown device ID(s) {', '.join(self.table.unknown(device_ids))}: this plugin "
+                f"unknown device ID(s) {brief_ids(self.table.unknown(device_ids))}: this plugin "
                 f"serves {len(self.table)} slices named <GPU UUID>::<0..{per_gpu - 1}> on "
                 f"{len(self.table.gpus)} GPU(s). If the node's GPUs or --slices-per-gpu changed, "
                 "delete the pod so kubelet allocates again from the current devices") from None

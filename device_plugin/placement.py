@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from device_plugin.slices import Slice, SliceTable
+from device_plugin.slices import Slice, SliceTable, brief_ids
 
 
 class PlacementError(ValueError):
@@ -40,7 +40,7 @@ def _check_known(table: SliceTable, ids: Sequence[str], what: str) -> None:
     unknown = table.unknown(ids)
     if unknown:
         raise PlacementError(f"{what} device ID(s) not served by this plugin: "
-                             f"{', '.join(sorted(unknown))}")
+                             f"{brief_ids(sorted(unknown))}")
 
 
 def _resolve(table: SliceTable, ids: Sequence[str], what: str) -> list[Slice]:
@@ -70,7 +70,8 @@ def preferred(table: SliceTable, available_ids: Sequence[str], must_include_ids:
     available_set = {s.id for s in available}
     missing = [s.id for s in must if s.id not in available_set]
     if missing:
-        raise PlacementError(f"must-include device(s) are not available: {', '.join(missing)}")
+        raise PlacementError(f"must-include device(s) are not available: "
+                             f"{brief_ids(missing)}")
     if len(must) > size:
         raise PlacementError(f"{len(must)} must-include devices exceed the requested {size}")
     groups = _group_by_gpu(available)

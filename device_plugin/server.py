@@ -21,7 +21,7 @@ from device_plugin import placement
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from device_plugin.slices import SliceTable
+from device_plugin.slices import SliceTable, brief_ids
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         try:
             answers = self.allocator.allocate_all(requests)
         except AllocationError as err:
-            log.warning("Allocate rejected", extra={"reason": err.message, "devices": requests})
+            log.warning("Allocate rejected", extra={
+                "reason": err.message, "devices": [brief_ids(ids) for ids in requests[:4]],
+                "containers": len(requests)})
             await context.abort(err.code, err.message)
         return api_pb2.AllocateResponse(container_responses=answers)
 

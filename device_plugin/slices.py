@@ -13,6 +13,19 @@ from device_plugin.discovery import GpuInfo
 
 SEPARATOR = "::"
 MAX_ID_LENGTH = 63
+# How many IDs, and how much of each, a message names: kubelet's request is not bounded, and a
+# gRPC status past its metadata limit (16 KiB) reaches kubelet as a broken stream, not a reason.
+BRIEF_IDS = 5
+BRIEF_ID_CHARS = MAX_ID_LENGTH + 1
+
+
+def brief_ids(device_ids: Sequence[str]) -> str:
+    """A few of `device_ids` for a message, each cut short, and how many more there are."""
+    shown = [d if len(d) <= BRIEF_ID_CHARS else f"{d[:BRIEF_ID_CHARS]}... ({len(d)} chars)"
+             for d in device_ids[:BRIEF_IDS]]
+    more = len(device_ids) - len(shown)
+    return ", ".join(repr(d) if not d.isprintable() else d for d in shown) + (
+        f" and {more} more" if more else "")
 
 
 class SliceIdError(ValueError):

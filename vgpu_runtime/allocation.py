@@ -46,6 +46,8 @@ from vgpu_runtime.common.atomicfile import (
 
 RECORD_VERSION = 1
 ORIGINS = ("kubelet", "gemini-run")
+# The wire carries a memory limit as a uint64 (gemini_wire.h): a larger one could never be sent.
+MAX_MEMORY_LIMIT = (1 << 64) - 1
 
 
 class RecordError(ValueError):
@@ -126,7 +128,7 @@ def _parse(data: Any) -> AllocationRecord:
             raise RecordError("each entry of 'gpus' must be an object")
         share = float(_need(item, "share", (int, float)))
         memory_limit = _need(item, "memory_limit", int)
-        if not (0 < share <= 1) or memory_limit < 0:
+        if not (0 < share <= 1) or not 0 <= memory_limit <= MAX_MEMORY_LIMIT:
             raise RecordError(f"GPU entry out of range: share {share}, memory {memory_limit}")
         gpus.append(GpuShare(_need(item, "uuid", str), _need(item, "index", int), share,
                              memory_limit))

@@ -85,6 +85,9 @@ def test_failed_rename_keeps_the_old_record(
     (lambda d: d.update(gpus=[]), "no GPU"),
     (lambda d: d["gpus"][0].update(share=1.5), "out of range"),
     (lambda d: d["gpus"][0].update(memory_limit="1GiB"), "wrong type"),
+    # S10: a limit past the wire's uint64 was served, then failed every hello.
+    (lambda d: d["gpus"][0].update(memory_limit=1 << 64), "out of range"),
+    (lambda d: d["gpus"][0].update(memory_limit=-1), "out of range"),
     (lambda d: d.update(limit=0), "limit"),
     (lambda d: d.update(id="../../etc/passwd"), "malformed allocation id"),
     (lambda d: d.pop("channel_dir"), "channel_dir"),

@@ -198,3 +198,36 @@ def test_allocate_of_several_containers_is_all_or_nothing(plugin: Plugin) -> Non
     assert err is not None
     _assert_clean(err)
     assert _record_files(plugin.config) == before
+
+
+# S9: one Allocate with a huge unknown ID, or very many, wedged the plugin (the error message
+# named every ID: a status past gRPC's metadata limit). Every later call must still be served.
+# Under gRPC's 4 MiB message limit, so that the plugin itself must answer.
+HUGE_REQUESTS = {
+    "one_1MB_id": ([["x" * (1 << 20)]], "unknown device ID"),
+    "100k_unknown_ids": ([[f"GPU-nope::{i}" for i in range(100_000)]], "unknown device ID"),
+    "25k_ids_twice": ([[f"GPU-nope::{i}" for i in range(25_000)] * 2], "more than once"),
+}
+
+
+@pytest.mark.parametrize("requests,reason", list(HUGE_REQUESTS.values()), ids=list(HUGE_REQUESTS))
+def test_a_huge_allocate_is_refused_briefly_and_the_plugin_serves_on(
+        plugin: Plugin, requests: list[list[str]], reason: str) -> None:
+    before = _record_files(plugin.config)
+    _, err = _call(plugin.stub.Allocate, api_pb2.AllocateRequest(container_requests=[
+        api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in requests]))
+    assert err is not None
+    # The plugin's own reason, not a stream broken by a 1 MB status ("Stream removed").
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert reason in err.details() and len(err.details()) < 2000, err.details()[:300]
+    assert _record_files(plugin.config) == before
+    _, err = _call(plugin.stub.GetPreferredAllocation, api_pb2.PreferredAllocationRequest(
+        container_requests=[api_pb2.ContainerPreferredAllocationRequest(
+            available_deviceIDs=requests[0][:50_000], allocation_size=1)]))
+    if reason == "unknown device ID":
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not served by this plugin" in err.details() and len(err.details()) < 2000
+    # The plugin still answers at once.
+    answer = plugin.stub.Allocate(api_pb2.AllocateRequest(container_requests=[
+        api_pb2.ContainerAllocateRequest(devices_ids=[VALID[-1]])]), timeout=10)
+    assert len(answer.container_responses) == 1
