@@ -374,6 +374,7 @@ class Allocator:
         except FileExistsError:
             return False
         except FileNotFoundError:   # the first allocation on this node: channels/ too
+            os.makedirs(os.path.dirname(channel), paths.CHANNELS_DIR_MODE, exist_ok=True)
             os.makedirs(channel, 0o755, exist_ok=True)
         if self.syncer is not None:
             self.syncer.request(os.path.dirname(channel))

@@ -1,10 +1,11 @@
 """The plugin's part of the node's state directory, made ready at start.
 
-<state-dir>/allocations/ and <state-dir>/channels/ are created, and their names fsynced, once
-here, so that Allocate's hot path only ever adds names inside them. Temporary files left by
-atomic writes that a crash interrupted (records, the preload files in channel directories,
-health.json) are swept here: the plugin owns these directories. The rule that keeps a live
-writer's temporary file (gemini-run writes records too) is in atomicfile.sweep_stale_temps.
+<state-dir>/allocations/ and <state-dir>/channels/ (paths.CHANNELS_DIR_MODE, 0700: set on an
+existing one too) are created, and their names fsynced, once here, so that Allocate's hot path
+only ever adds names inside them. Temporary files left by atomic writes that a crash
+interrupted (records, the preload files in channel directories, health.json) are swept here:
+the plugin owns these directories. The rule that keeps a live writer's temporary file
+(gemini-run writes records too) is in atomicfile.sweep_stale_temps.
 
 So are empty channel directories that no record names: a crash between Allocate's mkdir of the
 channel and the record's rename leaves one. The same age rule keeps a live writer's (gemini-run
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.common import securedir
 from vgpu_runtime.common.atomicfile import STALE_TEMP_AGE, fsync_dir, sweep_stale_temps
 
 log = logging.getLogger(__name__)
@@ -32,10 +34,10 @@ def prepare(state_dir: str | Path, stale_age: float = STALE_TEMP_AGE) -> list[Pa
     state = Path(state_dir)
     try:
         state.mkdir(parents=True, exist_ok=True)
-        for directory in (paths.allocations_dir(state), paths.channels_dir(state)):
-            directory.mkdir(mode=0o755, exist_ok=True)
+        paths.allocations_dir(state).mkdir(mode=0o755, exist_ok=True)
+        securedir.make_dir(paths.channels_dir(state), paths.CHANNELS_DIR_MODE)
         fsync_dir(state)
-    except OSError as err:
+    except (OSError, securedir.InsecureDirectory) as err:
         log.error("cannot prepare the state directory; Allocate will fail until it is "
                   "writable", extra={"state_dir": str(state), "error": str(err)})
     removed = allocation.sweep_temp_files(state, stale_age)

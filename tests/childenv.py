@@ -17,3 +17,11 @@ def python_path(base: Mapping[str, str] | None = None) -> str:
 
 def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": python_path(), **extra}
+
+
+def as_user(uid: int, argv: list[str]) -> list[str]:
+    """`argv` run as another uid (setpriv; the caller is root). It keeps CAP_DAC_READ_SEARCH
+    only so that it can run this machine's Python wherever it lives (under /root here): the
+    capability lets it read and search, never write, own or chmod."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+            "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *argv]

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import secrets
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from vgpu_runtime.common.atomicfile import (
     sweep_stale_temps,
     write_atomic,
 )
+from vgpu_runtime.common.securedir import read_nofollow, remove_tree_in
 
 RECORD_VERSION = 1
 ORIGINS = ("kubelet", "gemini-run")
@@ -226,7 +228,7 @@ def write_record_bytes(target: str | Path, payload: bytes,
 
 def read_record(path: str | Path) -> AllocationRecord:
     try:
-        raw = Path(path).read_bytes()
+        raw = read_nofollow(path)   # a link planted among the records is refused, not followed
     except OSError as err:
         raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
     return decode_record(path, raw)
@@ -256,8 +258,7 @@ def load_record(state_dir: str | Path, allocation_id: str) -> AllocationRecord |
 def read_record_bytes(path: str | Path) -> bytes | None:
     """A record file's bytes, unparsed (decode_record parses them), or None if there is none."""
     try:
-        with open(path, "rb") as file:   # one open, no separate exists(): Allocate's hot path
-            return file.read()
+        return read_nofollow(path)   # one open, no separate exists(): Allocate's hot path
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -283,6 +284,20 @@ def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
         return False
     fsync_dir(paths.allocations_dir(state_dir))
     return True
+
+
+def remove_channel_dir(state_dir: str | Path, record: AllocationRecord) -> bool:
+    """Remove the record's channel directory, only where this state directory's layout puts it
+    (<state-dir>/channels/<id>) and only if it is a real directory of this process's user:
+    nothing removes what it did not create. Returns whether it was removed."""
+    channels = paths.channels_dir(state_dir)
+    directory = Path(record.channel_dir)
+    if directory.name != record.id or directory.parent.resolve() != channels.resolve():
+        return False
+    try:
+        return remove_tree_in(channels, record.id, os.geteuid())
+    except OSError:
+        return False
 
 
 def sweep_temp_files(state_dir: str | Path, older_than: float = STALE_TEMP_AGE) -> list[Path]:

@@ -21,6 +21,10 @@ DEFAULT_STATE_DIR = "/var/lib/gemini"
 ALLOCATIONS_SUBDIR = "allocations"
 CHANNELS_SUBDIR = "channels"
 LIB_SUBDIR = "lib"
+# channels/ is its owner's alone: a container reaches its own channel through the bind mount of
+# the leaf, which needs no search permission on the host's parents, and nobody else on the host
+# can reach any channel, whatever its name (allocation IDs are hashes of guessable slice IDs).
+CHANNELS_DIR_MODE = 0o700
 
 # The interposer is installed under a versioned name and a file of that name is never
 # rewritten: running pods keep the library they started with across upgrades.

@@ -32,7 +32,6 @@ import contextlib
 import fcntl
 import importlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from device_plugin.discovery.nvml import NvmlBackend
 from device_plugin.discovery.simulated import SimulatedBackend
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.common import securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
 from vgpu_runtime.scheduler import lock as scheduler_lock
 
@@ -234,10 +234,8 @@ def owner_alive(record: AllocationRecord) -> bool:
 
 def remove_allocation(state_dir: Path, record: AllocationRecord) -> None:
     allocation.remove_record(state_dir, record.id)
-    channel = Path(record.channel_dir)
-    # Only a directory gemini-run made under this state directory; never anything else.
-    if channel.parent == paths.channels_dir(state_dir):
-        shutil.rmtree(channel, ignore_errors=True)
+    # Only <state-dir>/channels/<id>, a real directory of this user; never anything else.
+    allocation.remove_channel_dir(state_dir, record)
 
 
 def clean_stale(state_dir: Path) -> list[str]:
@@ -253,12 +251,25 @@ def clean_stale(state_dir: Path) -> list[str]:
 # ---- state directory, admission lock, daemon ----
 
 def prepare_state_dir(state_dir: Path) -> None:
-    # Private to its user, unless it is the node's (root's, shared with the device plugin).
-    mode = 0o755 if os.geteuid() == 0 else 0o700
+    """Create the state directory, or check one that exists: it must be this user's alone (root's
+    may be read by others), or another user could plant links and records in it that make this
+    run truncate, append to or delete the user's files."""
+    uid = os.geteuid()
     try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=mode)
-        paths.allocations_dir(state_dir).mkdir(exist_ok=True, mode=0o755)
-        paths.channels_dir(state_dir).mkdir(exist_ok=True, mode=0o755)
+        state_dir.mkdir(parents=True, exist_ok=True, mode=securedir.allowed_mode(uid))
+        securedir.check_owned_dir(state_dir, uid)
+        allocations = paths.allocations_dir(state_dir)
+        with contextlib.suppress(FileExistsError):
+            allocations.mkdir(mode=0o755)
+        securedir.check_owned_dir(allocations, uid, mode=0o755)
+        securedir.make_dir(paths.channels_dir(state_dir), paths.CHANNELS_DIR_MODE)
+    except securedir.InsecureDirectory as err:
+        fix = ("chown root:root it and chmod go-w it" if uid == 0 else
+               "if it is yours, chmod 0700 it; else remove it (check what it holds first: "
+               "another user made it)")
+        raise RunError(f"refusing state directory {state_dir}: {err}. Another user could plant "
+                       f"files in it. Fix: {fix}, or pass --state-dir DIR naming a directory of "
+                       "your own") from None
     except OSError as err:
         raise RunError(f"cannot use state directory {state_dir}: {err.strerror}; pass "
                        "--state-dir DIR") from None
@@ -266,7 +277,7 @@ def prepare_state_dir(state_dir: Path) -> None:
 
 @contextlib.contextmanager
 def admission_lock(state_dir: Path) -> Iterator[None]:
-    fd = os.open(state_dir / RUN_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = securedir.open_nofollow(state_dir / RUN_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -285,8 +296,9 @@ def ensure_daemon(state_dir: Path) -> subprocess.Popen[bytes] | None:
     package_root = str(Path(vgpu_runtime.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    log_path = state_dir / DAEMON_LOG_NAME
-    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+    log_fd = securedir.open_nofollow(state_dir / DAEMON_LOG_NAME,
+                                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
             # No metrics port: a node's own daemon may hold 9401 already.

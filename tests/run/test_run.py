@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from device_plugin.discovery.simulated import DEFAULT_MEMORY, simulated_uuid
-from tests.childenv import child_env
+from tests.childenv import as_user, child_env
 from tests.run.conftest import stop_daemon
 from tests.scheduler.helpers import make_record, wait_for
 from vgpu_runtime import allocation, paths
@@ -325,16 +326,18 @@ def test_memory_flag_and_simulated_gpus_from_the_environment(state_dir: Path,
     assert finish(proc)[0] == 0
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run as another user")
 def test_non_root_user_gets_a_private_per_user_state_dir(state_dir: Path,
                                                          hook_library: Path) -> None:
-    # The test machine runs as root and /root is closed to other users, so the non-root path
-    # is exercised by faking the effective uid inside gemini-run's own process.
+    uid = 40_000 + os.getpid() % 5_000   # a real other uid (nobody else's on a test machine)
     runtime = state_dir.parent / "xdg"  # short: socket paths must fit in 107 bytes
-    runtime.mkdir()
-    code = ("import os, sys; os.geteuid = lambda: 1000; from vgpu_runtime.run import main; "
-            "sys.exit(main(sys.argv[1:]))")
-    argv = [sys.executable, "-c", code, "--simulate-gpus", "1", "--hook-library",
-            str(hook_library), "--", sys.executable, "-c", PROBE, "0"]
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, uid, uid)
+    library = state_dir.parent / hook_library.name
+    shutil.copy(hook_library, library)
+    argv = as_user(uid, [sys.executable, "-m", "vgpu_runtime.run", "--simulate-gpus", "1",
+                         "--hook-library", str(library), "--", sys.executable, "-c", PROBE, "0"])
     proc = subprocess.Popen(argv, cwd=REPO, env={**ENV, "XDG_RUNTIME_DIR": str(runtime)},
                             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
@@ -342,8 +345,10 @@ def test_non_root_user_gets_a_private_per_user_state_dir(state_dir: Path,
     try:
         seen = probe_started(proc)
         assert seen["env"]["GEMINI_CHANNEL_DIR"].startswith(str(state_dir) + "/")
-        assert (state_dir.stat().st_mode & 0o777) == 0o700
-        assert (Path(seen["env"]["GEMINI_CHANNEL_DIR"]).stat().st_mode & 0o777) == 0o700
+        for directory in (state_dir, paths.channels_dir(state_dir),
+                          Path(seen["env"]["GEMINI_CHANNEL_DIR"])):
+            st = directory.stat()
+            assert (st.st_uid, st.st_mode & 0o777) == (uid, 0o700), directory
         assert finish(proc)[0] == 0
     finally:
         proc.kill()

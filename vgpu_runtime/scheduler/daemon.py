@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import time
 from collections.abc import Coroutine
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.common import securedir
 from vgpu_runtime.scheduler.channel import AllocationChannel, needs_binding
 from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.control import ControlServer, control_socket
@@ -81,6 +81,12 @@ class Daemon:
 
     async def run(self) -> None:
         paths.allocations_dir(self.state_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            # Also on a node whose channels/ an older version made 0755.
+            securedir.make_dir(paths.channels_dir(self.state_dir), paths.CHANNELS_DIR_MODE)
+        except (OSError, securedir.InsecureDirectory) as err:
+            log.error("cannot make the channels directory private; other host users may reach "
+                      "channel sockets", extra={"error": str(err)})
         await self.control.start()
         self._start_optional()
         log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
@@ -220,10 +226,7 @@ class Daemon:
                                                     "reason": reason})
 
     def _remove_channel_dir(self, record: AllocationRecord) -> None:
-        directory = Path(record.channel_dir)
-        # Only a directory this node's layout owns: <state-dir>/channels/<id>.
-        if directory.resolve() == paths.channel_dir(self.state_dir, record.id).resolve():
-            shutil.rmtree(directory, ignore_errors=True)
+        allocation.remove_channel_dir(self.state_dir, record)
 
     def allocation_event(self, event: str, record: AllocationRecord,
                          more: dict[str, object]) -> None:

@@ -1,7 +1,8 @@
 """One daemon per state directory, through an flock on <state-dir>/scheduler.lock.
 
 The kernel drops the lock when the holder exits however it exits, so a crashed daemon never
-blocks the next one. The holder writes its pid into the file, for the message others print.
+blocks the next one. The file is opened without following a link (securedir). The holder
+writes its pid into the file, for the message others print.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import contextlib
 import fcntl
 import os
 from pathlib import Path
+
+from vgpu_runtime.common.securedir import open_nofollow
 
 LOCK_NAME = "scheduler.lock"
 
@@ -31,7 +34,7 @@ def holder_pid(state_dir: str | Path) -> int | None:
 def acquire(state_dir: str | Path) -> int:
     """Take the lock (non-blocking) and return its fd, kept open for the daemon's life."""
     path = lock_path(state_dir)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_nofollow(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -49,9 +52,9 @@ def is_held(state_dir: str | Path) -> bool:
     """True while some daemon holds the lock (used by gemini-run before starting one)."""
     path = lock_path(state_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
+        fd = open_nofollow(path, os.O_RDONLY)
+    except OSError:
+        return False   # none, or not a lock file (a link, a directory): no daemon took it
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
