@@ -6,7 +6,10 @@ For each GPU i of the allocation the channel owns the shared pages token.<i> and
 Socket modes: the channel directory is created 0755 when missing (an allocator that wants it
 private, like gemini-run, creates it 0700 first; existing modes are left alone) and the socket is
 made 0666, so the container's user, whatever its uid, can connect. Isolation between containers
-comes from the directory: each container has only its own channel directory mounted.
+comes from the directories: each container has only its own channel directory mounted, and the
+host's <state-dir>/channels is 0700 (paths.CHANNELS_DIR_MODE), so no host user reaches any.
+Where the allocation's user is known (gemini-run's, whose directory that user made), a peer of
+another uid (SO_PEERCRED) is refused too; so is a connection past max_connections (config.py).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from vgpu_runtime.scheduler.pages import (
     activity_page_path,
     token_page_path,
 )
-from vgpu_runtime.scheduler.peer import peer_cred
+from vgpu_runtime.scheduler.peer import PeerCred, peer_cred
 from vgpu_runtime.scheduler.session import Session
 from vgpu_runtime.scheduler.tokens import GpuTokens, TenantSlot, TokenService
 
@@ -41,6 +44,12 @@ log = logging.getLogger(__name__)
 
 CHANNEL_DIR_MODE = 0o755
 SOCKET_MODE = 0o666
+REFUSED = wire.Packer(wire.const("GM_MSG_ERROR"))
+
+
+class ChannelUnavailable(RecordError):
+    """The record is sound but its channel cannot be made now (no descriptors, no space, a
+    read-only state directory): the daemon tries again, unlike for a record that is wrong."""
 
 
 class AllocationChannel:
@@ -57,6 +66,8 @@ class AllocationChannel:
         self.socket_path = paths.channel_socket(record.channel_dir)
         self._server: asyncio.AbstractServer | None = None
         self._created_dir = False
+        # Only this uid (and root) may connect, where the allocation's user is known.
+        self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.memory_refusals = [0] * len(grants)
         # A kubelet allocation is bound once its record names its pod (pods.py writes it, with
@@ -100,12 +111,15 @@ class AllocationChannel:
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
             self._join_token_schedulers()
+            if self.record.origin == "gemini-run":
+                # gemini-run made the directory as the user whose command connects.
+                self.owner_uid = os.stat(directory).st_uid
             self._server = await asyncio.start_unix_server(self._accept,
                                                            sock=self._listening_socket())
         except OSError as err:
             self._leave_token_schedulers()
             self._close_pages(remove=True)
-            raise RecordError(f"cannot serve channel {self.socket_path}: {err}") from None
+            raise ChannelUnavailable(f"cannot serve channel {self.socket_path}: {err}") from None
         log.info("serving allocation", extra={
             "allocation": self.record.id, "origin": self.record.origin,
             "socket": str(self.socket_path), "gpus": [g.uuid for g in self.grants]})
@@ -217,6 +231,15 @@ class AllocationChannel:
             log.info("client left before identification", extra={"error": str(err)})
             writer.close()
             return
+        config = self.tokens.config
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            log.warning("refusing client: %s", refusal, extra={
+                "allocation": self.record.id, "peer_pid": peer.pid, "peer_uid": peer.uid,
+                "connections": len(self.sessions)})
+            refuse(writer, refusal)
+            return
+        writer.transport.set_write_buffer_limits(high=config.client_send_buffer)
         session = Session(self, reader, writer, peer)
         self.sessions.add(session)
         task = asyncio.current_task()
@@ -228,6 +251,16 @@ class AllocationChannel:
             self.sessions.discard(session)
             if task is not None:
                 self._tasks.discard(task)
+
+    def _refusal(self, peer: PeerCred) -> str | None:
+        """Why this connection may not be served, or None."""
+        if self.owner_uid is not None and peer.uid not in (0, os.geteuid(), self.owner_uid):
+            return (f"uid {peer.uid} is not the owner (uid {self.owner_uid}) of allocation "
+                    f"{self.record.id}")
+        cap = self.tokens.config.max_connections
+        if len(self.sessions) >= cap:
+            return f"allocation {self.record.id} holds {cap} connections (max_connections)"
+        return None
 
     async def close(self, reason: str, removed: bool = True) -> None:
         """Stop serving: no new clients, current ones told why and disconnected, socket gone.
@@ -269,6 +302,17 @@ class AllocationChannel:
             "connections": [s.snapshot() for s in self.sessions],
             "bound": self.bound.is_set(),
         }
+
+
+def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    """One error frame, then the connection is closed (aborted if the client does not read)."""
+    transport = writer.transport
+    transport.write(REFUSED.pack(0, wire.const("GM_ERR_OVER_LIMIT"), 0,
+                                 reason.encode()[:wire.const("GM_REASON_BYTES") - 1]))
+    if transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        transport.close()
 
 
 def needs_binding(record: AllocationRecord) -> bool:

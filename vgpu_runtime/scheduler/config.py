@@ -13,6 +13,15 @@ own additions are what they are:
   pays for holding the token idle after every request (0.5 ms with --preempt-after 0.002 serves
   it within 10 ms on the modelled GPU; see the README's GPU-time section).
 
+What one allocation may use (security, S2), each capped, with defaults a pod of many CUDA
+processes does not reach; past a cap the one connection is refused or dropped, with one log line:
+
+* `max_connections` (1024): connections held at once (one per CUDA process, usually).
+* `client_send_buffer` (64 KiB) and `client_write_timeout` (5 s): replies queued to a client
+  that does not read them, and how long the daemon waits for it to read. A connection reads one
+  64 KiB chunk at a time and answers it before the next, so what it has in flight is bounded by
+  the two together; nothing the daemon does waits longer on one client's socket.
+
 Pod awareness and telemetry (issue 5):
 
 * `bind_timeout` (5 s): how long a kubelet allocation's HELLO waits for its pod to be known
@@ -99,6 +108,17 @@ class SchedulerConfig:
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
+    # ---- what one allocation's clients may use (security, S2) ----
+    max_connections: int = cfg.setting(
+        1024, "connections one allocation may hold at once; past it a new one is refused with "
+        "an error frame", cfg.integer(1, 1_000_000), "N")
+    client_send_buffer: int = cfg.setting(
+        64 * 1024, "bytes of replies queued to one client that is not reading (its frames in "
+        "flight); past it the daemon waits up to client_write_timeout", cfg.integer(
+            4096, 64 << 20), "BYTES")
+    client_write_timeout: float = cfg.setting(
+        5.0, "seconds the daemon waits for one client to read its replies before dropping "
+        "the connection", cfg.number(0.01, 600), "SECONDS")
     # ---- pod awareness (issue 5) ----
     node_name: str = cfg.setting(
         default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
 from vgpu_runtime.common import securedir
-from vgpu_runtime.scheduler.channel import AllocationChannel, needs_binding
+from vgpu_runtime.scheduler.channel import AllocationChannel, ChannelUnavailable, needs_binding
 from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.control import ControlServer, control_socket
 from vgpu_runtime.scheduler.grants import grants_of
@@ -68,6 +68,7 @@ class Daemon:
         self._wake = asyncio.Event()
         self._sync_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._troubles: dict[str, str] = {}   # what failed and was logged -> the error
 
     def stop(self) -> None:
         self._stop.set()
@@ -94,7 +95,13 @@ class Daemon:
                                                     "node": self.config.node_name})
         try:
             while not self._stop.is_set():
-                await self.sync()
+                try:
+                    await self.sync()
+                except OSError as err:
+                    # Exhaustion (descriptors, space, a read-only state directory) must not
+                    # end the daemon: what it serves goes on, and the next poll tries again.
+                    self._trouble("cannot bring the allocations in line with the records",
+                                  "sync", err)
                 self.ready = True
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wait_stop_or_wake(), self.config.poll_interval)
@@ -176,7 +183,14 @@ class Daemon:
             await self._sync()
 
     async def _sync(self) -> None:
-        scan = self.watcher.scan()
+        try:
+            scan = self.watcher.scan()
+        except OSError as err:
+            # No descriptors or memory for a listing: it says nothing about the records, so
+            # every allocation served goes on being served; the next poll tries again.
+            self._trouble("cannot scan the allocation records", "scan", err)
+            return
+        self._troubles.pop("scan", None)
         self.corrupt = dict(scan.corrupt)
         for allocation_id in set(self.channels) - set(scan.records):
             channel = self.channels.pop(allocation_id)
@@ -188,6 +202,12 @@ class Daemon:
                 continue
             try:
                 await self._serve(current, record)
+            except ChannelUnavailable as err:
+                # Out of descriptors or space, or a read-only state directory: tried again at
+                # every poll, logged once.
+                self._trouble("cannot serve allocation yet", record.id, err)
+                self.corrupt[str(paths.allocations_dir(self.state_dir) / f"{record.id}.json")] = (
+                    str(err))
             except RecordError as err:
                 self.watcher.mark_unservable(record, err)
                 self.corrupt[str(paths.allocations_dir(self.state_dir) / f"{record.id}.json")] = (
@@ -201,10 +221,17 @@ class Daemon:
         channel = AllocationChannel(record, grants, self.tokens, self._bind_timeout,
                                     self.pods.poke)
         await channel.start()
+        self._troubles.pop(record.id, None)
         self.channels[record.id] = channel
         self.allocation_event("added", record, {})
         if needs_binding(record):
             self.pods.poke()
+
+    def _trouble(self, message: str, key: str, err: Exception) -> None:
+        """Log a passing failure once while it lasts (it is retried at every poll)."""
+        if self._troubles.get(key) != str(err):
+            self._troubles[key] = str(err)
+            log.error(message, extra={"what": key, "error": str(err)})
 
     def _bind_timeout(self) -> float:
         # Without kubelet's PodResources on this node no pod can be found: never wait.

@@ -1,24 +1,29 @@
 """Watching <state-dir>/allocations/: which records exist now, and which are corrupt.
 
 Polling (every ~0.2 s) keeps this simple and portable. A file is parsed again only when its
-inode, size or mtime changed, so a steady node costs one directory listing per poll.
+inode, size or mtime changed, so a steady node costs one directory listing per poll. A scan
+that runs out of descriptors or memory raises OSError: it says nothing about the records.
 The first scan also removes temporary files left by record writes a crash interrupted
 (gemini-run's, when no plugin owns the node), by the rule in atomicfile.sweep_stale_temps.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord, RecordError, read_record, sweep_temp_files
+from vgpu_runtime.allocation import AllocationRecord, RecordError, decode_record, sweep_temp_files
+from vgpu_runtime.common.securedir import read_nofollow
 
 log = logging.getLogger(__name__)
 
 _Signature = tuple[int, int, int]  # inode, size, mtime_ns
+# Errors of the moment, not of the file: no descriptors, no memory.
+SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,10 @@ class RecordWatcher:
             if cached is None or cached[0] != signature:
                 result: AllocationRecord | RecordError
                 try:
-                    result = read_record(path)
+                    result = decode_record(path, self._read(path))
+                except FileNotFoundError:
+                    seen.discard(path)
+                    continue
                 except RecordError as err:
                     result = err
                     # Logged once per version of the file, never again while it stays the same.
@@ -72,6 +80,18 @@ class RecordWatcher:
         for gone in set(self._cache) - seen:
             del self._cache[gone]
         return Scan(records, corrupt)
+
+    @staticmethod
+    def _read(path: str) -> bytes:
+        """The file's bytes; OSError for a shortage that passes (the scan fails, the daemon
+        keeps what it serves and tries again), RecordError for a file that is wrong."""
+        try:
+            return read_nofollow(path)
+        except OSError as err:
+            if err.errno in SHORTAGES or isinstance(err, FileNotFoundError):
+                raise
+            raise RecordError(f"cannot read allocation record {path}: {err.strerror or err}"
+                              ) from None
 
     def mark_unservable(self, record: AllocationRecord, error: RecordError) -> None:
         """A record that parsed but cannot be served: treat it as corrupt until it changes."""

@@ -61,6 +61,10 @@ TOKEN_GRANT = wire.Packer(MSG_TOKEN_GRANT)
 ERROR = wire.Packer(MSG_ERROR)
 
 
+class ClientStalled(Exception):
+    """The client did not read its replies within client_write_timeout."""
+
+
 class ProtocolError(Exception):
     """The client broke the protocol; `status` goes into the GM_MSG_ERROR it is sent."""
 
@@ -116,6 +120,9 @@ class Session(Waiter):
             log.warning("dropping client: %s", err.reason,
                         extra=self._log_fields(reason=err.reason, status=err.status))
             await self._send_error(err.status, err.reason)
+        except ClientStalled as err:
+            log.warning("dropping client: %s", err, extra=self._log_fields(reason=str(err)))
+            self.writer.transport.abort()   # an error frame would wait behind what it never read
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away mid-write; nothing to answer
         except Exception:
@@ -129,7 +136,10 @@ class Session(Waiter):
             self.channel.connection_closed(self)
             self.writer.close()
             with contextlib.suppress(Exception):
-                await self.writer.wait_closed()
+                # Flushing the last frames waits on the client too: bounded, then aborted.
+                await asyncio.wait_for(self.writer.wait_closed(),
+                                       self.channel.tokens.config.client_write_timeout)
+            self.writer.transport.abort()   # nothing left to flush, or a client that never read
             log.info("client disconnected", extra=self._log_fields(
                 used=[self.channel.ledger.used(g) for g in range(self.channel.ledger.gpu_count)]))
 
@@ -190,7 +200,13 @@ class Session(Waiter):
     async def _drain(self) -> None:
         # drain() only matters once the transport holds unsent bytes; skip its await otherwise.
         if self.writer.transport.get_write_buffer_size():
-            await self.writer.drain()
+            # Bounded: a client that never reads costs its own connection, after a while.
+            timeout = self.channel.tokens.config.client_write_timeout
+            try:
+                await asyncio.wait_for(self.writer.drain(), timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled(f"the client read none of its replies for {timeout:g} s "
+                                    "(client_write_timeout)") from None
 
     async def _send_error(self, status: int, reason: str) -> None:
         with contextlib.suppress(Exception):
@@ -335,10 +351,19 @@ class Session(Waiter):
         self.writer.write(TOKEN_GRANT.pack(seq, gpu, C("GM_OK"), generation, valid_until_ns))
 
     async def close(self, status: int, reason: str) -> None:
-        """The allocation is going away: tell the client why, then close its connection."""
+        """The allocation is going away: tell the client why, then close its connection.
+
+        Never waits on the client: this runs under the daemon's sync lock, where waiting for a
+        client that does not read stalled every allocation of the node. A client whose replies
+        are still queued gets its connection aborted (the frame would wait behind them)."""
         self.closing_status = status
-        await self._send_error(status, reason)
-        self.writer.close()
+        transport = self.writer.transport
+        if not transport.is_closing():
+            transport.write(ERROR.pack(0, status, 0, reason.encode()[:REASON_BYTES - 1]))
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
 
     def snapshot(self) -> dict[str, Any]:
         held: dict[str, dict[str, int]] = {}

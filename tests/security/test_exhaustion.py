@@ -1,0 +1,227 @@
+"""S2, S7, S8 (peers): one tenant's misbehaviour ends that tenant's connection, never the daemon.
+
+A real gemini-scheduler serves real records; the attacker is a plain socket client of one
+allocation. Each test then checks that the node goes on: the other allocation's client still
+reserves, and a record written afterwards is served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.childenv import as_user, child_env
+from tests.scheduler.helpers import DaemonProcess, make_record, wait_for, wait_served
+from vgpu_runtime import allocation, paths, wire
+from vgpu_runtime.scheduler.client import ChannelClient
+
+C = wire.const
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="gx-"))   # short: socket paths must fit 107 bytes
+    yield root / "state"
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def connected(path: Path) -> ChannelClient:
+    client = ChannelClient(path)
+    client.hello()
+    return client
+
+
+def log_lines(daemon: DaemonProcess, message: str) -> list[dict[str, object]]:
+    lines = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
+    return [line for line in lines if line.get("msg", "").startswith(message)]  # type: ignore[union-attr]
+
+
+def test_connections_past_the_cap_are_refused_one_by_one(state_dir: Path) -> None:
+    """Pass: the connection past --max-connections gets GM_MSG_ERROR naming the setting and one
+    log line; the others, and the other allocation, are served as before."""
+    state_dir.mkdir(parents=True)
+    daemon = DaemonProcess(state_dir, "--max-connections", "8").wait_ready()
+    try:
+        mine, other = make_record(state_dir), make_record(state_dir)
+        clients = [connected(wait_served(mine)) for _ in range(8)]
+        bystander = connected(wait_served(other))
+        for attempt in range(3):
+            with ChannelClient(paths.channel_socket(mine.channel_dir)) as extra:
+                # Refused on accept, before it says anything (a hello may meet a closed socket).
+                refused = extra.recv_frame()
+                assert refused is not None and wire.frame_type(refused) == C("GM_MSG_ERROR")
+                assert refused.status == C("GM_ERR_OVER_LIMIT")
+                assert "max_connections" in wire.text_field(refused.reason)
+                assert extra.recv_frame() is None
+            wait_for(lambda n=attempt: len(log_lines(daemon, "refusing client")) == n + 1,
+                     what="one log line per refused connection")
+        assert all(c.reserve(0, MiB).granted for c in clients)
+        assert bystander.reserve(0, MiB).granted
+        clients.pop().close()
+        wait_for(lambda: len(daemon.allocation(mine.id)["connections"]) == 7)
+        connected(paths.channel_socket(mine.channel_dir)).close()   # room again
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
+def test_the_daemon_survives_running_out_of_descriptors(state_dir: Path) -> None:
+    """Old code: os.scandir raised EMFILE, which nothing caught, and the daemon exited. Pass: it
+    runs on, keeps serving its allocations, and serves a new record once descriptors are free."""
+    state_dir.mkdir(parents=True)
+    daemon = DaemonProcess(state_dir, nofile=64).wait_ready()
+    hostile: list[socket.socket] = []
+    try:
+        mine, other = make_record(state_dir), make_record(state_dir)
+        bystander = connected(wait_served(other))
+        path = wait_served(mine)
+        for _ in range(120):   # past the daemon's 64 descriptors; the backlog holds the rest
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(str(path))
+            hostile.append(sock)
+        wait_for(lambda: "Too many open files" in daemon.logs(), what="EMFILE in the daemon")
+        late = make_record(state_dir)
+        time.sleep(1.0)   # 20 polls that cannot list the records
+        assert daemon.proc.poll() is None, daemon.logs()
+        assert bystander.reserve(0, MiB).granted
+        for sock in hostile:
+            sock.close()
+        hostile.clear()
+        wait_served(late, timeout=10)
+        connected(paths.channel_socket(late.channel_dir)).close()
+        assert bystander.reserve(0, MiB).granted
+    finally:
+        for sock in hostile:
+            sock.close()
+        assert daemon.stop() == 0, daemon.logs()
+
+
+def _stall(path: Path) -> socket.socket:
+    """A client that says hello, then sends requests and never reads a reply, until the daemon
+    stops reading from it (its replies fill both socket buffers and the daemon's own)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(path))
+    sock.sendall(wire.encode(wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)))
+    request = wire.encode(wire.new(C("GM_MSG_MEM_SET"), gpu=0, kind=C("GM_MEM_DEVICE"),
+                                   bytes=MiB)) * 256
+    sock.setblocking(False)
+    stalled_since = time.monotonic()
+    while time.monotonic() - stalled_since < 1.0:
+        try:
+            sock.send(request)
+            stalled_since = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.01)
+        except (BrokenPipeError, ConnectionResetError):
+            break   # the daemon dropped it already
+    return sock
+
+
+def test_closing_a_channel_does_not_wait_for_a_client_that_never_reads(
+        state_dir: Path) -> None:
+    """Old code: removing the allocation sent its client the error frame and waited, under the
+    daemon's sync lock, for it to be read: no record of the node was served meanwhile. Pass: a
+    record written after the removal is served at once, and the stalled client is cut off.
+    (--client-write-timeout is long so that only the close path is tested.)"""
+    state_dir.mkdir(parents=True)
+    daemon = DaemonProcess(state_dir, "--client-write-timeout", "600").wait_ready()
+    try:
+        doomed = make_record(state_dir)
+        stuck = _stall(wait_served(doomed))
+        allocation.remove_record(state_dir, doomed.id)
+        late = make_record(state_dir)
+        start = time.monotonic()
+        wait_served(late, timeout=10)
+        assert time.monotonic() - start < 3, "the close waited on the stalled client"
+        connected(paths.channel_socket(late.channel_dir)).close()
+        stuck.setblocking(True)
+        stuck.settimeout(10)
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            while stuck.recv(1 << 20):
+                pass
+            raise ConnectionResetError   # EOF: closed all the same
+        stuck.close()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
+def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(
+        state_dir: Path) -> None:
+    state_dir.mkdir(parents=True)
+    daemon = DaemonProcess(state_dir, "--client-write-timeout", "0.5").wait_ready()
+    try:
+        record = make_record(state_dir)
+        path = wait_served(record)
+        bystander = connected(path)
+        stuck = _stall(path)
+        wait_for(lambda: log_lines(daemon, "dropping client: the client read none"),
+                 timeout=10, what="the stalled client dropped")
+        wait_for(lambda: len(daemon.allocation(record.id)["connections"]) == 1)
+        assert bystander.reserve(0, MiB).granted
+        stuck.close()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
+# ---- S8: a known user's channel takes only that user ----
+
+CONNECT = textwrap.dedent("""
+    import sys
+    from vgpu_runtime import wire
+    from vgpu_runtime.scheduler.client import ChannelClient, ChannelClosed
+    with ChannelClient(sys.argv[1]) as client:
+        try:
+            print(client.hello().allocation_id)
+        except ChannelClosed as err:
+            print("refused", err.reason)
+        except OSError:   # refused on accept, before the hello went out
+            print("refused", wire.text_field(client.recv_frame().reason))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to connect as other users")
+def test_a_gemini_run_channel_refuses_peers_of_another_uid(state_dir: Path) -> None:
+    """Even where its directory lets others in (here made 0755 on purpose), a gemini-run
+    allocation's socket serves only the uid that made the directory, and root."""
+    owner, stranger = 42_000 + os.getpid() % 5_000, 47_000 + os.getpid() % 5_000
+    state_dir.mkdir(parents=True)
+    state_dir.parent.chmod(0o755)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    try:
+        record = allocation.AllocationRecord(
+            **{**make_record(state_dir, allocation.new_run_id(), origin="gemini-run").__dict__})
+        channel = Path(record.channel_dir)
+        allocation.remove_record(state_dir, record.id)
+        wait_for(lambda: daemon.allocation(record.id) is None)
+        channel.mkdir(mode=0o755, exist_ok=True)
+        os.chown(channel, owner, owner)
+        paths.channels_dir(state_dir).chmod(0o711)   # loosened by hand: the check must hold
+        allocation.write_record(state_dir, record)
+        path = wait_served(record)
+
+        def hello_as(uid: int) -> str:
+            done = subprocess.run(as_user(uid, [sys.executable, "-c", CONNECT, str(path)]),
+                                  cwd=REPO, env=child_env(), capture_output=True, text=True,
+                                  timeout=30)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.strip()
+
+        assert hello_as(owner) == record.id
+        answer = hello_as(stranger)
+        assert answer.startswith("refused") and f"uid {stranger} is not the owner" in answer
+        assert connected(path).hello().allocation_id == record.id   # root
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
