@@ -142,7 +142,7 @@ static int unbook(uint64_t key, uint64_t *bytes, int *dev, int *pool) {
 }
 
 /* ---- pools: pool i+1 is device i's default pool; created pools follow ---- */
-#define MAX_POOLS 16
+#define MAX_POOLS 128   /* pool handles are 1..MAX_POOLS; 1+d is device d's default */
 static struct { int dev; uint64_t used, reserved; } pools[MAX_POOLS + 1];
 static uint64_t graph_reserved[MAX_DEVICES];
 

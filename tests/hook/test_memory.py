@@ -184,6 +184,27 @@ def test_pool_growth_and_trim_are_declared_and_overflow_is_undone(
         proc.wait()
 
 
+def test_every_pool_is_measured_however_many(hooked: Hooked, node: Node) -> None:
+    """S4: the hook tracked 64 pools; allocations from the 65th on were never measured (4 GiB
+    each went through against a 1 GiB limit). Pass: pool 66 and 67 are refused like the first."""
+    result = hooked.python("""
+        lib = cuda()
+        context(lib)
+        ptr = ctypes.c_uint64()
+        def from_pool(pool, size):
+            return lib.cuMemAllocFromPoolAsync(ctypes.byref(ptr), ctypes.c_size_t(size),
+                                               ctypes.c_void_p(pool), None)
+        small = [from_pool(pool, 2**20) for pool in range(2, 68)]   # 66 pools (1: the default)
+        big = [from_pool(pool, 4 * 2**30) for pool in (66, 67)]
+        print(json.dumps({"small": small, "big": big, "stats": stats()}))
+    """, node.env())
+    assert result["small"] == [0] * 66
+    assert result["big"] == [2, 2]                           # CUDA_ERROR_OUT_OF_MEMORY, both
+    assert node.used() == 0                                   # the process exited: all released
+    stats = result["stats"]
+    assert isinstance(stats, dict) and stats["bytes_held"] == 66 * 2 * MiB   # 2 MiB chunks
+
+
 def test_vmm_managed_pitch_and_arrays_count_and_free(hooked: Hooked, node: Node) -> None:
     result = hooked.python("""
         class Prop(ctypes.Structure):

@@ -20,7 +20,7 @@ GM_HIDDEN int gm_gpu_checked(int gpu, CUresult *error);
 GM_HIDDEN CUresult gm_reserve(int gpu, uint32_t kind, uint64_t bytes);
 GM_HIDDEN void gm_release(int gpu, uint32_t kind, uint64_t bytes);
 /* pools.c */
-GM_HIDDEN void gm_track_pool(CUmemoryPool pool, int gpu);
+GM_HIDDEN int gm_track_pool(CUmemoryPool pool, int gpu);   /* -1: out of memory */
 GM_HIDDEN int gm_account_pools(int gpu, int may_wait);   /* 0 ok, -1 refused or unreachable */
 GM_HIDDEN int gm_stream_capturing(CUstream stream, int per_thread);
 /* arrays.c */

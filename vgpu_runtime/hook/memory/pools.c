@@ -16,28 +16,44 @@
  * Nothing here runs for a stream that is being captured: there, allocations become graph
  * nodes and are accounted when the graph runs.
  */
+#include <stdlib.h>
+
 #include "memory.h"
 
-#define MAX_POOLS 64
-
+/* Every pool the process allocated from, however many: a pool left out would never be
+ * measured, and what it holds would escape the limit. The table grows; when it cannot, the
+ * allocation is refused (fails closed). */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static struct {
+static struct pool_entry {
     CUmemoryPool pool;
     int gpu;
-} pools[MAX_POOLS];
+} *pools;
+static int pool_capacity;
 static _Atomic int pool_count;
 
-void gm_track_pool(CUmemoryPool pool, int gpu) {
-    if (pool == NULL) return;
+int gm_track_pool(CUmemoryPool pool, int gpu) {
+    if (pool == NULL) return 0;
     pthread_mutex_lock(&lock);
-    int n = atomic_load(&pool_count), known = 0;
-    for (int i = 0; i < n; i++) known |= pools[i].pool == pool;
-    if (!known && n < MAX_POOLS) {
-        pools[n].pool = pool;
-        pools[n].gpu = gpu;
-        atomic_store(&pool_count, n + 1);
+    int n = atomic_load(&pool_count), rc = 0;
+    for (int i = 0; i < n; i++)
+        if (pools[i].pool == pool) goto done;
+    if (n == pool_capacity) {
+        int capacity = pool_capacity == 0 ? 64 : pool_capacity < (1 << 24) ? pool_capacity * 2 : 0;
+        struct pool_entry *grown =
+            capacity ? realloc(pools, (size_t)capacity * sizeof *pools) : NULL;
+        if (grown == NULL) {
+            rc = -1;
+            goto done;
+        }
+        pools = grown;
+        pool_capacity = capacity;
     }
+    pools[n].pool = pool;
+    pools[n].gpu = gpu;
+    atomic_store(&pool_count, n + 1);
+done:
     pthread_mutex_unlock(&lock);
+    return rc;
 }
 
 /* Measure the pools of `gpu` (or of every GPU for -1) and declare what changed. */
@@ -94,7 +110,12 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool
     CUmemoryPool used_pool = pool;
     if (used_pool == NULL && GM_REAL(cuDeviceGetMemPool)(&used_pool, dev) != CUDA_SUCCESS)
         used_pool = NULL;
-    gm_track_pool(used_pool, gpu);
+    if (gm_track_pool(used_pool, gpu) < 0) {
+        gm_warn("out of host memory to track memory pool %p; refusing its allocation",
+                (void *)used_pool);
+        GM_COUNT(mem_refused, 1);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     uint64_t before = gm_held_get((uint32_t)gpu, GM_MEM_POOL);
     CUresult result = CALL_REAL();
 #undef CALL_REAL
