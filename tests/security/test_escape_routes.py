@@ -27,7 +27,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
-from tests.childenv import child_env
+from tests.childenv import as_user, child_env
 from tests.gpu.replay import mount_points_cleaned, replay_argv, replay_script
 from vgpu_runtime import paths
 from vgpu_runtime.hook import build
@@ -189,3 +189,64 @@ def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
         assert _probe(env, wrap=replay_argv(script.removesuffix(" true"))) is True
     after = host_preload.read_bytes() if host_preload.exists() else None
     assert after == before, "the host's own preload file must be untouched"
+
+
+# ---- S6: the hook's file-writing debug variable ----
+
+def _mount_namespaces_usable() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None:
+        return False
+    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
+                           timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _mount_namespaces_usable(),
+                    reason="needs root, unshare -m and setpriv for a private /etc and a user")
+def test_hook_stats_is_ignored_in_a_setuid_program(hook_lib: Path, tmp_path: Path) -> None:
+    """With the hook in /etc/ld.so.preload (preload-file injection), a user ran the setuid
+    `mount --version` with GEMINI_HOOK_STATS naming a root-only file: the hook, running as root,
+    overwrote it. Pass: under AT_SECURE the variable is ignored and the file is as it was."""
+    mount = shutil.which("mount")
+    assert mount is not None and os.stat(mount).st_mode & 0o4000, "mount is not setuid here"
+    secret = tmp_path / "root-only"
+    secret.write_text("root's secret\n")
+    secret.chmod(0o600)
+    uid = 46_000 + os.getpid() % 3_000
+    setup = (f"mount -t tmpfs none /mnt && cp -a /etc/. /mnt/ && "
+             f"echo {hook_lib} > /mnt/ld.so.preload && mount --bind /mnt /etc && "
+             f"exec setpriv --reuid={uid} --regid={uid} --clear-groups {mount} --version")
+    done = subprocess.run(replay_argv(setup), env={**child_env(), "GEMINI_HOOK_STATS": str(secret)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "mount from util-linux" in done.stdout
+    assert secret.read_text() == "root's secret\n"
+
+
+def test_hook_stats_never_follows_a_link_nor_writes_anothers_file(hook_lib: Path,
+                                                                  tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_text("kept\n")
+    link = tmp_path / "stats"
+    link.symlink_to(target)
+    env = {**child_env(), "LD_PRELOAD": str(hook_lib), "GEMINI_HOOK_STATS": str(link)}
+    subprocess.run(["/bin/true"], env=env, check=True, timeout=30)
+    assert target.read_text() == "kept\n" and link.is_symlink()
+    if os.geteuid() == 0 and shutil.which("setpriv"):
+        # A file of another user that this one may write (mode 0666): not this process's own.
+        user = 43_000 + os.getpid() % 3_000
+        os.chown(target, user + 1, user + 1)
+        target.chmod(0o666)
+        own = tmp_path / "own"
+        own.mkdir()
+        os.chown(own, user, user)
+        for stats in (target, own / "stats"):
+            subprocess.run(as_user(user, ["/bin/true"]), env={**env, "GEMINI_HOOK_STATS":
+                                                               str(stats)}, check=True, timeout=30)
+        assert target.read_text() == "kept\n"
+        assert (own / "stats").stat().st_uid == user   # the hook was loaded, and wrote its own
+    plain = tmp_path / "plain"
+    subprocess.run(["/bin/true"], env={**env, "GEMINI_HOOK_STATS": str(plain)}, check=True,
+                   timeout=30)
+    assert "bytes_held=0" in plain.read_text()   # the variable still works where it is safe
+    assert plain.stat().st_mode & 0o077 == 0

@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/auxv.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "hook.h"
@@ -21,8 +23,12 @@ GM_EXPORT int gemini_hook_stats(struct gemini_hook_stats *out) {
     return 0;
 }
 
-/* GEMINI_HOOK_STATS=<path>: key=value lines at exit, for tools that cannot call in. */
+/* GEMINI_HOOK_STATS=<path>: key=value lines at exit, for tools that cannot call in.
+ * The path comes from whoever set the environment, so: ignored in a setuid, setgid or
+ * capability-raising program (AT_SECURE: the environment is not the program's user's), and
+ * written only as a regular file this process owns, never through a link. */
 __attribute__((destructor)) static void dump_stats_at_exit(void) {
+    if (getauxval(AT_SECURE)) return;
     const char *path = getenv("GEMINI_HOOK_STATS");
     if (path == NULL || path[0] == '\0') return;
     struct gemini_hook_stats s;
@@ -36,8 +42,12 @@ __attribute__((destructor)) static void dump_stats_at_exit(void) {
                       (unsigned long long)s.name);
     GEMINI_HOOK_COUNTERS(DUMP)
 #undef DUMP
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0 || n < 0) return;
-    (void)!write(fd, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1);
+    if (n < 0) return;
+    int fd = open(path, O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    struct stat st;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+        ftruncate(fd, 0) == 0)
+        (void)!write(fd, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1);
     close(fd);
 }
