@@ -28,7 +28,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
-from tests.childenv import child_env
+from tests.childenv import as_user, child_env
 from tests.gpu.replay import created_mount_points, replay_argv, replay_script
 from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
@@ -284,3 +284,31 @@ def test_a_replayed_container_sees_only_its_own_channel(node: Node) -> None:
     assert not seen["writable"], "the channel mount must be read-only"
     assert seen["lib"] == [paths.HOOK_LIBRARY_NAME]
     assert not (Path(node.a.record.channel_dir) / "planted").exists()
+
+
+def test_a_replayed_container_of_a_non_root_uid_uses_its_channel(node: Node) -> None:
+    """S8: channels/ on the host is 0700; a container reaches its own channel through the bind
+    mount of the leaf, whatever uid it runs as (a real other uid here, through setpriv)."""
+    reason = _replay_skip()
+    if reason or shutil.which("setpriv") is None:
+        pytest.skip(reason or "needs setpriv to run as another uid")
+    assert stat.S_IMODE(paths.channels_dir(node.state_dir).stat().st_mode) == 0o700
+    lib = node.config.host_hook_dir
+    lib.mkdir(parents=True, exist_ok=True)
+    (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
+    created = created_mount_points(node.b.response)
+    uid = 44_000 + os.getpid() % 3_000
+    script = replay_script(node.b.response, as_user(uid, [
+        sys.executable, "-c", INSIDE, paths.CHANNEL_SOCKET_NAME, paths.CONTAINER_LIB_DIR]))
+    try:
+        proc = subprocess.run(replay_argv(script), capture_output=True, text=True, timeout=60,
+                              env=child_env(), cwd=REPO)
+    finally:
+        for path in created:
+            shutil.rmtree(path, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["me"] == node.b.record.id and not seen["writable"]
+    peers = {c["uid"] for c in node.daemon.allocation(node.b.record.id)["connections"]}
+    assert uid not in peers   # it has gone; while connected the daemon saw its real uid
+    assert f'"peer_uid": {uid}' in node.daemon.logs()
