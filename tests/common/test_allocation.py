@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.readonly import read_only_call
 from vgpu_runtime import allocation as alloc
 from vgpu_runtime import paths
 from vgpu_runtime.common import atomicfile
@@ -50,17 +51,19 @@ def test_rewrite_replaces_and_leaves_no_temporary_files(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "allocations").iterdir()] == [f"{record.id}.json"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_state_dir_fails_clearly_and_keeps_the_old_record(tmp_path: Path) -> None:
     record = sample()
     alloc.write_record(tmp_path, record)
-    (tmp_path / "allocations").chmod(0o555)
-    try:
-        with pytest.raises(alloc.RecordError, match="cannot write"):
+
+    def rewrite() -> str:
+        with pytest.raises(alloc.RecordError, match="cannot write") as refused:
             alloc.write_record(tmp_path, sample(limit=0.9))
-    finally:
-        (tmp_path / "allocations").chmod(0o755)
+        return str(refused.value)
+
+    message = read_only_call(tmp_path / "allocations", rewrite)
+    assert ("Read-only file system" if os.geteuid() == 0 else "Permission denied") in message
     assert alloc.read_record(alloc.record_path(tmp_path, record.id)) == record
+    assert [p.name for p in (tmp_path / "allocations").iterdir()] == [f"{record.id}.json"]
 
 
 def test_failed_rename_keeps_the_old_record(

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
+from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 
 GIB = 1 << 30
@@ -240,23 +240,19 @@ def test_state_dir_too_long_for_channel_socket(make: Make, short_dir: Path) -> N
     assert not long_state.exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
 def test_read_only_state_dir_fails_clearly_and_damages_nothing(make: Make) -> None:
-    _read_only_case(make)
-
-
-def _read_only_case(make: Make) -> None:
     allocator, table, _ = make()
     kept = allocator.allocate(slice_ids(table, 0, 2))
     records = paths.allocations_dir(allocator.config.state_dir)
     snapshot = {p.name: p.read_bytes() for p in records.iterdir()}
-    os.chmod(records, 0o555)
-    try:
+
+    def refused() -> tuple[grpc.StatusCode, str]:
         err = rejected(allocator, slice_ids(table, 1, 2))
-    finally:
-        os.chmod(records, 0o755)
-    assert err.code == grpc.StatusCode.INTERNAL
-    assert "cannot store allocation" in err.message and "writable" in err.message
+        return err.code, err.message
+
+    code, message = read_only_call(records, refused)
+    assert code == grpc.StatusCode.INTERNAL
+    assert "cannot store allocation" in message and "writable" in message
     assert {p.name: p.read_bytes() for p in records.iterdir()} == snapshot
     new_channel = paths.channel_dir(allocator.config.state_dir,
                                     allocation.id_for_devices(slice_ids(table, 1, 2)))
@@ -272,6 +268,7 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
+from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)
 table = SliceTable(SimulatedBackend(2).discover(), 10)
