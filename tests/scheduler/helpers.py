@@ -68,14 +68,16 @@ def wait_served(record: AllocationRecord, timeout: float = 5.0) -> Path:
 class DaemonProcess:
     """gemini-scheduler run as `python -m vgpu_runtime.scheduler`, logs to a file."""
 
-    def __init__(self, state_dir: Path, *extra: str, nofile: int | None = None) -> None:
-        """`nofile`: the daemon's descriptor limit, soft and hard (it raises soft to hard)."""
+    def __init__(self, state_dir: Path, *extra: str, nofile: int | None = None,
+                 wrap: tuple[str, ...] = ()) -> None:
+        """`nofile`: the daemon's descriptor limit, soft and hard (it raises soft to hard);
+        `wrap`: a command line the daemon's is appended to (it must exec it)."""
         self.state_dir = state_dir
         self.log_path = state_dir.parent / f"{state_dir.name}-scheduler.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process
         limit = [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
         self.proc = subprocess.Popen(
-            [*limit, sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir",
+            [*wrap, *limit, sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir",
              str(state_dir), "--poll-interval", "0.05", "--log-format", "json", *extra],
             cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
             env=child_env())

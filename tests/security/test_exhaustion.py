@@ -225,3 +225,47 @@ def test_a_gemini_run_channel_refuses_peers_of_another_uid(state_dir: Path) -> N
         assert connected(path).hello().allocation_id == record.id   # root
     finally:
         assert daemon.stop() == 0, daemon.logs()
+
+
+def _mount_namespaces_usable() -> bool:
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("nsenter"):
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs none /mnt"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _mount_namespaces_usable(),
+                    reason="needs root, unshare -m and nsenter to make the state dir read-only")
+def test_a_read_only_state_dir_keeps_what_is_served_and_serves_the_rest_once_writable(
+        state_dir: Path) -> None:
+    """The daemon's view of its channels directory becomes a read-only bind mount (in its own
+    mount namespace; the host still writes records). Old code: a record that arrived meanwhile
+    was marked unservable for good. Pass: the daemon runs on, its allocation is served, the
+    new record's failure is logged once, and it is served once the directory is writable."""
+    state_dir.mkdir(parents=True)
+    wrap = ("unshare", "-m", "--propagation", "private")
+    daemon = DaemonProcess(state_dir, wrap=wrap).wait_ready()
+    channels = str(paths.channels_dir(state_dir))
+
+    def in_daemons_namespace(script: str) -> None:
+        # A read-only mount on top of channels/ (a remount of one holding files open for
+        # writing, as the daemon's pages are, is refused); lazily unmounted to end it.
+        done = subprocess.run(["nsenter", "-t", str(daemon.proc.pid), "-m", "sh", "-c", script,
+                               "sh", channels], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+
+    try:
+        kept = connected(wait_served(make_record(state_dir)))
+        in_daemons_namespace('mount --bind "$1" "$1" && mount -o remount,bind,ro "$1"')
+        late = make_record(state_dir)
+        wait_for(lambda: log_lines(daemon, "cannot serve allocation yet"), what="the failure")
+        time.sleep(0.5)   # ten polls: still one line
+        assert len(log_lines(daemon, "cannot serve allocation yet")) == 1
+        assert "Read-only file system" in daemon.logs()
+        assert kept.reserve(0, MiB).granted and daemon.proc.poll() is None
+        in_daemons_namespace('umount -l "$1"')
+        wait_served(late, timeout=10)
+        connected(paths.channel_socket(late.channel_dir)).close()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
