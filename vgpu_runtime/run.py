@@ -16,6 +16,10 @@ an flock on <state-dir>/run.lock; the device plugin does not take it, so a kubel
 racing a gemini-run on the same GPU can still overcommit (on a Kubernetes node gemini-run
 allocations are outside kubelet's accounting anyway).
 
+State directory: it must be this user's alone (root's may be read by others, not written; a
+user's is 0700), or gemini-run refuses it; files in it are opened without following links, and
+nothing is removed but <state-dir>/channels/<id> directories of this user (securedir.py).
+
 Stale records: a gemini-run that was SIGKILLed cannot remove its record. The next gemini-run on
 the same state directory removes records whose owner process is gone (or whose pid now belongs
 to a process started after the record: pid reuse). The daemon does not do it, because it may run
