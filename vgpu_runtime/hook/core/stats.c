@@ -3,8 +3,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/stat.h>
 #include <sys/auxv.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "hook.h"
@@ -21,6 +23,15 @@ GM_EXPORT int gemini_hook_stats(struct gemini_hook_stats *out) {
     GEMINI_HOOK_COUNTERS(LOAD)
 #undef LOAD
     return 0;
+}
+
+/* A regular file of this process's user? Through the statx system call, a fixed kernel ABI:
+ * glibc's fstat symbol is 2.33's, and the hook loads on 2.17. No answer (a kernel before 4.11)
+ * is a no: nothing is written. */
+static int own_regular_file(int fd) {
+    struct statx st;
+    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_TYPE | STATX_UID, &st) != 0) return 0;
+    return S_ISREG(st.stx_mode) && st.stx_uid == geteuid();
 }
 
 /* GEMINI_HOOK_STATS=<path>: key=value lines at exit, for tools that cannot call in.
@@ -45,9 +56,7 @@ __attribute__((destructor)) static void dump_stats_at_exit(void) {
     if (n < 0) return;
     int fd = open(path, O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
     if (fd < 0) return;
-    struct stat st;
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
-        ftruncate(fd, 0) == 0)
+    if (own_regular_file(fd) && ftruncate(fd, 0) == 0)
         (void)!write(fd, text, (size_t)n < sizeof text ? (size_t)n : sizeof text - 1);
     close(fd);
 }
