@@ -443,6 +443,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RunError, allocation.RecordError) as err:
         print(f"gemini-run: {err}", file=sys.stderr)
         return 125
+    except OSError as err:   # e.g. a link where the lock or the log file goes (ELOOP)
+        print(f"gemini-run: {err}; check the state directory", file=sys.stderr)
+        return 125
 
 
 if __name__ == "__main__":

@@ -219,3 +219,18 @@ def test_check_owned_dir_names_what_is_wrong(tmp_path: Path) -> None:
         securedir.check_owned_dir(tmp_path / "link", os.geteuid())
     with pytest.raises(securedir.InsecureDirectory, match="owned by uid"):
         securedir.check_owned_dir(tmp_path / "d", os.geteuid() + 1)
+
+
+def test_a_link_in_the_users_own_state_dir_is_a_clear_error(tmp_path: Path) -> None:
+    """Even in a directory that passes the check (here root's own), the lock is not followed."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o755)
+    target = tmp_path / "target"
+    target.write_text("kept\n")
+    os.symlink(target, state / "run.lock")
+    argv = [sys.executable, "-m", "vgpu_runtime.run", "--simulate-gpus", "1", "--state-dir",
+            str(state), "--hook-library", "/bin/true", "--", "/bin/true"]
+    done = subprocess.run(argv, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 125 and "run.lock" in done.stderr, done.stderr
+    assert target.read_text() == "kept\n"
