@@ -97,6 +97,7 @@ class Daemon:
             while not self._stop.is_set():
                 try:
                     await self.sync()
+                    self._troubles.pop("sync", None)
                 except OSError as err:
                     # Exhaustion (descriptors, space, a read-only state directory) must not
                     # end the daemon: what it serves goes on, and the next poll tries again.
