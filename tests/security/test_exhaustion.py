@@ -99,7 +99,12 @@ def test_the_daemon_survives_running_out_of_descriptors(state_dir: Path) -> None
         for sock in hostile:
             sock.close()
         hostile.clear()
+        freed = time.monotonic()
         wait_served(late, timeout=10)
+        emfile_lines = daemon.logs().count("Too many open files")
+        print(f"new record served {time.monotonic() - freed:.3f} s after the descriptors were "
+              f"freed; {emfile_lines} EMFILE log lines")
+        assert emfile_lines <= 4, "asyncio's line per failed accept is not rate-limited"
         connected(paths.channel_socket(late.channel_dir)).close()
         assert bystander.reserve(0, MiB).granted
     finally:
@@ -144,7 +149,9 @@ def test_closing_a_channel_does_not_wait_for_a_client_that_never_reads(
         late = make_record(state_dir)
         start = time.monotonic()
         wait_served(late, timeout=10)
-        assert time.monotonic() - start < 3, "the close waited on the stalled client"
+        served_after = time.monotonic() - start
+        print(f"record served {served_after:.3f} s after the stalled allocation's removal")
+        assert served_after < 3, "the close waited on the stalled client"
         connected(paths.channel_socket(late.channel_dir)).close()
         stuck.setblocking(True)
         stuck.settimeout(10)

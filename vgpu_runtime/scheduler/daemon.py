@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"   # asyncio's message
+ACCEPT_LOG_INTERVAL = 10.0
+
 
 class Daemon:
     def __init__(self, config: SchedulerConfig) -> None:
@@ -69,6 +72,8 @@ class Daemon:
         self._sync_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._troubles: dict[str, str] = {}   # what failed and was logged -> the error
+        self._accept_failures = 0
+        self._accept_logged = -ACCEPT_LOG_INTERVAL
 
     def stop(self) -> None:
         self._stop.set()
@@ -88,6 +93,7 @@ class Daemon:
         except (OSError, securedir.InsecureDirectory) as err:
             log.error("cannot make the channels directory private; other host users may reach "
                       "channel sockets", extra={"error": str(err)})
+        asyncio.get_running_loop().set_exception_handler(self._on_loop_error)
         await self.control.start()
         self._start_optional()
         log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
@@ -227,6 +233,21 @@ class Daemon:
         self.allocation_event("added", record, {})
         if needs_binding(record):
             self.pods.poke()
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio logs, with a traceback, every accept that fails for want of descriptors: a
+        hundred lines a second per socket while a tenant holds them all. One line per
+        ACCEPT_LOG_INTERVAL instead, with the count; anything else as asyncio would."""
+        if not str(context.get("message", "")).startswith(ACCEPT_OUT_OF_RESOURCES):
+            loop.default_exception_handler(context)
+            return
+        self._accept_failures += 1
+        now = time.monotonic()
+        if now - self._accept_logged >= ACCEPT_LOG_INTERVAL:
+            log.error("cannot accept connections (out of descriptors or memory); each socket "
+                      "retries every second", extra={"error": str(context.get("exception")),
+                                                     "failed_accepts": self._accept_failures})
+            self._accept_logged, self._accept_failures = now, 0
 
     def _trouble(self, message: str, key: str, err: Exception) -> None:
         """Log a passing failure once while it lasts (it is retried at every poll)."""
