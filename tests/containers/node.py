@@ -43,6 +43,9 @@ SLICES = 10
 GPU_MEMORY = 16 * GiB
 DRIVER_IN_CONTAINER = "/opt/nvidia/lib64"   # outside the read-only host /usr
 PROGRAM = Path(__file__).resolve().parent / "launch_loop.py"
+# The daemon reports shares over this many seconds: the tests' launch loops last as long, so
+# a share sampled as a loop ends is the loop's.
+SHARE_WINDOW_S = 3.0
 POD_RESOURCES_FAST = ("--pod-resources-interval", "0.1", "--pod-resources-min-interval", "0.05")
 
 
@@ -188,6 +191,14 @@ class ContainerNode:
         assert self.daemon.stop() == 0, self.daemon.logs()[-3000:]
         self.daemon = DaemonProcess(self.state_dir, *self.daemon_args).wait_ready(15)
 
+    def charged(self, record: AllocationRecord) -> float:
+        """The share of its GPU the daemon charged the allocation over the last window."""
+        for gpu in self.daemon.status()["gpus"]:
+            for tenant in gpu["tenants"]:
+                if tenant["allocation"] == record.id:
+                    return float(tenant["achieved"])
+        raise AssertionError(f"allocation {record.id} not in the daemon's status")
+
     def gpu_sample(self, uuid: str) -> dict[str, Any]:
         for gpu in self.daemon.status()["gpus"]:
             if gpu["uuid"] == uuid:
@@ -226,6 +237,7 @@ def start_node(api: Any = None) -> ContainerNode:
     loop.call(kubelet.wait_until(lambda: kubelet.allocatable() == GPUS * SLICES, timeout=60))
     args: tuple[str, ...] = ("--pod-resources-socket", str(kubelet.pod_resources_socket),
                              "--node-name", "node-1", "--metrics-port", "0",
+                             "--window", str(SHARE_WINDOW_S),
                              *POD_RESOURCES_FAST)
     if api is not None:
         args += ("--kubernetes", "true", "--kube-api-url", api.url)
