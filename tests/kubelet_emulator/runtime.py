@@ -239,9 +239,9 @@ def oci_spec(response: Any, config: ContainerConfig, cdi_dir: Path | None = None
     for path in destinations:
         if destinations.count(path) > 1:
             raise SpecError(f"container path {path} is given twice")
-    system = [{"destination": f"/{name}", "type": "bind", "source": f"/{name}",
-               "options": ["rbind", "rprivate", "nosuid", "ro"]}
-              for name in config.rootfs.entries() if not os.path.islink(f"/{name}")]
+    system_binds, _links = rootfs_layout(config.rootfs, destinations)
+    system = [{"destination": path, "type": "bind", "source": path,
+               "options": ["rbind", "rprivate", "nosuid", "ro"]} for path in system_binds]
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -286,14 +286,45 @@ def oci_spec(response: Any, config: ContainerConfig, cdi_dir: Path | None = None
     }
 
 
+def rootfs_layout(rootfs: Rootfs, destinations: Sequence[str]
+                  ) -> tuple[list[str], list[tuple[str, str]]]:
+    """The host paths bound read-only into the rootfs, and its symlinks (path, target).
+
+    A host directory that holds the destination of another mount (the response's
+    /etc/ld.so.preload, say) is not bound whole: the mount point would have to be created in
+    the host's own, read-only, directory. Its entries are bound one by one instead, as an
+    image's own /etc would hold them, and the destination's mount point is made in the rootfs.
+    """
+    binds: list[str] = []
+    links: list[tuple[str, str]] = []
+
+    def place(path: str) -> None:
+        if os.path.islink(path):
+            links.append((path, os.readlink(path)))
+        elif not any(d.startswith(path + "/") for d in destinations):
+            if path not in destinations:
+                binds.append(path)
+        elif os.path.isdir(path):
+            for child in sorted(os.listdir(path)):
+                place(f"{path}/{child}")
+
+    for name in rootfs.entries():
+        place(f"/{name}")
+    return binds, links
+
+
 def write_bundle(bundle: Path, spec: Mapping[str, Any], rootfs: Rootfs) -> Path:
-    """The bundle directory: config.json and a rootfs of mount points (and the host's
-    top-level symlinks, e.g. /lib -> usr/lib on a merged-/usr system)."""
+    """The bundle directory: config.json and a rootfs of mount points and the host's symlinks
+    (e.g. /lib -> usr/lib on a merged-/usr system)."""
     root = bundle / "rootfs"
     root.mkdir(parents=True, exist_ok=True)
-    for name in rootfs.entries():
-        if os.path.islink(f"/{name}") and not os.path.lexists(root / name):
-            os.symlink(os.readlink(f"/{name}"), root / name)
+    destinations = [m["destination"] for m in spec["mounts"]]
+    destinations += [d["path"] for d in spec["linux"]["devices"]]
+    for path, target in rootfs_layout(rootfs, destinations)[1]:
+        inside = root / path.lstrip("/")
+        inside.parent.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(inside):
+            os.symlink(target, inside)
     (bundle / "config.json").write_text(json.dumps(spec, indent=1))
     return bundle
 

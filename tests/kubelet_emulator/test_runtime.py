@@ -227,3 +227,25 @@ def test_a_container_that_fails_to_start_says_why(tmp_path: Path) -> None:
         container = runtime.run(reply, ContainerConfig(args=("true",)), name="broken")
         assert container.wait() != 0
         assert "missing" in container.errors()
+
+
+def test_a_mount_inside_a_host_system_directory_leaves_the_rest_of_it_and_the_host_alone(
+        tmp_path: Path) -> None:
+    """/etc/ld.so.preload (`--injection preload-file`): /etc is then bound entry by entry, so
+    the mount point is made in the container's rootfs, never in the host's /etc."""
+    reason = runc_refusal()
+    if reason:
+        pytest.skip(reason)
+    preload = tmp_path / "ld.so.preload"
+    preload.write_text("/opt/lib/x.so\n")
+    host_file = Path("/etc/ld.so.preload")
+    before = host_file.read_bytes() if host_file.exists() else None
+    reply = response(mounts=((str(host_file), str(preload), True),))
+    code = ("import json, os; print(json.dumps({'preload': open('/etc/ld.so.preload').read(), "
+            "'passwd': os.path.exists('/etc/passwd'), 'uid': os.getuid()}))")
+    with ContainerRuntime(tmp_path / "rt") as runtime:
+        container = runtime.run(reply, ContainerConfig(args=("python3", "-c", code)))
+        seen = container.read_json()
+        assert container.wait() == 0, container.errors()
+    assert seen == {"preload": "/opt/lib/x.so\n", "passwd": True, "uid": 1000}
+    assert (host_file.read_bytes() if host_file.exists() else None) == before
