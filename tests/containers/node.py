@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +30,14 @@ from tests.fakecuda.builder import build_fake_driver
 from tests.hook.cudaprobe import COUNTERS
 from tests.kubelet_emulator import KubeletEmulator, Pod
 from tests.kubelet_emulator.plugin_process import PluginProcess
-from tests.kubelet_emulator.runtime import Container, ContainerConfig, ContainerRuntime, Volume
+from tests.kubelet_emulator.runtime import (
+    SYSTEM_ROOTFS,
+    Container,
+    ContainerConfig,
+    ContainerRuntime,
+    Rootfs,
+    Volume,
+)
 from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord
@@ -127,6 +134,7 @@ class ContainerNode:
     runtime: ContainerRuntime
     loop: LoopThread
     api: Any = None
+    bound: bool = True   # the daemon binds allocations to pods through PodResources
     tenants: list[Tenant] = field(default_factory=list)
 
     @property
@@ -153,19 +161,22 @@ class ContainerNode:
         wait_for(bound, timeout, f"allocation {record.id} bound to its pod")
 
     def start(self, pod: Pod, container: str = "main", response: Any = None,
-              **env: str) -> Tenant:
-        """Run the pod's container (with its kept response unless another is given)."""
+              args: tuple[str, ...] = (), rootfs: Rootfs = SYSTEM_ROOTFS, **env: str) -> Tenant:
+        """Run the pod's container (with its kept response unless another is given): the
+        launch loop program, or `args`; it must print {"ready": true} first."""
         record = self.record_of(pod, container)
-        self.wait_bound(record)
+        if self.bound:
+            self.wait_bound(record)
         out = self.root / "out" / f"{pod.name}-{container}-{len(self.tenants)}"
         out.mkdir(parents=True)
         out.chmod(0o777)
         config = ContainerConfig(
-            args=("python3", "/app/launch_loop.py", json.dumps(COUNTERS)),
+            args=args or ("python3", "/app/launch_loop.py", json.dumps(COUNTERS)),
             env={"GEMINI_HOOK_STATS": "/out/hook-stats", "GEMINI_HOOK_DAEMON_WAIT": "10",
                  "PYTHONDONTWRITEBYTECODE": "1", **env},
             volumes=(Volume(str(self.root / "app"), "/app", read_only=True),
-                     Volume(str(out), "/out")))
+                     Volume(str(out), "/out")),
+            rootfs=rootfs)
         reply = response if response is not None else pod.containers[container].response
         running = self.runtime.run(reply, config, name=f"{pod.name}-{container}")
         tenant = Tenant(pod, container, record, running, out)
@@ -210,39 +221,47 @@ class ContainerNode:
                 f"---- plugin ----\n{self.plugin.log_text()[-2000:]}")
 
 
-def install_hook(root: Path, state_dir: Path) -> None:
-    """The interposer built strict and installed as the DaemonSet's init container does."""
-    library = build.build_library(root / "build", strict=True)
+def install_hook(root: Path, state_dir: Path, library: Path | None = None) -> None:
+    """The interposer (built strict unless given) installed as the DaemonSet's init container
+    installs it."""
+    library = library or build.build_library(root / "build", strict=True)
     subprocess.run([sys.executable, "-m", "vgpu_runtime.install", "--state-dir", str(state_dir),
                     "--library", str(library), "--log-format", "text"], check=True,
                    env=child_env(), capture_output=True)
 
 
-def start_node(api: Any = None) -> ContainerNode:
+def start_node(api: Any = None, simulate_gpus: int = GPUS,
+               write_cdi: Callable[[Path], Path] | None = None,
+               library: Path | None = None) -> ContainerNode:
+    """The node; `simulate_gpus` 0 takes the machine's real GPUs (NVML), whose CDI spec
+    `write_cdi` then writes (the simulated GPUs' spec mounts the fake driver)."""
     root = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))   # socket paths <= 107 bytes
     root.chmod(0o755)
     state_dir = root / "state"
-    install_hook(root, state_dir)
-    driver = build_fake_driver(root / "driver")
-    write_cdi_spec(root / "cdi", driver)
+    install_hook(root, state_dir, library)
+    if write_cdi is not None:
+        write_cdi(root / "cdi")
+    else:
+        write_cdi_spec(root / "cdi", build_fake_driver(root / "driver"))
     (root / "app").mkdir()
     shutil.copy2(PROGRAM, root / "app" / PROGRAM.name)
     loop = LoopThread()
     kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
-    plugin = PluginProcess(kubelet.directory, state_dir, gpus=GPUS, slices=SLICES,
-                           args=["--simulate-memory", str(GPU_MEMORY), "--log-format", "text"],
-                           log_path=root / "plugin.log")
+    args = ["--log-format", "text"]
+    if simulate_gpus:
+        args += ["--simulate-memory", str(GPU_MEMORY)]
+    plugin = PluginProcess(kubelet.directory, state_dir, gpus=simulate_gpus, slices=SLICES,
+                           args=args, log_path=root / "plugin.log")
     loop.call(kubelet.start())
     loop.call(plugin.start())
-    loop.call(kubelet.wait_until(lambda: kubelet.allocatable() == GPUS * SLICES, timeout=60))
-    args: tuple[str, ...] = ("--pod-resources-socket", str(kubelet.pod_resources_socket),
-                             "--node-name", "node-1", "--metrics-port", "0",
-                             "--window", str(SHARE_WINDOW_S),
-                             *POD_RESOURCES_FAST)
+    loop.call(kubelet.wait_until(lambda: kubelet.allocatable() > 0, timeout=60))
+    daemon_args: tuple[str, ...] = (
+        "--pod-resources-socket", str(kubelet.pod_resources_socket), "--node-name", "node-1",
+        "--metrics-port", "0", "--window", str(SHARE_WINDOW_S), *POD_RESOURCES_FAST)
     if api is not None:
-        args += ("--kubernetes", "true", "--kube-api-url", api.url)
-    daemon = DaemonProcess(state_dir, *args).wait_ready(15)
-    return ContainerNode(root, kubelet, plugin, daemon, args,
+        daemon_args += ("--kubernetes", "true", "--kube-api-url", api.url)
+    daemon = DaemonProcess(state_dir, *daemon_args).wait_ready(15)
+    return ContainerNode(root, kubelet, plugin, daemon, daemon_args,
                          ContainerRuntime(root, root / "cdi"), loop, api)
 
 

@@ -84,6 +84,9 @@ class Rootfs:
                       and (os.path.isdir(f"/{name}") or os.path.islink(f"/{name}")))
 
 
+SYSTEM_ROOTFS = Rootfs()
+
+
 @dataclass(frozen=True)
 class ContainerConfig:
     """What the pod spec says of a container: its command, env, user and volumes."""
@@ -93,7 +96,7 @@ class ContainerConfig:
     gid: int = CONTAINER_UID
     volumes: tuple[Volume, ...] = ()
     cwd: str = "/"
-    rootfs: Rootfs = Rootfs()
+    rootfs: Rootfs = SYSTEM_ROOTFS
 
 
 # ---- CDI ----
