@@ -28,14 +28,17 @@ import contextlib
 import functools
 import json
 import os
+import queue
 import re
 import shutil
 import stat
 import subprocess
 import tempfile
+import threading
 import time
+import types
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -355,7 +358,8 @@ def runc_refusal() -> str | None:
     with tempfile.TemporaryDirectory(prefix="gm-runc-") as scratch:
         bundle = Path(scratch) / "b"
         config = ContainerConfig(args=("/bin/true",))
-        spec = oci_spec(_Empty(), config)
+        nothing = types.SimpleNamespace(envs={}, mounts=(), devices=(), cdi_devices=())
+        spec = oci_spec(nothing, config)
         write_bundle(bundle, spec, config.rootfs)
         state = Path(scratch) / "state"
         name = f"gm-probe-{uuid.uuid4().hex[:8]}"
@@ -369,25 +373,27 @@ def runc_refusal() -> str | None:
     return None
 
 
-class _Empty:
-    """A response with nothing in it."""
-    envs: dict[str, str] = {}
-    mounts: tuple[Any, ...] = ()
-    devices: tuple[Any, ...] = ()
-    cdi_devices: tuple[Any, ...] = ()
-
-
 class Container:
     """One run of a container under `runc run` (foreground: runc's exit status is the
-    process's); the process's stdin/stdout are pipes, its stderr goes to a file."""
+    process's); the process's stdin is a pipe, its stdout lines are queued by a reader thread
+    (a line is never left in a buffer that select cannot see), its stderr goes to a file."""
 
     def __init__(self, runtime: ContainerRuntime, name: str, bundle: Path) -> None:
         self.runtime, self.name, self.bundle = runtime, name, bundle
         self.stderr_path = bundle / "stderr"
-        self._stderr: IO[str] = open(self.stderr_path, "w+")  # noqa: SIM115 - closed in wait()
+        self._stderr: IO[str] = open(self.stderr_path, "w+")  # noqa: SIM115 - closed in delete()
         self.proc = subprocess.Popen(
             runtime.runc_argv("run", "--bundle", str(bundle), name),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, daemon=True).start()
+
+    def _read_lines(self) -> None:
+        assert self.proc.stdout is not None
+        with contextlib.suppress(ValueError, OSError), self.proc.stdout:
+            for line in self.proc.stdout:
+                self._lines.put(line)
+        self._lines.put("")   # end of output
 
     def state(self) -> dict[str, Any] | None:
         proc = subprocess.run(self.runtime.runc_argv("state", self.name), capture_output=True,
@@ -416,11 +422,10 @@ class Container:
 
     def read_json(self, timeout: float = 60.0) -> dict[str, Any]:
         """The next JSON line the process prints."""
-        import select
-
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            line = ""
         if not line:
             self.kill()
             raise AssertionError(f"container {self.name} gave no line within {timeout} s "
@@ -463,10 +468,9 @@ class Container:
     def delete(self) -> None:
         subprocess.run(self.runtime.runc_argv("delete", "--force", self.name),
                        capture_output=True, timeout=30)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         self._stderr.close()
 
 
@@ -505,9 +509,3 @@ class ContainerRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def runtime_in(root: Path, cdi_dir: Path | None = None) -> Iterator[ContainerRuntime]:
-    with ContainerRuntime(root, cdi_dir) as runtime:
-        yield runtime
