@@ -9,7 +9,12 @@ read-only /run/gemini, the process is uid 1000, the GPU comes from the CDI spec 
 Asserted from inside and from the hook's counters (GEMINI_HOOK_STATS, written at exit): the
 slice's memory (mem_get_info, OutOfMemoryError beyond it, and the GPU usable afterwards), and the
 token fast path: with a neighbour contending, the process asks the daemon about once per grant,
-not once per launch. Runs with GEMINI_TEST_GPU=1; runc from $GEMINI_TEST_RUNC or PATH.
+not once per launch. Runs with GEMINI_TEST_GPU=1; runc from $GEMINI_TEST_RUNC or PATH. On the
+GPU machine (no runc installed), Debian's package unpacked anywhere does:
+
+    dpkg -x runc_1.1.5+ds1-1+deb12u1_amd64.deb /tmp/runc-root
+    export GEMINI_TEST_RUNC=/tmp/runc-root/usr/sbin/runc GEMINI_TEST_GPU=1
+    pytest tests/gpu/test_container_replay.py
 """
 
 from __future__ import annotations
