@@ -25,3 +25,8 @@ def as_user(uid: int, argv: list[str]) -> list[str]:
     capability lets it read and search, never write, own or chmod."""
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
             "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *argv]
+
+
+def in_mount_namespace(script: str) -> list[str]:
+    """The command line that runs a shell `script` in a fresh, private mount namespace."""
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]

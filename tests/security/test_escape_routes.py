@@ -26,9 +26,11 @@ from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
+from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from device_plugin.slices import SliceTable
-from tests.childenv import as_user, child_env
-from tests.gpu.replay import mount_points_cleaned, replay_argv, replay_script
+from tests.childenv import as_user, child_env, in_mount_namespace
+from tests.gpu.replay import need_runtime, replayed
+from tests.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime import paths
 from vgpu_runtime.hook import build
 
@@ -112,10 +114,8 @@ def hook_lib() -> Iterator[Path]:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def _probe(env: Mapping[str, str], wrap: list[str] | None = None) -> bool:
+def _probe(env: Mapping[str, str]) -> bool:
     argv = [sys.executable, "-c", PROBE]
-    if wrap is not None:
-        argv = [*wrap[:-1], wrap[-1] + " " + " ".join(f"'{a}'" for a in argv)]
     proc = subprocess.run(argv, env=dict(env), capture_output=True, text=True, timeout=60,
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr
@@ -141,32 +141,44 @@ def test_env_injection_is_replaced_by_a_pods_own_ld_preload(
     assert _probe(env) is expect_loaded
 
 
-def test_ld_so_preload_injection_survives_a_pods_ld_preload(hook_lib: Path) -> None:
-    """The /etc/ld.so.preload option (not implemented): the file is read by the loader whatever
-    the environment says. Simulated in a private mount namespace with a copy of /etc."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare for a private /etc")
-    setup = (f"mount -t tmpfs none /mnt && cp -a /etc/. /mnt/ && "
-             f"echo {hook_lib} > /mnt/ld.so.preload && mount --bind /mnt /etc && exec")
-    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
-                           timeout=30)
-    if probe.returncode != 0:
-        pytest.skip("mount namespaces are not permitted here")
-    env = container_env(child_env(), {}, {"LD_PRELOAD": ""})
-    assert _probe(env, wrap=replay_argv(setup)) is True
-    assert not Path("/etc/ld.so.preload").exists() or hook_lib.name not in Path(
-        "/etc/ld.so.preload").read_text(), "the host's preload file must be untouched"
+def _probe_in_container(response: object, pod_env: Mapping[str, str]) -> bool:
+    """The probe in a runc container that `response` is applied to, with the pod's env."""
+    config = ContainerConfig(args=("python3", "-c", PROBE), env=dict(pod_env))
+    with replayed(response, config) as container:
+        seen = container.read_json()
+        assert container.wait() == 0, container.errors()
+    loaded: bool = seen["hook_loaded"]
+    return loaded
+
+
+def test_ld_so_preload_injection_survives_a_pods_ld_preload(short_dir: Path,
+                                                           hook_lib: Path) -> None:
+    """A preload file at /etc/ld.so.preload is read by the loader whatever the environment
+    says: here a hand-made response mounts one, naming the hook's mounted copy."""
+    need_runtime()
+    lib_dir = short_dir / "lib"
+    lib_dir.mkdir()
+    shutil.copy2(hook_lib, lib_dir / paths.HOOK_LIBRARY_NAME)
+    preload = short_dir / "ld.so.preload"
+    preload.write_text(f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}\n")
+    response = api_pb2.ContainerAllocateResponse(mounts=[
+        api_pb2.Mount(container_path=paths.CONTAINER_LIB_DIR, host_path=str(lib_dir),
+                      read_only=True),
+        api_pb2.Mount(container_path=paths.CONTAINER_PRELOAD_FILE, host_path=str(preload),
+                      read_only=True)])
+    host_preload = Path(paths.CONTAINER_PRELOAD_FILE)
+    before = host_preload.read_bytes() if host_preload.exists() else None
+    assert _probe_in_container(response, {"LD_PRELOAD": ""}) is True
+    after = host_preload.read_bytes() if host_preload.exists() else None
+    assert after == before, "the host's own preload file must be untouched"
 
 
 def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
                                                            hook_lib: Path) -> None:
     """`--injection preload-file`: the Allocate response mounts a file at /etc/ld.so.preload
-    naming the interposer; replayed in a mount namespace, the hook is loaded even though the
-    pod empties LD_PRELOAD."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare to replay the response's mounts")
-    if subprocess.run(replay_argv("true"), capture_output=True, timeout=30).returncode != 0:
-        pytest.skip("mount namespaces are not permitted here")
+    naming the interposer; applied by a real container runtime, the hook is loaded even though
+    the pod empties LD_PRELOAD."""
+    need_runtime()
     lib_dir = short_dir / "lib"
     lib_dir.mkdir()
     shutil.copy2(hook_lib, lib_dir / paths.HOOK_LIBRARY_NAME)
@@ -181,12 +193,9 @@ def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
         f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}\n"
     host_preload = Path(paths.CONTAINER_PRELOAD_FILE)
     before = host_preload.read_bytes() if host_preload.exists() else None
-    env = container_env(child_env(), envs, {"LD_PRELOAD": ""})
-    with mount_points_cleaned(response):
-        script = replay_script(response, ["true"]).rstrip("\n")
-        assert script.endswith("exec true")
-        # _probe appends the probe's command line to the script's final `exec`.
-        assert _probe(env, wrap=replay_argv(script.removesuffix(" true"))) is True
+    assert _probe_in_container(response, {"LD_PRELOAD": ""}) is True
+    # ...and with the pod's LD_PRELOAD left alone too (nothing preloads it twice).
+    assert _probe_in_container(response, {}) is True
     after = host_preload.read_bytes() if host_preload.exists() else None
     assert after == before, "the host's own preload file must be untouched"
 
@@ -196,7 +205,7 @@ def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
 def _mount_namespaces_usable() -> bool:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("setpriv") is None:
         return False
-    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
+    probe = subprocess.run(in_mount_namespace("mount -t tmpfs none /mnt"), capture_output=True,
                            timeout=30)
     return probe.returncode == 0
 
@@ -216,7 +225,8 @@ def test_hook_stats_is_ignored_in_a_setuid_program(hook_lib: Path, tmp_path: Pat
     setup = (f"mount -t tmpfs none /mnt && cp -a /etc/. /mnt/ && "
              f"echo {hook_lib} > /mnt/ld.so.preload && mount --bind /mnt /etc && "
              f"exec setpriv --reuid={uid} --regid={uid} --clear-groups {mount} --version")
-    done = subprocess.run(replay_argv(setup), env={**child_env(), "GEMINI_HOOK_STATS": str(secret)},
+    done = subprocess.run(in_mount_namespace(setup),
+                          env={**child_env(), "GEMINI_HOOK_STATS": str(secret)},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "mount from util-linux" in done.stdout

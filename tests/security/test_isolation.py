@@ -28,9 +28,9 @@ from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
-from tests.childenv import as_user, child_env
-from tests.gpu.replay import created_mount_points, replay_argv, replay_script
-from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
+from tests.gpu.replay import need_runtime, replayed
+from tests.kubelet_emulator.runtime import ContainerConfig
+from tests.scheduler.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.scheduler.client import ChannelClient, ChannelClosed
@@ -233,82 +233,55 @@ def test_usage_cannot_be_read_through_a_channel(node: Node) -> None:
     assert node.b.record.id.encode() not in data and b"memory_used" not in data
 
 
-# ---- the container's view: the response replayed in a mount namespace ----
+# ---- the container's view: the response applied by a real container runtime ----
 
+# Stdlib only (the container holds nothing of the project): the HELLO is encoded here and its
+# reply's bytes decoded here.
 INSIDE = textwrap.dedent("""
-    import json, os, sys
-    from vgpu_runtime.scheduler.client import ChannelClient
+    import json, os, socket, sys
     channel = os.environ["GEMINI_CHANNEL_DIR"]
     listing = sorted(os.listdir(channel))
-    with ChannelClient(os.path.join(channel, sys.argv[1])) as client:
-        me = client.hello().allocation_id
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(1.0)
+        sock.connect(os.path.join(channel, sys.argv[1]))
+        sock.sendall(bytes.fromhex(sys.argv[3]))
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except TimeoutError:
+            pass
     try:
         open(os.path.join(channel, "planted"), "w").close()
         writable = True
     except OSError:
         writable = False
-    print(json.dumps({"listing": listing, "me": me, "writable": writable,
+    print(json.dumps({"listing": listing, "reply": reply.hex(), "writable": writable,
                       "lib": sorted(os.listdir(sys.argv[2]))}))
 """)
 
 
-def _replay_skip() -> str | None:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return "replaying mounts needs root and unshare"
-    probe = subprocess.run(replay_argv("mount -t tmpfs none /mnt"), capture_output=True,
-                           timeout=30)
-    return None if probe.returncode == 0 else "mount namespaces are not permitted here"
-
-
-def test_a_replayed_container_sees_only_its_own_channel(node: Node) -> None:
-    reason = _replay_skip()
-    if reason:
-        pytest.skip(reason)
-    lib = node.config.host_hook_dir
-    lib.mkdir(parents=True, exist_ok=True)
-    (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
-    created = created_mount_points(node.a.response)
-    script = replay_script(node.a.response, [sys.executable, "-c", INSIDE,
-                                             paths.CHANNEL_SOCKET_NAME, paths.CONTAINER_LIB_DIR])
-    try:
-        proc = subprocess.run(replay_argv(script), capture_output=True, text=True, timeout=60,
-                              env=child_env(), cwd=REPO)
-    finally:
-        for path in created:
-            shutil.rmtree(path, ignore_errors=True)
-    assert proc.returncode == 0, proc.stderr
-    seen = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
-    own = sorted(os.listdir(node.a.record.channel_dir))
-    assert seen["listing"] == own and paths.CHANNEL_SOCKET_NAME in own
-    assert seen["me"] == node.a.record.id
-    assert not seen["writable"], "the channel mount must be read-only"
-    assert seen["lib"] == [paths.HOOK_LIBRARY_NAME]
-    assert not (Path(node.a.record.channel_dir) / "planted").exists()
-
-
-def test_a_replayed_container_of_a_non_root_uid_uses_its_channel(node: Node) -> None:
-    """S8: channels/ on the host is 0700; a container reaches its own channel through the bind
-    mount of the leaf, whatever uid it runs as (a real other uid here, through setpriv)."""
-    reason = _replay_skip()
-    if reason or shutil.which("setpriv") is None:
-        pytest.skip(reason or "needs setpriv to run as another uid")
+def test_a_container_sees_only_its_own_channel(node: Node, tmp_path: Path) -> None:
+    """The container runs as a non-root uid; channels/ on the host is 0700 (S8), and the
+    container still reaches its own channel through the bind mount of the leaf."""
+    need_runtime()
     assert stat.S_IMODE(paths.channels_dir(node.state_dir).stat().st_mode) == 0o700
     lib = node.config.host_hook_dir
     lib.mkdir(parents=True, exist_ok=True)
     (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
-    created = created_mount_points(node.b.response)
-    uid = 44_000 + os.getpid() % 3_000
-    script = replay_script(node.b.response, as_user(uid, [
-        sys.executable, "-c", INSIDE, paths.CHANNEL_SOCKET_NAME, paths.CONTAINER_LIB_DIR]))
-    try:
-        proc = subprocess.run(replay_argv(script), capture_output=True, text=True, timeout=60,
-                              env=child_env(), cwd=REPO)
-    finally:
-        for path in created:
-            shutil.rmtree(path, ignore_errors=True)
-    assert proc.returncode == 0, proc.stderr
-    seen = __import__("json").loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["me"] == node.b.record.id and not seen["writable"]
-    peers = {c["uid"] for c in node.daemon.allocation(node.b.record.id)["connections"]}
-    assert uid not in peers   # it has gone; while connected the daemon saw its real uid
-    assert f'"peer_uid": {uid}' in node.daemon.logs()
+    hello = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)
+    hello.h.seq = 1
+    # The stand-in library is no ELF file: the loader says so and the program runs on.
+    config = ContainerConfig(args=("python3", "-c", INSIDE, paths.CHANNEL_SOCKET_NAME,
+                                   paths.CONTAINER_LIB_DIR, wire.encode(hello).hex()))
+    with replayed(node.a.response, config) as container:
+        seen = container.read_json()
+        assert container.wait() == 0, container.errors()
+    own = sorted(os.listdir(node.a.record.channel_dir))
+    assert seen["listing"] == own and paths.CHANNEL_SOCKET_NAME in own
+    reply = split_frames(bytes.fromhex(seen["reply"]))[0]
+    assert wire.frame_type(reply) == C("GM_MSG_HELLO_REPLY"), reply
+    assert wire.text_field(reply.allocation_id) == node.a.record.id
+    assert not seen["writable"], "the channel mount must be read-only"
+    assert seen["lib"] == [paths.HOOK_LIBRARY_NAME]
+    assert not (Path(node.a.record.channel_dir) / "planted").exists()
