@@ -437,7 +437,13 @@ static int slow_path(int gpu) {
         break;
     }
     pthread_mutex_unlock(&g->lock);
-    GM_COUNT(token_wait_ns, (uint64_t)(now_ns() - entered));
+    uint64_t waited = (uint64_t)(now_ns() - entered);
+    GM_COUNT(token_wait_ns, waited);
+    uint64_t longest = atomic_load_explicit(&gm_counters.token_wait_max_ns, memory_order_relaxed);
+    while (waited > longest &&
+           !atomic_compare_exchange_weak_explicit(&gm_counters.token_wait_max_ns, &longest, waited,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+    }
     return result;
 }
 
