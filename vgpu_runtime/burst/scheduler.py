@@ -213,7 +213,8 @@ class TokenScheduler:
         state = self.tenants[tenant]
         self._refill(state, now)            # what it earned so far, at the old rate
         state.limit = max(limit, state.request)
-        state.credit = min(state.credit, self._capacity(state))
+        state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
+                           self._capacity(state))
         return self._dispatch(now)
 
     def needs_token(self) -> bool:
