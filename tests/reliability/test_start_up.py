@@ -23,7 +23,7 @@ RUN_S = 2.5
 KERNEL_MS = 1.0
 
 CLIENT = """
-    import sys, time
+    import os, sys, time
     lib = cuda()
     context(lib)
     lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
@@ -45,6 +45,10 @@ CLIENT = """
     kernels = 0
     lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
     while time.monotonic() < end:
+        if kernels >= EXIT_AFTER:                 # dies holding the token, work in flight
+            for _ in range(4):
+                launch()
+            os._exit(0)
         if ALLOC:                                 # a result allocated every step
             rc, pointer = alloc(lib, 16 << 20)
             assert rc == 0, rc
@@ -66,8 +70,8 @@ def started(request: pytest.FixtureRequest) -> Iterator[tuple[Node, str]]:
     stop_node(node)
 
 
-def client(alloc: bool) -> str:
-    return CLIENT.replace("ALLOC", repr(alloc))
+def client(alloc: bool, exit_after: int = 1 << 60) -> str:
+    return CLIENT.replace("ALLOC", repr(alloc)).replace("EXIT_AFTER", str(exit_after))
 
 
 @pytest.mark.timeout(60)
@@ -108,3 +112,35 @@ def test_tenants_starting_together_after_a_long_warm_up_get_their_shares(
         for r in ran:
             assert r["stats"]["token_wait_max_ns"] / 1e9 <= bound, (case, share, bound,
                                                                     r["stats"])
+
+
+@pytest.mark.timeout(60)
+def test_a_process_exiting_while_it_holds_the_token_after_start_up_hands_it_on(
+        hooked: Hooked) -> None:
+    # The 0.3 tenant starts up like the others, runs 40 kernels and exits holding the token
+    # with work in flight: the 0.7 tenant gets the GPU at once and has it to itself after.
+    node = start_node(0.3)
+    try:
+        other = node.allocate(0.7)
+        dying = hooked.start(client(False, exit_after=40), node.env())
+        staying = hooked.start(client(False), node.env_of(other))
+        try:
+            for proc in (dying, staying):
+                assert hooked.line(proc)["ready"]
+            time.sleep(1.0)
+            for proc in (dying, staying):
+                assert proc.stdin is not None
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            result = hooked.line(staying)
+            assert dying.wait(timeout=10) == 0
+        finally:
+            for proc in (dying, staying):
+                proc.kill()
+                proc.wait()
+    finally:
+        stop_node(node)
+    achieved = result["kernels"] * KERNEL_MS / 1000 / RUN_S
+    assert achieved >= 0.6, (achieved, result["stats"])   # its 0.7, then the whole GPU
+    bound = SchedulerConfig().longest_wait(0.7, 1.0, 2)
+    assert result["stats"]["token_wait_max_ns"] / 1e9 <= bound, (bound, result["stats"])
