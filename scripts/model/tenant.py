@@ -2,8 +2,13 @@
 
 Usage: tenant.py loop KERNEL_NS SYNC_EVERY START_AT DURATION OUT
        tenant.py infer KERNEL_NS KERNELS THINK_S START_AT DURATION OUT
-  loop   a saturating loop: SYNC_EVERY launches of KERNEL_NS each, then a stream sync
-  infer  one request at a time: KERNELS launches of KERNEL_NS, a sync, THINK_S of think time
+       tenant.py startup KERNEL_NS SYNC_EVERY WARMUP_NS ALLOC START_AT DURATION OUT
+  loop     a saturating loop: SYNC_EVERY launches of KERNEL_NS each, then a stream sync
+  infer    one request at a time: KERNELS launches of KERNEL_NS, a sync, THINK_S of think time
+  startup  issue 10's start-up shape: at once, one WARMUP_NS kernel (longer than a quota and
+           its grace: revoked) and a sync; idle until START_AT; a short copy the hook does not
+           gate (PyTorch queues such work, e.g. an event record or a memset); then the loop
+           from the first instant, no ramp. ALLOC=1: a 64 MiB cuMemAlloc/cuMemFree every step
 The fake driver (tests/fakecuda/fake_cuda.c) gives every launch KERNEL_NS of modelled GPU time
 on its stream; a sync sleeps until the stream's work is done. The process reaches the driver
 through ctypes (dlopen + dlsym), so under LD_PRELOAD every call goes through the interposer.
@@ -96,6 +101,42 @@ def run_loop(kernel_ns: int, sync_every: int, start_at: float, duration: float) 
             "busy": kernels * kernel_ns / 1e9 / duration}
 
 
+COPY_NS = 140_000    # the ungated stream work found at the H200's start instant (~0.14 ms)
+
+
+def run_startup(kernel_ns: int, sync_every: int, warmup_ns: int, alloc: bool,
+                start_at: float, duration: float) -> dict[str, Any]:
+    lib, launch, sync = driver(warmup_ns)
+    launch()                          # the warm-up's first kernel: longer than quota + grace
+    sync()
+    lib.fake_cuda_set_kernel_ns(kernel_ns)
+    lib.fake_cuda_set_copy_ns.argtypes = [ctypes.c_longlong]
+    lib.fake_cuda_set_copy_ns(COPY_NS)
+    copy = lib.cuMemcpyHtoDAsync_v2
+    copy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+    wait_until(start_at)
+    if copy(0, None, 0, ctypes.c_void_p(STREAM)) != 0:
+        raise SystemExit("tenant: cuMemcpyHtoDAsync_v2 failed")
+    end = start_at + duration
+    kernels = 0
+    while True:
+        if alloc:
+            pointer = ctypes.c_uint64()
+            if lib.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(64 << 20)) != 0:
+                raise SystemExit("tenant: cuMemAlloc_v2 failed")
+        for _ in range(sync_every):
+            launch()
+        sync()
+        if alloc:
+            lib.cuMemFree_v2(pointer.value)
+        if time.time() >= end:
+            break
+        kernels += sync_every
+    return {"kernels": kernels, "seconds": duration, "kernel_ns": kernel_ns,
+            "busy": kernels * kernel_ns / 1e9 / duration}
+
+
 def run_infer(kernel_ns: int, per_request: int, think_s: float, start_at: float,
               duration: float) -> dict[str, Any]:
     _, launch, sync = driver(kernel_ns)
@@ -131,6 +172,9 @@ def main(argv: list[str]) -> None:
     precise_sleeps()
     if len(argv) == 7 and argv[1] == "loop":
         result = run_loop(int(argv[2]), int(argv[3]), float(argv[4]), float(argv[5]))
+    elif len(argv) == 9 and argv[1] == "startup":
+        result = run_startup(int(argv[2]), int(argv[3]), int(argv[4]), argv[5] == "1",
+                             float(argv[6]), float(argv[7]))
     elif len(argv) == 8 and argv[1] == "infer":
         result = run_infer(int(argv[2]), int(argv[3]), float(argv[4]), float(argv[5]),
                            float(argv[6]))

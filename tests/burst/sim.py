@@ -23,6 +23,8 @@ class Workload:
     kernel: float          # seconds per kernel
     per_sync: int = 1      # kernels launched between host synchronisations
     cpu_gap: float = 0.0   # host time after each synchronisation
+    warmup: float = 0.0    # > 0: a first burst this long (a warm-up), synced, then idle
+    idle_until: float = 0.0   # after the warm-up: host idle until this time, then the loop
 
     def alone_rate(self) -> float:
         """Fraction of time the GPU works for this tenant when it has the GPU to itself."""
@@ -42,6 +44,7 @@ class SimTenant:
     expires_at: float = -1.0
     released_at: float | None = None
     stopped: bool = False
+    warmed: bool = False
 
     def work_between(self, start: float, end: float) -> float:
         return sum(max(0.0, min(e, end) - max(s, start)) for s, e in self.work)
@@ -61,6 +64,7 @@ class Simulation:
         self._seq = itertools.count()
         self._tick_at: float | None = None
         self.grants: list[Grant] = []
+        self.observers: list[Callable[[], None]] = []   # called after every event
 
     # ---- setup ----
 
@@ -80,6 +84,8 @@ class Simulation:
             self.now = max(self.now, time)
             action()
             self._schedule_tick()
+            for observe in self.observers:
+                observe()
         self.now = until
 
     def share(self, name: str, start: float, end: float) -> float:
@@ -147,15 +153,19 @@ class Simulation:
         start = max(self.now, self.gpu_free)
         if self.gpu_last not in (None, tenant.name):
             start += self.handoff
-        end = start + wl.kernel * wl.per_sync
+        warming = wl.warmup > 0 and not tenant.warmed
+        end = start + (wl.warmup if warming else wl.kernel * wl.per_sync)
         tenant.work.append((start, end))
         tenant.last_work_end = end
         self.gpu_free, self.gpu_last = end, tenant.name
         self.scheduler.observe_burst(tenant.name, start, end)
         # The host blocks in the synchronisation until the burst ends.
         ready = end + wl.cpu_gap
+        if warming:
+            tenant.warmed = True
+            ready = max(end, wl.idle_until)
         self.at(ready, lambda: self._launch(tenant))
-        if wl.cpu_gap >= self.idle_release:
+        if ready - end >= self.idle_release:
             self.at(end + self.idle_release, lambda: self._idle_check(tenant, end))
 
     def _idle_check(self, tenant: SimTenant, since: float) -> None:

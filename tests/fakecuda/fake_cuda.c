@@ -20,6 +20,8 @@
  * the stream's busy-until time; cuEventQuery (and cuStreamQuery for a stream) answers
  * CUDA_ERROR_NOT_READY before it, cuEventSynchronize and cuStreamSynchronize sleep until it,
  * cuCtxSynchronize(_v2) until the latest stream's. Blocking copies copy nothing and wait for nothing.
+ * fake_cuda_set_copy_ns(ns) does the same for cuMemcpyHtoDAsync_v2, which the hook does not
+ * gate (stream-ordered work a process queues without the token).
  * fake_cuda_busy_until(stream) says a stream's busy-until time (0 if never launched into).
  * fake_cuda_calls(name) says how often an entry point was called.
  *
@@ -372,8 +374,9 @@ static int64_t *stream_busy(uintptr_t key, int make) {
     return NULL;
 }
 
-static void queue_work(CUstream s, int per_thread) {
-    int64_t duration = atomic_load(&kernel_ns);
+static _Atomic int64_t copy_ns;     /* duration of each later async copy; 0: free */
+
+static void queue_for(CUstream s, int per_thread, int64_t duration) {
     if (duration <= 0) return;
     pthread_mutex_lock(&lock);
     int64_t *busy = stream_busy(stream_key(s, per_thread), 1);
@@ -382,6 +385,10 @@ static void queue_work(CUstream s, int per_thread) {
         *busy = (*busy > now ? *busy : now) + duration;
     }
     pthread_mutex_unlock(&lock);
+}
+
+static void queue_work(CUstream s, int per_thread) {
+    queue_for(s, per_thread, atomic_load(&kernel_ns));
 }
 
 static int64_t busy_until(uintptr_t key) {
@@ -402,6 +409,7 @@ static int64_t latest_busy_until(void) {
 }
 
 EXPORT void fake_cuda_set_kernel_ns(long long ns) { atomic_store(&kernel_ns, ns > 0 ? ns : 0); }
+EXPORT void fake_cuda_set_copy_ns(long long ns) { atomic_store(&copy_ns, ns > 0 ? ns : 0); }
 EXPORT long long fake_cuda_busy_until(CUstream s) { return busy_until(stream_key(s, 0)); }
 
 /* ---- stream-ordered pools ---- */
@@ -618,6 +626,13 @@ COPY(cuMemcpyDtoH_v2, (void *dst, CUdeviceptr src, size_t n))
 COPY(cuMemcpyDtoH_v2_ptds, (void *dst, CUdeviceptr src, size_t n))
 COPY(cuMemcpy, (CUdeviceptr dst, CUdeviceptr src, size_t n))
 COPY(cuMemcpy_ptds, (CUdeviceptr dst, CUdeviceptr src, size_t n))
+/* Stream-ordered work the hook does not gate (a real process queues such copies, memsets and
+ * event records without the token): it takes copy_ns on its stream. */
+EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    CALLED();
+    queue_for(s, 0, atomic_load(&copy_ns));
+    return CUDA_SUCCESS;
+}
 
 /* An entry point the hook does not know: must pass through untouched. */
 EXPORT CUresult cuGetExportTable(const void **table, const void *id) {

@@ -117,6 +117,9 @@ def test_a_contending_container_blocks_launches_until_it_releases(
         assert first_launch >= valid_until
         assert result["stats"]["token_wait_ns"] >= (valid_until - started) * 0.9
         assert result["stats"]["token_requests"] >= 1
+        # The longest single wait is that one, and no longer than all waits together.
+        longest = result["stats"]["token_wait_max_ns"]
+        assert (valid_until - started) * 0.9 <= longest <= result["stats"]["token_wait_ns"]
     finally:
         loop.kill()
         rival.close()

@@ -219,6 +219,50 @@ def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
     assert after["stats"]["drain_ns"] == 0         # nothing was left to wait for
 
 
+# The H200's start-up shape (issue 10): work, a sync, a long idle, then stream work the hook
+# does not gate (a copy here; an event record or a memset in PyTorch) right before the next
+# launch, so the ask finds the stream busy.
+COPY_THEN_LAUNCH = ONE_MS_KERNELS + """
+    lib.fake_cuda_set_copy_ns.argtypes = [ctypes.c_longlong]
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.c_void_p]
+    launch(); sync()
+    ready()                                        # done and synced: idle from here
+    lib.fake_cuda_set_copy_ns(20000000)            # a 20 ms copy, queued without the token
+    assert lib.cuMemcpyHtoDAsync_v2(0, None, 0, stream) == 0
+    launch(); sync()                               # asks: the stream is busy with the copy
+    ready(stats=stats())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_ungated_work_queued_after_idling_does_not_charge_the_idle_time(
+        hooked: Hooked, hooked_node: tuple[Node, Charges]) -> None:
+    # Root cause of the H200 starvation (issue 10): each starved tenant's ask at the start
+    # instant drained ~0.14 ms of stream work and its hook reported "now" as the end of its
+    # warm-up grant's work, so the daemon charged the 8 s idle gap since that grant's release.
+    # A synchronisation returned after the process's last gated launch: that grant's work was
+    # done by then, whatever was queued on the stream since.
+    node, charges = hooked_node
+    rival = Rival(node.allocate(0.5))
+    proc = hooked.start(COPY_THEN_LAUNCH, node.env(GEMINI_HOOK_DRAIN="sync"))
+    try:
+        hooked.line(proc)
+        rival.request()
+        rival.granted()                            # after the idle holder's release
+        time.sleep(1.0)
+        after = hooked.line(proc, go=True)
+        _, most, gpu = charges.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        rival.close()
+    assert gpu["idle_releases"] >= 1, gpu
+    assert after["stats"]["drain_ns"] > 0          # the copy was waited for before asking
+    # Two short grants; the idle second, had it been charged, would alone be 1 s.
+    assert most[node.record.id] < 0.3, (most, gpu)
+
+
 REPORTER = ONE_MS_KERNELS + """
     launch()                                       # no sync: work in flight, never idle-released
     ready()

@@ -41,7 +41,21 @@ and a limit (cap). GPU time is charged per tenant over a sliding window:
   tenants keep their quotas. CFS's wakeup preemption; measured on the H200 without it, an
   inference loop next to a trainer waited up to a whole quota (p99 157 ms);
 * requests that add up to more than 1.0 (only `gemini-run --overcommit` allows it) are scaled
-  down in proportion, so each tenant is guaranteed request / sum(requests).
+  down in proportion, so each tenant is guaranteed request / sum(requests);
+* debt is bounded (`SchedulerConfig.debt`, D = cycle + max_quota + revoke_grace, 0.55 s by
+  default): a tenant is never more than D GPU seconds ahead of the least advanced active
+  tenant (virtual-time lead <= D / request) and, under a cap, its credit never falls below
+  -max(limit x D, revoke_grace + min_quota) (`credit_floor`: at most D of waiting, and a
+  revoked grant always paid in full). Every grant is charged at most max_quota +
+  revoke_grace, so neither bound touches a tenant that only ever held its quotas; what they
+  cut is a single charge longer than that (a long kernel, a warm-up, an overuse report),
+  which is still charged in full to the window that shares are reported over. Without them
+  a tenant charged 8 s (a warm-up followed by idling, on the H200) waited while the others ran
+  11 s, and a capped one 27 s;
+* so a busy tenant waits at most D x (1 - r) / r of the others' GPU time for its lead, one
+  grant plus grace of each other tenant level with it, and, capped, the refill from its
+  credit floor (`SchedulerConfig.longest_wait`); and the GPU is never left idle while a
+  waiting tenant has credit (or no cap), since every event dispatches.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -97,6 +111,27 @@ class SchedulerConfig:
     preempt_after: float = 0.0    # > 0: a holder gives way to a waking tenant after this
     burst_merge_gap: float = 0.002
     burst_history: float = 3.0
+
+    @property
+    def debt(self) -> float:
+        """The most GPU seconds a tenant can be ahead of the others, or in debt under its cap:
+        one round and one longest grant, revoked late. Paid back within seconds, never by a
+        whole window of waiting (a single long kernel used to be)."""
+        return self.cycle + self.max_quota + self.revoke_grace
+
+    def credit_floor(self, limit: float) -> float:
+        """The lowest credit of a tenant capped at `limit`: `debt` seconds of its refill, and
+        never less than a revoked least grant (so a cap holds whatever the limit)."""
+        return -max(limit * self.debt, self.revoke_grace + self.min_quota)
+
+    def longest_wait(self, request: float, limit: float, tenants: int) -> float:
+        """The bound on how long a tenant asking continuously waits for a grant (effective
+        request, limit, tenants on the GPU), handoffs aside: its lead paid back at its
+        request, one grant plus grace of each other tenant, and its credit refilled."""
+        lead = self.debt * (1 - request) / request
+        grants = (tenants - 1) * (self.max_quota + self.revoke_grace)
+        credit = (self.min_quota - self.credit_floor(limit)) / limit if limit < 1 else 0.0
+        return lead + grants + credit
 
 
 @dataclass(frozen=True)
@@ -163,7 +198,7 @@ class TokenScheduler:
         self.tenants[tenant] = Tenant(
             tenant, request, limit, UsageWindow(self.config.window),
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
-            vtime=self._floor(exclude=None), credit_at=now)
+            vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
         return self._dispatch(now)
 
@@ -178,7 +213,8 @@ class TokenScheduler:
         state = self.tenants[tenant]
         self._refill(state, now)            # what it earned so far, at the old rate
         state.limit = max(limit, state.request)
-        state.credit = min(state.credit, self._capacity(state))
+        state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
+                           self._capacity(state))
         return self._dispatch(now)
 
     def needs_token(self) -> bool:
@@ -216,7 +252,8 @@ class TokenScheduler:
         self._charge_work(state, now, work_end, work_running, work_since)
         if not was_active:
             # Back from idle: no credit for the idle time.
-            state.vtime = max(state.vtime, self._floor(exclude=state.id))
+            state.vtime = max(state.vtime, self._floor(exclude=state.id) or 0.0)
+        self._bound_lead(state, self._floor(exclude=state.id, idle_too=False))
         if state.waiting_since is None:
             state.waiting_since = now
         self._preempt_for(state, now)
@@ -335,7 +372,15 @@ class TokenScheduler:
             return
         state.vtime += added / self.requests()[state.id]
         self._refill(state, end)
-        state.credit -= added                # may go below zero: overuse is paid back in waiting
+        # Overuse is paid back in waiting, but never more than the debt bound's worth.
+        state.credit = max(state.credit - added, self.config.credit_floor(state.limit))
+        self._bound_lead(state, self._floor(exclude=state.id, idle_too=False))
+
+    def _bound_lead(self, state: Tenant, floor: float | None) -> None:
+        """At most `debt` GPU seconds ahead of `floor` (the least advanced active tenant)."""
+        if floor is not None:
+            state.vtime = min(state.vtime,
+                              floor + self.config.debt / self.requests()[state.id])
 
     def _capacity(self, tenant: Tenant) -> float:
         return max(tenant.limit * self.config.cycle, self.config.min_quota)
@@ -356,12 +401,16 @@ class TokenScheduler:
         """The smallest quota worth a handoff, for a capped tenant (never above its bucket)."""
         return min(self.config.min_quota / 4, self._capacity(tenant))
 
-    def _floor(self, exclude: str | None) -> float:
-        """The least advanced active (waiting or holding) tenant's virtual time; 0 with none."""
+    def _floor(self, exclude: str | None, idle_too: bool = True) -> float | None:
+        """The least advanced active (waiting or holding) tenant's virtual time; with none,
+        the most advanced idle one's (`idle_too`) or None, and 0 with no tenant at all."""
         active = [t.vtime for t in self.tenants.values() if t.id != exclude and (
             t.waiting_since is not None or (self.holder and self.holder.tenant == t.id))]
-        return min(active) if active else max(
-            (t.vtime for t in self.tenants.values() if t.id != exclude), default=0.0)
+        if active:
+            return min(active)
+        if not idle_too:
+            return None
+        return max((t.vtime for t in self.tenants.values() if t.id != exclude), default=0.0)
 
     def _lag(self, tenant: Tenant) -> float:
         """GPU seconds the tenant is behind the most advanced waiting tenant, at its request."""
@@ -384,6 +433,10 @@ class TokenScheduler:
         for t in waiting:
             if t not in eligible:
                 t.vtime = max(t.vtime, floor)   # waiting at its limit banks nothing either
+        # The lead of those that wait is bounded against every active tenant, the holder too.
+        active = self._floor(exclude=None, idle_too=False)
+        for t in eligible:
+            self._bound_lead(t, active)
         return min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
 
     def _quota(self, tenant: Tenant, now: float) -> float:

@@ -24,7 +24,8 @@
  *   done. The previous quota's work never spills into the next holder's time, and the wait
  *   yields the CPU. Work found done already (cuStreamQuery first) ended at the last
  *   synchronisation if one returned after the last launch, else work_end is unknown (-1):
- *   never the idle time since. Cost: the GPU runs dry for this process between its quota's last kernel
+ *   never the idle time since. A synchronisation after the last launch also bounds busy
+ *   streams: their work was queued after it, without the token, so work_end is that return. Cost: the GPU runs dry for this process between its quota's last kernel
  *   and its next grant (one daemon round trip when it is granted again at once).
  * - `report`: record the events and do not wait; they are queried when the process next asks,
  *   and work_end = that moment if they are done by then (an upper bound, so it can only
@@ -271,6 +272,11 @@ static int64_t settle(struct gpu_token *g, int *running) {
         /* cuStreamQuery enqueues nothing, so it says whether the work itself is done (an event
          * recorded just now may not have been reached yet even on an idle stream). */
         if (!streams_busy(streams, n, legacy)) return quiet ? synced : -1;
+        /* Busy, though quiet: what runs was queued after that synchronisation without the
+         * token (a copy, a memset, an event record), not the last grant's work, which was done
+         * by then. It is waited for all the same (the next holder's time is its own); "now"
+         * charged the idle time since the grant's release (issue 10: 8 s on the H200, from
+         * 0.14 ms of such work at a start instant). */
         for (int i = 0; i < n; i++) {
             CUevent event;
             if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
@@ -283,7 +289,7 @@ static int64_t settle(struct gpu_token *g, int *running) {
         if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
         int64_t end = now_ns();
         GM_COUNT(drain_ns, (uint64_t)(end - started));
-        return end;
+        return quiet ? synced : end;
     }
     /* report: what was recorded last time, if done by now, ended by now (an upper bound), or
      * by the last synchronisation if the process has been quiet since (not its idle time) */
@@ -431,7 +437,13 @@ static int slow_path(int gpu) {
         break;
     }
     pthread_mutex_unlock(&g->lock);
-    GM_COUNT(token_wait_ns, (uint64_t)(now_ns() - entered));
+    uint64_t waited = (uint64_t)(now_ns() - entered);
+    GM_COUNT(token_wait_ns, waited);
+    uint64_t longest = atomic_load_explicit(&gm_counters.token_wait_max_ns, memory_order_relaxed);
+    while (waited > longest &&
+           !atomic_compare_exchange_weak_explicit(&gm_counters.token_wait_max_ns, &longest, waited,
+                                                  memory_order_relaxed, memory_order_relaxed)) {
+    }
     return result;
 }
 
