@@ -34,6 +34,8 @@ def const(name: str) -> int:
 
 
 VERSION = const("GM_WIRE_VERSION")
+VERSION_MIN = const("GM_WIRE_VERSION_MIN")
+SUPPORTED_VERSIONS = frozenset(range(VERSION_MIN, VERSION + 1))
 MAX_FRAME = const("GM_MAX_FRAME")
 MAX_GPUS = const("GM_MAX_GPUS")
 PPM = const("GM_PPM")
@@ -115,19 +117,34 @@ _LENGTH, _TYPE = HEADER_FIELDS.index("length"), HEADER_FIELDS.index("type")
 _VERSION, _SEQ = HEADER_FIELDS.index("version"), HEADER_FIELDS.index("seq")
 _RESERVED = HEADER_FIELDS.index("reserved")
 SIZE_OF_TYPE: dict[int, int] = {t: ffi.sizeof(s) for t, s in STRUCT_OF_TYPE.items()}
+# What differs in version 1: only the hello reply (see gemini_wire.h).
+V1_STRUCTS: dict[int, str] = {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v1"}
 _POINTER_OF_TYPE: dict[int, Any] = {t: ffi.typeof(s + " *") for t, s in STRUCT_OF_TYPE.items()}
 
 
-def check_header(data: bytes, offset: int = 0) -> tuple[int, int, int]:
+def struct_of(msg_type: int, version: int = VERSION) -> str:
+    """The C struct a frame of `msg_type` carries in protocol `version`."""
+    if version == 1 and msg_type in V1_STRUCTS:
+        return V1_STRUCTS[msg_type]
+    return STRUCT_OF_TYPE[msg_type]
+
+
+def check_header(data: bytes, offset: int = 0,
+                 versions: frozenset[int] = frozenset((VERSION,))) -> tuple[int, int, int]:
     """Validate the header at `offset` once; returns (length, type, seq). The frame's body need
-    not be there yet. Raises MalformedFrame (WrongVersion for another protocol version)."""
+    not be there yet. Frames from hook to daemon have the same layout in every version in
+    `versions`. Raises MalformedFrame (WrongVersion for a protocol version not in `versions`)."""
     if len(data) - offset < HEADER_SIZE:
         raise MalformedFrame(f"short header: {max(0, len(data) - offset)} of {HEADER_SIZE} bytes")
     header = HEADER.unpack_from(data, offset)
     version, msg_type, length = header[_VERSION], header[_TYPE], header[_LENGTH]
-    if version != VERSION:
-        raise WrongVersion(f"protocol version {version}, this daemon speaks {VERSION}")
-    size = SIZE_OF_TYPE.get(msg_type)
+    if version not in versions:
+        raise WrongVersion(f"protocol version {version}, this daemon speaks "
+                           f"{' or '.join(map(str, sorted(versions)))}")
+    if version == 1 and msg_type in V1_STRUCTS:
+        size: int | None = ffi.sizeof(V1_STRUCTS[msg_type])
+    else:
+        size = SIZE_OF_TYPE.get(msg_type)
     if size is None:
         raise MalformedFrame(f"unknown frame type {msg_type}")
     if length != size:
@@ -147,29 +164,30 @@ class Packer:
     """Packs one frame type from its body values (the struct's fields after the header, in
     declaration order: `fields`) into bytes, with one struct.pack call."""
 
-    def __init__(self, msg_type: int) -> None:
+    def __init__(self, msg_type: int, version: int = VERSION) -> None:
         self.msg_type = msg_type
-        self.size = SIZE_OF_TYPE[msg_type]
-        self._struct, names = flat_layout(STRUCT_OF_TYPE[msg_type])
+        cdecl = struct_of(msg_type, version)
+        self.size = ffi.sizeof(cdecl)
+        self._struct, names = flat_layout(cdecl)
         header_names = tuple("h." + name for name in HEADER_FIELDS)
         if names[:len(header_names)] != header_names:
-            raise TypeError(f"{STRUCT_OF_TYPE[msg_type]} does not start with its header")
+            raise TypeError(f"{cdecl} does not start with its header")
         self.fields = names[len(header_names):]
         head = [0] * len(HEADER_FIELDS)
-        head[_LENGTH], head[_TYPE], head[_VERSION] = self.size, msg_type, VERSION
+        head[_LENGTH], head[_TYPE], head[_VERSION] = self.size, msg_type, version
         self._before_seq, self._after_seq = tuple(head[:_SEQ]), tuple(head[_SEQ + 1:])
 
     def pack(self, seq: int, *body: Any) -> bytes:
         return self._struct.pack(*self._before_seq, seq, *self._after_seq, *body)
 
 
-def new(msg_type: int, seq: int = 0, **fields: Any) -> Any:
+def new(msg_type: int, seq: int = 0, version: int = VERSION, **fields: Any) -> Any:
     """A zeroed frame of `msg_type` with its header filled in and the given fields set."""
-    cdecl = STRUCT_OF_TYPE[msg_type]
+    cdecl = struct_of(msg_type, version)
     frame = ffi.new(cdecl + " *")
     frame.h.length = ffi.sizeof(cdecl)
     frame.h.type = msg_type
-    frame.h.version = VERSION
+    frame.h.version = version
     frame.h.seq = seq
     for name, value in fields.items():
         setattr(frame, name, value)
@@ -180,20 +198,21 @@ def encode(frame: Any) -> bytes:
     return bytes(ffi.buffer(frame))
 
 
-def parse_header(data: bytes) -> Any:
+def parse_header(data: bytes, versions: frozenset[int] = frozenset((VERSION,))) -> Any:
     """Validate a frame header; returns the cffi header. Checks length against the type."""
-    check_header(data)
+    check_header(data, 0, versions)
     header = ffi.new("struct gm_header *")
     ffi.memmove(header, data[:HEADER_SIZE], HEADER_SIZE)
     return header
 
 
-def decode(data: bytes) -> Any:
+def decode(data: bytes, versions: frozenset[int] = frozenset((VERSION,))) -> Any:
     """A whole frame (header included) as its cffi struct; raises MalformedFrame."""
-    length, msg_type, _seq = check_header(data)
+    length, msg_type, _seq = check_header(data, 0, versions)
     if len(data) != length:
         raise MalformedFrame(f"frame is {len(data)} bytes, header says {length}")
-    frame = ffi.new(STRUCT_OF_TYPE[msg_type] + " *")
+    version = HEADER.unpack_from(data)[_VERSION]
+    frame = ffi.new(struct_of(msg_type, version) + " *")
     ffi.memmove(frame, data, length)
     return frame
 

@@ -20,16 +20,22 @@ from vgpu_runtime.allocation import AllocationRecord
 C = wire.const
 
 
+def page_path(record: AllocationRecord, name: str, gpu: int = 0) -> Path:
+    """An allocation's page in the state directory (the tests' records keep their channel in
+    <state-dir>/channels/), read by path as only the daemon's user can."""
+    return Path(record.channel_dir).parents[1] / "pages" / f"{record.id}.{name}.{gpu}"
+
+
 def read_token_page(record: AllocationRecord, gpu: int = 0) -> tuple[int, int, int]:
     """(gate, generation, valid_until_ns) of the allocation's token page."""
-    data = (Path(record.channel_dir) / f"token.{gpu}").read_bytes()[:32]
+    data = page_path(record, "token", gpu).read_bytes()[:32]
     _magic, _version, gate, _reserved, generation, valid_until = struct.unpack("<IIIIQq", data)
     return gate, generation, valid_until
 
 
 def read_activity_page(record: AllocationRecord, gpu: int = 0) -> tuple[int, int, int]:
     """(last_launch_ns, last_sync_ns, launches) the hooks wrote."""
-    data = (Path(record.channel_dir) / f"activity.{gpu}").read_bytes()[:32]
+    data = page_path(record, "activity", gpu).read_bytes()[:32]
     _magic, _version, last_launch, last_sync, launches = struct.unpack("<IIqqQ", data)
     return last_launch, last_sync, launches
 
@@ -85,8 +91,7 @@ class Rival:
         return self.granted()
 
     def busy(self) -> None:
-        path = Path(self.record.channel_dir) / "activity.0"
-        with open(path, "r+b") as page:
+        with open(page_path(self.record, "activity"), "r+b") as page:
             page.seek(8)
             page.write(struct.pack("<qq", time.monotonic_ns(), -1))
 

@@ -33,7 +33,6 @@ from tests.scheduler.helpers import (
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.scheduler.client import (
-    ActivityPageWriter,
     ChannelClient,
     TokenGrant,
     TokenPageReader,
@@ -61,8 +60,8 @@ class Tenant:
         self.record = record
         self.client = ChannelClient(wait_served(record))
         self.client.hello()
-        self.page = TokenPageReader(record.channel_dir, gpu)
-        self.activity = ActivityPageWriter(record.channel_dir, gpu)
+        self.page = self.client.token_page(gpu)
+        self.activity = self.client.activity_page(gpu)
         self.gpu = gpu
 
     def busy(self) -> None:
@@ -102,23 +101,27 @@ def test_whole_gpu_alone_is_open_and_a_second_tenant_closes_the_gate(
         daemon: DaemonProcess, state_dir: Path) -> None:
     whole = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 1.0),))
     wait_served(whole)
-    page = TokenPageReader(whole.channel_dir, 0)
+    page = TokenPageReader.of_allocation(state_dir, whole.id, 0)
     try:
-        path = Path(whole.channel_dir)
-        assert stat.S_IMODE((path / "token.0").stat().st_mode) == 0o644
-        assert stat.S_IMODE((path / "activity.0").stat().st_mode) == 0o666
-        assert (path / "token.0").stat().st_size == C("GM_PAGE_BYTES")
+        # The pages live in the state directory, for the daemon's user only; hooks get them
+        # with their hello. The channel directory holds none.
+        pages = state_dir / "pages"
+        assert stat.S_IMODE(pages.stat().st_mode) == 0o700
+        assert stat.S_IMODE((pages / f"{whole.id}.token.0").stat().st_mode) == 0o600
+        assert stat.S_IMODE((pages / f"{whole.id}.activity.0").stat().st_mode) == 0o600
+        assert (pages / f"{whole.id}.token.0").stat().st_size == C("GM_PAGE_BYTES")
+        assert not any(Path(whole.channel_dir).glob("token.*"))
         assert page.page.magic == C("GM_TOKEN_PAGE_MAGIC") and page.gate == OPEN
         other = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.2),), origin="gemini-run")
         wait_served(other)
         wait_for(lambda: page.gate == TOKEN, 5, "gate closes with a second tenant")
-        other_page = TokenPageReader(other.channel_dir, 0)
+        other_page = TokenPageReader.of_allocation(state_dir, other.id, 0)
         assert other_page.gate == TOKEN
         other_page.close()
         from vgpu_runtime.allocation import remove_record
         remove_record(state_dir, other.id)
         wait_for(lambda: page.gate == OPEN, 5, "gate opens when alone again")
-        wait_for(lambda: not Path(other.channel_dir, "token.0").exists(), 5, "pages removed")
+        wait_for(lambda: not (pages / f"{other.id}.token.0").exists(), 5, "pages removed")
     finally:
         page.close()
 
@@ -241,10 +244,10 @@ def test_unreturned_token_is_revoked_after_quota_and_grace(daemon: DaemonProcess
 
 HOLDER_SCRIPT = """
 import sys, time
-from vgpu_runtime.scheduler.client import ChannelClient, ActivityPageWriter
+from vgpu_runtime.scheduler.client import ChannelClient
 c = ChannelClient(sys.argv[1]); c.hello()
 g = c.request_token(0)
-ActivityPageWriter(sys.argv[2], 0).launched()
+c.activity_page(0).launched()
 print(g.valid_until_ns, flush=True)
 time.sleep(60)
 """
@@ -254,9 +257,9 @@ def test_sigkill_of_the_holder_hands_over_at_once(long_daemon: DaemonProcess,
                                                   state_dir: Path) -> None:
     held = make_record(state_dir)
     b = Tenant(make_record(state_dir))
-    child = subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, str(wait_served(held)),
-                              held.channel_dir], stdout=subprocess.PIPE, cwd=REPO)
-    holder_page = TokenPageReader(held.channel_dir, 0)
+    child = subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, str(wait_served(held))],
+                             stdout=subprocess.PIPE, cwd=REPO)
+    holder_page = TokenPageReader.of_allocation(state_dir, held.id, 0)
     try:
         assert child.stdout is not None
         valid_until = int(child.stdout.readline())
@@ -383,8 +386,8 @@ def test_two_gpus_hold_two_independent_tokens(long_daemon: DaemonProcess,
     on_a = Tenant(make_record(state_dir))
     on_b = Tenant(make_record(state_dir, gpus=((UUID_B, 100 * MiB, 0.5),)))
     first = Tenant(both, gpu=0)
-    second_page = TokenPageReader(both.channel_dir, 1)
-    second_activity = ActivityPageWriter(both.channel_dir, 1)
+    second_page = first.client.token_page(1)
+    second_activity = first.client.activity_page(1)
     try:
         grant_a = first.client.request_token(0)
         grant_b = first.client.request_token(1)      # same connection, other GPU: at once
@@ -478,7 +481,7 @@ def test_pages_survive_a_daemon_restart_with_the_same_inode(state_dir: Path) -> 
     record = make_record(state_dir)
     first = DaemonProcess(state_dir).wait_ready()
     wait_served(record)
-    page_path = Path(record.channel_dir) / "token.0"
+    page_path = state_dir / "pages" / f"{record.id}.token.0"
     inode = page_path.stat().st_ino
     tenant = Tenant(record)
     tenant.client.request_token(0)
@@ -563,7 +566,7 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon: DaemonProces
     start = time.monotonic_ns() + int(0.5 * NS)
     workers = [subprocess.Popen(
         [sys.executable, "-m", "tests.scheduler.token_worker", str(wait_served(r)),
-         r.channel_dir, str(start), str(seconds)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+         str(start), str(seconds)], stdout=subprocess.PIPE, text=True, cwd=REPO)
         for r in records]
     try:
         results = [json.loads(w.communicate(timeout=30)[0]) for w in workers]

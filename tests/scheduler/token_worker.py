@@ -1,9 +1,10 @@
 """A tenant that "works" only while it holds the GPU token, as a hooked application would.
 
-python -m tests.scheduler.token_worker SOCKET CHANNEL_DIR START_NS SECONDS
+python -m tests.scheduler.token_worker SOCKET START_NS SECONDS
 Starts at START_NS (CLOCK_MONOTONIC), asks for the token like the hook does when its page says
-no, "launches" (writes its activity page) every half millisecond while the token is valid, and
-prints one JSON line: the seconds it held the token inside the common window, and its grants.
+no, "launches" (writes its activity page, passed with the hello) every half millisecond while
+the token is valid, and prints one JSON line: the seconds it held the token inside the common
+window, and its grants.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ import json
 import sys
 import time
 
-from vgpu_runtime.scheduler.client import ActivityPageWriter, ChannelClient
+from vgpu_runtime.scheduler.client import ChannelClient
 
 NS = 1_000_000_000
 
 
 def main(argv: list[str]) -> int:
-    socket_path, channel_dir, start_ns, seconds = argv[0], argv[1], int(argv[2]), float(argv[3])
+    socket_path, start_ns, seconds = argv[0], int(argv[1]), float(argv[2])
     end_ns = start_ns + int(seconds * NS)
     client = ChannelClient(socket_path, timeout=seconds + 5)
     client.hello()
-    activity = ActivityPageWriter(channel_dir, 0)
+    activity = client.activity_page(0)
     while time.monotonic_ns() < start_ns:
         time.sleep(0.0005)
     held_ns, grants, work_end = 0, 0, -1

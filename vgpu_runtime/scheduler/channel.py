@@ -1,7 +1,8 @@
 """One allocation's channel: its Unix socket, its sessions, its memory ledger and its tokens.
 
-For each GPU i of the allocation the channel owns the shared pages token.<i> and activity.<i>
-(pages.py) and is a tenant of that GPU's token scheduler (tokens.py) for as long as it exists.
+For each GPU i of the allocation the channel owns the shared token and activity pages (pages.py,
+in the state directory's pages/, passed to each hook with its hello) and is a tenant of that
+GPU's token scheduler (tokens.py) for as long as it exists.
 
 Socket modes: the channel directory is created 0755 when missing (an allocator that wants it
 private, like gemini-run, creates it 0700 first; existing modes are left alone) and the socket is
@@ -34,6 +35,9 @@ from vgpu_runtime.scheduler.pages import (
     ActivityPage,
     TokenPage,
     activity_page_path,
+    ensure_pages_dir,
+    pages_dir,
+    retire_legacy_pages,
     token_page_path,
 )
 from vgpu_runtime.scheduler.peer import PeerCred, peer_cred
@@ -64,6 +68,7 @@ class AllocationChannel:
         self.ledger = MemoryLedger([g.memory_limit for g in grants])
         self.sessions: set[Session] = set()
         self.socket_path = paths.channel_socket(record.channel_dir)
+        self.pages_dir = pages_dir(tokens.config.state_dir)
         self._server: asyncio.AbstractServer | None = None
         self._created_dir = False
         # Only this uid (and root) may connect, where the allocation's user is known.
@@ -107,6 +112,7 @@ class AllocationChannel:
                 os.chmod(directory, CHANNEL_DIR_MODE)  # mkdir's mode is filtered by the umask
                 self._created_dir = True
             self._remove_stale_socket()
+            retire_legacy_pages(directory, len(self.grants))
             self._open_pages()
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
@@ -145,11 +151,27 @@ class AllocationChannel:
         return sock
 
     def _open_pages(self) -> None:
+        ensure_pages_dir(self.pages_dir)
         for index in range(len(self.grants)):
             self.slots.append(TenantSlot(
                 self.record.id, index,
-                TokenPage(token_page_path(self.record.channel_dir, index), GATE_TOKEN),
-                ActivityPage(activity_page_path(self.record.channel_dir, index)), self.ledger))
+                TokenPage(token_page_path(self.pages_dir, self.record.id, index), GATE_TOKEN),
+                ActivityPage(activity_page_path(self.pages_dir, self.record.id, index)),
+                self.ledger))
+
+    def page_descriptors(self) -> list[int]:
+        """New descriptors of this allocation's pages for a hook: per GPU, token (read-only)
+        then activity (writable). The caller closes them."""
+        fds: list[int] = []
+        try:
+            for slot in self.slots:
+                fds.append(slot.page.open_for_hook())
+                fds.append(slot.activity.open_for_hook())
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
 
     def _close_pages(self, remove: bool) -> None:
         for slot in self.slots:

@@ -1,12 +1,15 @@
 """A small blocking client of the daemon, for tests, tools and gemini-run.
 
 `ChannelClient` speaks the hook's protocol on an allocation's channel socket (what the C hook
-does, in Python), tokens included; `TokenPageReader` and `ActivityPageWriter` map the shared
-pages the way a hook does; `request` asks the control socket one JSON question.
+does, in Python), tokens included; its hello receives the allocation's page descriptors, which
+`token_page` and `activity_page` map the way a hook does (`TokenPageReader.of_allocation` opens
+one by path, for an observer with access to the state directory); `request` asks the control
+socket one JSON question.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import mmap
 import os
@@ -18,7 +21,12 @@ from typing import Any
 
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.control import control_socket
-from vgpu_runtime.scheduler.pages import PAGE_BYTES, activity_page_path, token_page_path
+from vgpu_runtime.scheduler.pages import (
+    PAGE_BYTES,
+    activity_page_path,
+    pages_dir,
+    token_page_path,
+)
 
 C = wire.const
 
@@ -45,6 +53,8 @@ class HelloReply:
     status: int
     allocation_id: str
     gpus: tuple[GpuGrantReply, ...]
+    settings: dict[str, int]
+    page_fds: int
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,12 @@ class ChannelClient:
         self.sock.settimeout(timeout)
         self.sock.connect(str(socket_path))
         self._seq = 0
+        self.page_fds: list[int] = []   # from the hello: per GPU, token then activity page
 
     def close(self) -> None:
+        for fd in self.page_fds:
+            os.close(fd)
+        self.page_fds = []
         self.sock.close()
 
     def __enter__(self) -> ChannelClient:
@@ -126,15 +140,51 @@ class ChannelClient:
         self.send_raw(wire.encode(frame))
         return self._expect(expect, self._seq)
 
+    def _recv_fds(self, size: int) -> bytes:
+        """`size` bytes (the start of a frame), keeping descriptors passed with them."""
+        fd_bytes = array.array("i").itemsize
+        data, ancillary, _flags, _addr = self.sock.recvmsg(
+            size, socket.CMSG_SPACE(2 * wire.MAX_GPUS * fd_bytes), socket.MSG_CMSG_CLOEXEC)
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[:len(payload) - len(payload) % fd_bytes])
+                self.page_fds += list(fds)
+        return data + (self._recv_exact(size - len(data)) if data else b"")
+
     def hello(self, pid: int | None = None) -> HelloReply:
         frame = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION,
                          pid=os.getpid() if pid is None else pid)
-        reply = self._call(frame, C("GM_MSG_HELLO_REPLY"))
+        self._seq += 1
+        frame.h.seq = self._seq
+        self.send_raw(wire.encode(frame))
+        head = self._recv_fds(wire.HEADER_SIZE)
+        if not head:
+            raise ChannelClosed("the daemon closed the connection")
+        header = wire.parse_header(head)
+        reply = wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE))
+        if wire.frame_type(reply) == C("GM_MSG_ERROR"):
+            reason = wire.text_field(reply.reason)
+            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
+        if wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq:
+            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
         gpus = tuple(
             GpuGrantReply(bytes(reply.gpus[i].uuid), int(reply.gpus[i].memory_limit),
                           int(reply.gpus[i].share_ppm), int(reply.gpus[i].limit_ppm))
             for i in range(reply.gpu_count))
-        return HelloReply(int(reply.status), wire.text_field(reply.allocation_id), gpus)
+        settings = {name: int(getattr(reply.settings, name)) for name in (
+            "token_timeout_ns", "fallback_retry_ns", "io_timeout_ns", "context_bytes",
+            "context_max_bytes")}
+        return HelloReply(int(reply.status), wire.text_field(reply.allocation_id), gpus,
+                          settings, int(reply.page_fds))
+
+    def token_page(self, gpu: int) -> TokenPageReader:
+        """The token page of GPU `gpu`, from the descriptor the hello passed (read-only)."""
+        return TokenPageReader(self.page_fds[2 * gpu])
+
+    def activity_page(self, gpu: int) -> ActivityPageWriter:
+        """The activity page of GPU `gpu`, from the descriptor the hello passed."""
+        return ActivityPageWriter(self.page_fds[2 * gpu + 1])
 
     def _memory(self, msg: str, gpu: int, kind: int, nbytes: int) -> MemReply:
         frame = wire.new(C(msg), gpu=gpu, kind=kind, bytes=nbytes)
@@ -190,16 +240,16 @@ class ChannelClient:
 
 
 class _PageMap:
-    def __init__(self, path: Path, struct: str, writable: bool) -> None:
-        flags = os.O_RDWR if writable else os.O_RDONLY
-        fd = os.open(path, flags | os.O_CLOEXEC)
-        try:
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, prot)
-        finally:
-            os.close(fd)
+    """A page mapped from a descriptor (which stays the caller's)."""
+
+    STRUCT = ""
+    WRITABLE = False
+
+    def __init__(self, fd: int) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.WRITABLE else 0)
+        self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, prot)
         self._buffer = wire.ffi.from_buffer(self._map)   # read-only maps are fine to read
-        self.page: Any = wire.ffi.cast(struct + " *", self._buffer)
+        self.page: Any = wire.ffi.cast(self.STRUCT + " *", self._buffer)
 
     def close(self) -> None:
         del self.page
@@ -208,10 +258,20 @@ class _PageMap:
 
 
 class TokenPageReader(_PageMap):
-    """<channel>/token.<gpu>, mapped read-only as a hook maps it."""
+    """An allocation's token page on one GPU, mapped read-only as a hook maps it."""
 
-    def __init__(self, channel_dir: str | Path, gpu: int) -> None:
-        super().__init__(token_page_path(channel_dir, gpu), "struct gm_token_page", False)
+    STRUCT = "struct gm_token_page"
+
+    @classmethod
+    def of_allocation(cls, state_dir: str | Path, allocation_id: str,
+                      gpu: int) -> TokenPageReader:
+        """Opened by path: for an observer that may enter the state directory."""
+        fd = os.open(token_page_path(pages_dir(state_dir), allocation_id, gpu),
+                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return cls(fd)
+        finally:
+            os.close(fd)
 
     @property
     def gate(self) -> int:
@@ -231,10 +291,21 @@ class TokenPageReader(_PageMap):
 
 
 class ActivityPageWriter(_PageMap):
-    """<channel>/activity.<gpu>, mapped read-write as a hook maps it."""
+    """An allocation's activity page on one GPU, mapped read-write as a hook maps it."""
 
-    def __init__(self, channel_dir: str | Path, gpu: int) -> None:
-        super().__init__(activity_page_path(channel_dir, gpu), "struct gm_activity_page", True)
+    STRUCT = "struct gm_activity_page"
+    WRITABLE = True
+
+    @classmethod
+    def of_allocation(cls, state_dir: str | Path, allocation_id: str,
+                      gpu: int) -> ActivityPageWriter:
+        """Opened by path: for an observer that may enter the state directory."""
+        fd = os.open(activity_page_path(pages_dir(state_dir), allocation_id, gpu),
+                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return cls(fd)
+        finally:
+            os.close(fd)
 
     def launched(self, now_ns: int | None = None) -> None:
         self.page.last_launch_ns = time.monotonic_ns() if now_ns is None else now_ns

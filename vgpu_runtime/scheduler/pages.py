@@ -1,10 +1,16 @@
-"""The shared pages of one allocation on one GPU: <channel>/token.<i> and <channel>/activity.<i>.
+"""The shared pages of one allocation on one GPU: its token page and its activity page.
+
+Where they live: <state-dir>/pages/<allocation>.token.<i> and <allocation>.activity.<i>, in a
+directory only the daemon's user can enter (0700). Nobody opens them by path: the daemon passes
+them to each hook with its hello reply (SCM_RIGHTS), the token page as an O_RDONLY descriptor
+(a writable one would let a container forge `valid_until_ns`), the activity page writable. The
+container therefore needs no write access to its channel, which is mounted read-only.
 
 `i` is the GPU's index in the allocation (the same index as in HELLO_REPLY and every frame).
 The layouts are `struct gm_token_page` and `struct gm_activity_page` of gemini_wire.h.
 
-Token page (mode 0644, written by the daemon only, mapped read-only by the hooks). The fast path
-of a launch reads one field, `valid_until_ns`, so the publication order is:
+Token page (written by the daemon only, mapped read-only by the hooks). The fast path of a
+launch reads one field, `valid_until_ns`, so the publication order is:
 
 * a grant writes `generation` (and `gate` if it changed) first and `valid_until_ns` last;
 * a revocation or release writes `valid_until_ns = 0` first, before anything else.
@@ -14,11 +20,16 @@ of a launch reads one field, `valid_until_ns`, so the publication order is:
 stores become visible in program order; a hook that also wants `generation` reads it after
 `valid_until_ns` with acquire ordering. `generation` is unique within one daemon run only.
 
-Activity page (mode 0666, written by the hooks of the allocation with plain aligned stores, read
-here). The daemon creates and initialises it (magic, version, times -1) so a hook never has to.
+Activity page (written by the hooks of the allocation with plain aligned stores, read here). The
+daemon creates and initialises it (magic, version, times -1) so a hook never has to.
 
 Both files keep their inode across daemon restarts (opened without truncation): a hook's mapping
 stays live while a new daemon takes over. They are removed when the allocation is removed.
+
+Version-1 daemons kept the pages in the channel directory (token.<i>, activity.<i>), where a
+version-1 hook of a writable channel may still have them mapped: `retire_legacy_pages` closes
+their gate for good (gate token, no grant) and removes them, so such a hook asks the daemon for
+every launch instead of trusting a page nobody writes any more.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,17 +46,33 @@ from vgpu_runtime import wire
 
 C = wire.const
 PAGE_BYTES = C("GM_PAGE_BYTES")
-TOKEN_PAGE_MODE = 0o644
-ACTIVITY_PAGE_MODE = 0o666
+PAGE_MODE = 0o600
+PAGES_DIR_MODE = 0o700
+PAGES_SUBDIR = "pages"
 GATE_OPEN, GATE_TOKEN = C("GM_GATE_OPEN"), C("GM_GATE_TOKEN")
 
 
-def token_page_path(channel_dir: str | Path, gpu: int) -> Path:
-    return Path(channel_dir) / f"token.{gpu}"
+def pages_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / PAGES_SUBDIR
 
 
-def activity_page_path(channel_dir: str | Path, gpu: int) -> Path:
-    return Path(channel_dir) / f"activity.{gpu}"
+def ensure_pages_dir(directory: Path) -> None:
+    """<state-dir>/pages, 0700, a real directory (not a link); raises OSError otherwise."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, PAGES_DIR_MODE)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"{directory} is not a directory")
+    if stat.S_IMODE(st.st_mode) != PAGES_DIR_MODE and st.st_uid == os.geteuid():
+        os.chmod(directory, PAGES_DIR_MODE)
+
+
+def token_page_path(directory: str | Path, allocation_id: str, gpu: int) -> Path:
+    return Path(directory) / f"{allocation_id}.token.{gpu}"
+
+
+def activity_page_path(directory: str | Path, allocation_id: str, gpu: int) -> Path:
+    return Path(directory) / f"{allocation_id}.activity.{gpu}"
 
 
 def _map(path: Path, mode: int) -> tuple[mmap.mmap, bool]:
@@ -52,6 +80,8 @@ def _map(path: Path, mode: int) -> tuple[mmap.mmap, bool]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
         reused = st.st_size == PAGE_BYTES
         os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask
         if not reused:
@@ -59,6 +89,33 @@ def _map(path: Path, mode: int) -> tuple[mmap.mmap, bool]:
         return mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), reused
     finally:
         os.close(fd)
+
+
+def retire_legacy_pages(channel_dir: str | Path, gpu_count: int) -> None:
+    """Close for good the version-1 pages of a channel directory (see the module's doc)."""
+    for gpu in range(gpu_count):
+        for name in (f"token.{gpu}", f"activity.{gpu}"):
+            path = Path(channel_dir) / name
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if (name.startswith("token.") and stat.S_ISREG(st.st_mode)
+                        and st.st_size == PAGE_BYTES):
+                    with mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE) as page_map:
+                        buffer = wire.ffi.from_buffer(page_map)
+                        page: Any = wire.ffi.cast("struct gm_token_page *", buffer)
+                        page.valid_until_ns = 0
+                        page.gate = GATE_TOKEN
+                        del page
+                        wire.ffi.release(buffer)
+            finally:
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @dataclass(frozen=True)
@@ -71,11 +128,17 @@ class Activity:
 class _MappedPage:
     """A page file mapped shared, seen through its struct from the wire header."""
 
-    def __init__(self, path: Path, mode: int, struct: str) -> None:
+    HOOK_ACCESS = os.O_RDONLY   # how the hooks get it (see open_for_hook)
+
+    def __init__(self, path: Path, struct: str) -> None:
         self.path = path
-        self._map, self.reused = _map(path, mode)
+        self._map, self.reused = _map(path, PAGE_MODE)
         self._buffer = wire.ffi.from_buffer(self._map)
         self._page: Any = wire.ffi.cast(f"struct {struct} *", self._buffer)
+
+    def open_for_hook(self) -> int:
+        """A new descriptor of the file, as a hook may have it (the caller closes it)."""
+        return os.open(self.path, self.HOOK_ACCESS | os.O_CLOEXEC | os.O_NOFOLLOW)
 
     def close(self, remove: bool) -> None:
         del self._page
@@ -87,8 +150,10 @@ class _MappedPage:
 
 
 class TokenPage(_MappedPage):
+    HOOK_ACCESS = os.O_RDONLY   # the hook must not be able to forge a grant
+
     def __init__(self, path: Path, gate: int) -> None:
-        super().__init__(path, TOKEN_PAGE_MODE, "gm_token_page")
+        super().__init__(path, "gm_token_page")
         self._page.valid_until_ns = 0   # whatever a previous daemon granted is void
         self._page.magic = C("GM_TOKEN_PAGE_MAGIC")
         self._page.version = wire.VERSION
@@ -125,8 +190,10 @@ class TokenPage(_MappedPage):
 
 
 class ActivityPage(_MappedPage):
+    HOOK_ACCESS = os.O_RDWR
+
     def __init__(self, path: Path) -> None:
-        super().__init__(path, ACTIVITY_PAGE_MODE, "gm_activity_page")
+        super().__init__(path, "gm_activity_page")
         if not self.reused or self._page.magic != C("GM_ACTIVITY_PAGE_MAGIC"):
             self._page.last_launch_ns = -1
             self._page.last_sync_ns = -1

@@ -15,6 +15,12 @@ Tokens (issue 4): TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the all
 valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
 USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
 
+Versions: a connection speaks the protocol version of its HELLO (any the daemon serves, see
+gemini_wire.h) in every frame both ways. A version-2 hello is answered with the enforcement
+settings of the node and the allocation's pages, passed with SCM_RIGHTS (the token page
+read-only); a version-1 hook gets the version-1 reply and no pages, and asks for every launch:
+its requests count as its activity (`has_activity_page` is False).
+
 Contexts (issue 3): from HELLO on, the connection is charged for its process's contexts from
 NVML's per-process figure where the daemon sees one (process_memory.py has the rule), else
 from the hook's MEM_SET of kind context.
@@ -22,9 +28,12 @@ from the hook's MEM_SET of kind context.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -56,9 +65,10 @@ HEADER_SIZE = wire.HEADER_SIZE
 # What one read may take from the socket: many frames (they are at most GM_MAX_FRAME bytes).
 READ_CHUNK = 64 * 1024
 
-MEM_REPLY = wire.Packer(MSG_MEM_REPLY)
-TOKEN_GRANT = wire.Packer(MSG_TOKEN_GRANT)
-ERROR = wire.Packer(MSG_ERROR)
+MEM_REPLY = {v: wire.Packer(MSG_MEM_REPLY, v) for v in wire.SUPPORTED_VERSIONS}
+TOKEN_GRANT = {v: wire.Packer(MSG_TOKEN_GRANT, v) for v in wire.SUPPORTED_VERSIONS}
+ERROR = {v: wire.Packer(MSG_ERROR, v) for v in wire.SUPPORTED_VERSIONS}
+NS = 1_000_000_000
 
 
 class ClientStalled(Exception):
@@ -74,10 +84,10 @@ class ProtocolError(Exception):
         self.reason = reason
 
 
-def _check_header(data: bytes, offset: int) -> tuple[int, int]:
+def _check_header(data: bytes, offset: int, versions: frozenset[int]) -> tuple[int, int]:
     """(length, type) of the header at `offset`, validated; raises ProtocolError."""
     try:
-        length, msg_type, _seq = wire.check_header(data, offset)
+        length, msg_type, _seq = wire.check_header(data, offset, versions)
     except wire.WrongVersion as err:
         raise ProtocolError(C("GM_ERR_BAD_VERSION"), str(err)) from None
     except wire.MalformedFrame as err:
@@ -94,6 +104,11 @@ class Session(Waiter):
         self.peer = peer
         self.connected_at = time.time()
         self.hello_pid: int | None = None
+        # The protocol version of this connection's hello; until then, any the daemon serves.
+        self.version = wire.VERSION
+        self.versions: frozenset[int] = wire.SUPPORTED_VERSIONS
+        self.has_activity_page = False   # its pages were passed (a version-2 hello)
+        self._mem_reply, self._token_grant = MEM_REPLY[wire.VERSION], TOKEN_GRANT[wire.VERSION]
         self.closing_status: int | None = None
         self.charger: ContextCharger | None = None
         self.process_memory: dict[int, int] = {}   # GPU index -> its process's figure
@@ -162,7 +177,7 @@ class Session(Waiter):
             while end - offset >= HEADER_SIZE:
                 if self.closing_status is not None:
                     return   # closed while a handler waited
-                length, msg_type = _check_header(data, offset)
+                length, msg_type = _check_header(data, offset, self.versions)
                 if end - offset < length:
                     break
                 handler = handlers.get(msg_type)
@@ -174,15 +189,14 @@ class Session(Waiter):
                 offset += length
             pending = data[offset:] if offset else data
 
-    @staticmethod
-    def _check_clean_eof(pending: bytes) -> None:
+    def _check_clean_eof(self, pending: bytes) -> None:
         """EOF is clean only between frames; raises ProtocolError for a frame cut short."""
         if not pending:
             return
         if len(pending) < HEADER_SIZE:
             raise ProtocolError(C("GM_ERR_MALFORMED"),
                                 f"truncated header: {len(pending)} bytes then EOF")
-        length, _msg_type = _check_header(pending, 0)
+        length, _msg_type = _check_header(pending, 0, self.versions)
         raise ProtocolError(C("GM_ERR_MALFORMED"), f"truncated frame: "
                             f"{len(pending) - HEADER_SIZE} of {length - HEADER_SIZE} body bytes")
 
@@ -210,18 +224,25 @@ class Session(Waiter):
 
     async def _send_error(self, status: int, reason: str) -> None:
         with contextlib.suppress(Exception):
-            await self._send(ERROR.pack(0, status, 0, reason.encode()[:REASON_BYTES - 1]))
+            await self._send(ERROR[self.version].pack(0, status, 0,
+                                                      reason.encode()[:REASON_BYTES - 1]))
 
     async def _hello(self, frame: Any) -> None:
-        if frame.proto_version != wire.VERSION:
-            raise ProtocolError(C("GM_ERR_BAD_VERSION"), f"hook speaks protocol "
-                                f"{frame.proto_version}, this daemon {wire.VERSION}")
+        version = int(frame.proto_version)
+        if version not in wire.SUPPORTED_VERSIONS or version != frame.h.version or (
+                self.hello_pid is not None and version != self.version):
+            raise ProtocolError(C("GM_ERR_BAD_VERSION"), f"hook speaks protocol {version} in "
+                                f"a version {frame.h.version} frame; this daemon serves "
+                                f"{wire.VERSION_MIN} to {wire.VERSION}")
+        self.version, self.versions = version, frozenset((version,))
+        self._mem_reply, self._token_grant = MEM_REPLY[version], TOKEN_GRANT[version]
         if not self.channel.bound.is_set():
             # Per-pod limits must hold from the first CUDA call: wait (bounded) for the pod.
             await self.channel.wait_bound()
+        first = self.hello_pid is None
         self.hello_pid = int(frame.pid)
         grants = self.channel.grants
-        reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, status=C("GM_OK"),
+        reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, version=version, status=C("GM_OK"),
                          gpu_count=len(grants))
         reply.allocation_id = self.channel.record.id.encode()
         for index, grant in enumerate(grants):
@@ -230,11 +251,51 @@ class Session(Waiter):
             slot.memory_limit = self.channel.ledger.limit(index)
             slot.share_ppm = grant.share_ppm
             slot.limit_ppm = grant.limit_ppm
-        log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid))
-        await self._send(wire.encode(reply))
+        fds: list[int] = []
+        if version >= 2:
+            self._fill_settings(reply.settings)
+            # The pages go with the connection's first reply only: one set per connection.
+            fds = self.channel.page_descriptors() if first else []
+            reply.page_fds = len(fds)
+        log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid, version=version,
+                                                 pages_passed=len(fds)))
+        try:
+            if fds:
+                self._send_with_fds(wire.encode(reply), fds)
+                self.has_activity_page = True
+            else:
+                await self._send(wire.encode(reply))
+        finally:
+            for fd in fds:
+                os.close(fd)
         if self.charger is None:
             self.charger = charger_for(self.channel.tokens, self.channel.tokens.config)
             self.charger.register(self)
+
+    def _fill_settings(self, settings: Any) -> None:
+        config = self.channel.tokens.config
+        settings.token_timeout_ns = round(config.hook_token_timeout * NS)
+        settings.fallback_retry_ns = round(config.hook_fallback_retry * NS)
+        settings.io_timeout_ns = round(config.hook_io_timeout * NS)
+        settings.context_bytes = config.hook_context_bytes
+        settings.context_max_bytes = config.hook_context_max_bytes
+
+    def _send_with_fds(self, data: bytes, fds: list[int]) -> None:
+        """`data` with `fds` attached to its first byte (SCM_RIGHTS). The transport cannot pass
+        descriptors, so this sends on its socket directly: only when nothing is queued before
+        it (the first reply of a connection), and what the socket did not take goes after."""
+        self._check_open()
+        if self.writer.transport.get_write_buffer_size():
+            raise ProtocolError(C("GM_ERR_MALFORMED"), "hello sent behind unread replies")
+        transport_socket = self.writer.get_extra_info("socket")
+        with socket.socket(fileno=os.dup(transport_socket.fileno())) as raw:
+            try:
+                sent = raw.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", fds))], socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                raise ConnectionResetError("hook does not read its replies") from None
+        if sent < len(data):
+            self.writer.transport.write(data[sent:])
 
     # ---- the context charge (process_memory.Charged) ----
 
@@ -287,7 +348,7 @@ class Session(Waiter):
             log.info("over memory limit", extra=self._log_fields(
                 gpu=gpu, kind=KIND_NAMES[kind], bytes=nbytes, used=result.used,
                 limit=result.limit, applied=msg_type == MSG_SET))
-        await self._send(MEM_REPLY.pack(
+        await self._send(self._mem_reply.pack(
             frame.h.seq, C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"), gpu,
             result.used, result.limit))
 
@@ -348,7 +409,8 @@ class Session(Waiter):
         and at most one grant is owed per request, so the buffer stays small."""
         if self.closing_status is not None or self.writer.is_closing():
             return
-        self.writer.write(TOKEN_GRANT.pack(seq, gpu, C("GM_OK"), generation, valid_until_ns))
+        self.writer.write(self._token_grant.pack(seq, gpu, C("GM_OK"), generation,
+                                                 valid_until_ns))
 
     async def close(self, status: int, reason: str) -> None:
         """The allocation is going away: tell the client why, then close its connection.

@@ -56,7 +56,12 @@ def from_ns(value: int) -> float | None:
 
 
 class Waiter:
-    """What a connection must offer to be answered later: a non-blocking send of one grant."""
+    """What a connection must offer to be answered later: a non-blocking send of one grant.
+
+    `has_activity_page`: its process writes the allocation's activity page. One that does not
+    (a version-1 hook, given no pages) asks for every launch, so its asks are its activity."""
+
+    has_activity_page = True
 
     def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
         raise NotImplementedError
@@ -94,6 +99,7 @@ class TenantSlot:
     waits: WaitHistogram = field(default_factory=WaitHistogram)
     asks: dict[Waiter, Ask] = field(default_factory=dict)   # each connection's last request
     granted: set[Waiter] = field(default_factory=set)   # the connections sent its last grant
+    last_pageless_ask: float = -math.inf   # the latest ask of a connection without a page
 
 
 @dataclass
@@ -167,6 +173,8 @@ class GpuTokens:
         Other processes of the container ask in between without moving that point."""
         slot = self.slots[allocation_id]
         now = self.clock()
+        if not waiter.has_activity_page:
+            slot.last_pageless_ask = now
         previous = slot.asks.get(waiter)
         since = previous.release_before if previous is not None and (
             work_running or previous.running) else None
@@ -300,11 +308,14 @@ class GpuTokens:
                    if t.id != holder.tenant)
 
     def _idle_reference(self, holder: Grant) -> tuple[float, float, float]:
-        """(last activity, last launch, last sync) of the holder, in seconds."""
-        activity = self.slots[holder.tenant].activity.read()
+        """(last activity, last launch, last sync) of the holder, in seconds. A connection
+        without an activity page asks for every launch: its last ask is a launch whose end no
+        page reports, so the holder counts as busy (backing off) rather than idle."""
+        slot = self.slots[holder.tenant]
+        activity = slot.activity.read()
         launch = from_ns(activity.last_launch_ns)
         sync = from_ns(activity.last_sync_ns)
-        last_launch = -math.inf if launch is None else launch
+        last_launch = max(-math.inf if launch is None else launch, slot.last_pageless_ask)
         last_sync = -math.inf if sync is None else sync
         return max(last_launch, holder.granted_at), last_launch, last_sync
 

@@ -1,5 +1,6 @@
 /*
- * client.c: the hook's one connection to the node daemon, <GEMINI_CHANNEL_DIR>/sched.sock.
+ * client.c: the hook's one connection to the node daemon, <channel>/sched.sock, where the
+ * channel is /run/gemini in a pod (its mount point wins) and GEMINI_CHANNEL_DIR elsewhere.
  *
  * Opened lazily, when something first needs the daemon (an allocation, a memory query, a
  * device check), with SOCK_CLOEXEC so an exec'd program does not inherit it. Requests from
@@ -18,8 +19,13 @@
  * hook's own bookkeeping, and every (re)connection re-declares from it what this process
  * holds (MEM_SET per GPU per kind), so a restarted daemon loses nothing.
  *
- * Tokens (launch/token.c). Every hello maps the allocation's token and activity pages (once
- * per process). TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
+ * Hello (wire version 2). The reply carries the node's enforcement settings (gm_setting_*
+ * below: the environment may only make them safer) and, with SCM_RIGHTS on its first byte, the
+ * allocation's pages: per GPU the token page read-only and the activity page writable. The
+ * container needs no write access to its channel. A daemon that speaks only version 1 (a
+ * rollback) answers with a version-1 error: said plainly, and treated as a daemon away.
+ *
+ * Tokens (launch/token.c). Every hello hands the allocation's pages to token.c. TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
  * connection, one request at a time, so a memory call made by another thread while this
  * process waits for the token waits too (a known cost of one connection per process). A grant
  * that arrives after its waiter gave up is skipped wherever it is read. USAGE_REPORT has no
@@ -27,6 +33,7 @@
  */
 #include <errno.h>
 #include <poll.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +51,60 @@ static uint32_t next_seq = 1;
 static int gave_up;               /* a full wait failed: later needs try once, no wait */
 static struct gm_grant_view grants[GM_MAX_GPUS];
 static int grant_count = -1;      /* -1: no hello answered yet */
+
+/* ---- enforcement settings: the daemon's (last hello), else these; env only makes safer ---- */
+
+static _Atomic int64_t daemon_setting[5];   /* as struct gm_settings; 0: not said */
+enum { TOKEN_TIMEOUT, FALLBACK_RETRY, IO_TIMEOUT, CONTEXT_BYTES, CONTEXT_MAX_BYTES };
+static const int64_t default_setting[5] = {30000000000LL, 1000000000LL, 10000000000LL, 0,
+                                           1LL << 30};
+
+static int64_t setting(int which) {
+    int64_t value = atomic_load_explicit(&daemon_setting[which], memory_order_relaxed);
+    return value > 0 ? value : default_setting[which];
+}
+
+/* An environment number (seconds scaled to ns, or bytes); -1 when unset or not a number. */
+static int64_t env_number(const char *name, double scale) {
+    const char *text = getenv(name);
+    if (text == NULL || text[0] == '\0') return -1;
+    char *end;
+    double value = strtod(text, &end);
+    if (*end != '\0' || !(value >= 0) || value * scale > 9e18) {
+        gm_warn("%s=%s is not a number; ignored", name, text);
+        return -1;
+    }
+    return (int64_t)(value * scale);
+}
+
+static int64_t at_least(int which, const char *name, double scale) {
+    int64_t base = setting(which), asked = env_number(name, scale);
+    return asked > base ? asked : base;
+}
+
+int64_t gm_setting_token_timeout_ns(void) {
+    return at_least(TOKEN_TIMEOUT, "GEMINI_HOOK_TOKEN_TIMEOUT", 1e9);
+}
+
+int64_t gm_setting_fallback_retry_ns(void) {
+    int64_t base = setting(FALLBACK_RETRY), asked = env_number("GEMINI_HOOK_FALLBACK_RETRY", 1e9);
+    return asked > 0 && asked < base ? asked : base;
+}
+
+uint64_t gm_setting_context_bytes(void) {
+    return (uint64_t)at_least(CONTEXT_BYTES, "GEMINI_HOOK_CONTEXT_BYTES", 1);
+}
+
+uint64_t gm_setting_context_max_bytes(void) {
+    return (uint64_t)at_least(CONTEXT_MAX_BYTES, "GEMINI_HOOK_CONTEXT_MAX_BYTES", 1);
+}
+
+static void set_io_timeout(int sock) {
+    int64_t ns = at_least(IO_TIMEOUT, "GEMINI_HOOK_IO_TIMEOUT", 1e9);
+    struct timeval tv = {(time_t)(ns / 1000000000LL), (suseconds_t)(ns % 1000000000LL / 1000)};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
 
 static double env_seconds(const char *name, double fallback) {
     const char *text = getenv(name);
@@ -106,14 +167,67 @@ static int send_frame(int sock, const void *frame) {
 }
 
 /* One whole frame; -1 when the connection broke or the frame is unreadable. */
-static int read_frame(int sock, union frame_buffer *frame) {
-    if (recv_all(sock, &frame->h, sizeof frame->h) < 0) return -1;
+static int read_frame_body(int sock, union frame_buffer *frame) {
+    if (frame->h.version != GM_WIRE_VERSION && frame->h.type == GM_MSG_ERROR &&
+        frame->h.length == sizeof(struct gm_error)) {
+        static _Atomic int said;
+        if (!atomic_exchange(&said, 1))
+            gm_warn("the node daemon speaks wire version %u, this hook %u: it cannot serve this "
+                    "hook until it is upgraded (memory fails closed, GPU time is gated by the "
+                    "hook at its share)", frame->h.version, GM_WIRE_VERSION);
+        return -1;
+    }
     if (frame->h.version != GM_WIRE_VERSION || frame->h.length < sizeof frame->h ||
         frame->h.length > GM_MAX_FRAME) {
         gm_warn("daemon sent a malformed frame header; dropping the connection");
         return -1;
     }
     return recv_all(sock, frame->bytes + sizeof frame->h, frame->h.length - sizeof frame->h);
+}
+
+/* One whole frame; -1 when the connection broke or the frame is unreadable. */
+static int read_frame(int sock, union frame_buffer *frame) {
+    if (recv_all(sock, &frame->h, sizeof frame->h) < 0) return -1;
+    return read_frame_body(sock, frame);
+}
+
+/* The hello reply: a frame whose first byte may carry descriptors (SCM_RIGHTS), which go to
+ * fds (at most max; *count of them). -1 (nothing kept open) when the reply is unreadable. */
+static int read_frame_with_fds(int sock, union frame_buffer *frame, int *fds, int max,
+                               int *count) {
+    *count = 0;
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(int) * 2 * GM_MAX_GPUS)];
+    } control;
+    struct iovec iov = {&frame->h, sizeof frame->h};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.bytes,
+                         .msg_controllen = sizeof control.bytes};
+    ssize_t n;
+    do {
+        n = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) return -1;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c != NULL; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        int got = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int i = 0; i < got; i++) {
+            int one;
+            memcpy(&one, CMSG_DATA(c) + i * sizeof(int), sizeof one);
+            if (*count < max) fds[(*count)++] = one;
+            else close(one);
+        }
+    }
+    int bad = (msg.msg_flags & MSG_CTRUNC) != 0 ||
+              ((size_t)n < sizeof frame->h &&
+               recv_all(sock, (char *)&frame->h + n, sizeof frame->h - (size_t)n) < 0) ||
+              read_frame_body(sock, frame) < 0;
+    if (bad) {
+        for (int i = 0; i < *count; i++) close(fds[i]);
+        *count = 0;
+        return -1;
+    }
+    return 0;
 }
 
 /* The status of an ERROR frame (logged), or -1 for any other frame. */
@@ -152,8 +266,35 @@ static int exchange(int sock, void *request, void *reply, uint16_t reply_type, s
     return 0;
 }
 
+/* HELLO, and its reply read with the page descriptors; -1 (nothing open) on any failure. */
+static int hello_exchange(int sock, struct gm_hello_reply *reply, int *fds, int *nfds) {
+    struct gm_hello hello;
+    memset(&hello, 0, sizeof hello);
+    fill_header(&hello.h, GM_MSG_HELLO, sizeof hello);
+    hello.proto_version = GM_WIRE_VERSION;
+    hello.pid = (uint32_t)getpid();
+    if (send_frame(sock, &hello) < 0) return -1;
+    union frame_buffer frame;
+    if (read_frame_with_fds(sock, &frame, fds, 2 * GM_MAX_GPUS, nfds) < 0) return -1;
+    int ok = error_status(&frame) < 0 && frame.h.type == GM_MSG_HELLO_REPLY &&
+             frame.h.length == sizeof *reply && frame.h.seq == hello.h.seq;
+    if (ok) memcpy(reply, frame.bytes, sizeof *reply);
+    ok = ok && reply->status == GM_OK && reply->gpu_count <= GM_MAX_GPUS;
+    if (ok && (reply->page_fds != (uint32_t)*nfds ||
+               (*nfds != 0 && *nfds != 2 * (int)reply->gpu_count))) {
+        gm_warn("hello reply announced %u page descriptors, %d arrived", reply->page_fds, *nfds);
+        ok = 0;
+    }
+    if (!ok) {
+        for (int i = 0; i < *nfds; i++) close(fds[i]);
+        *nfds = 0;
+        return -1;
+    }
+    return 0;
+}
+
 static int connect_and_hello(void) {
-    const char *dir = getenv("GEMINI_CHANNEL_DIR");
+    const char *dir = gm_channel_dir();
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     if (dir == NULL ||
         (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sched.sock", dir) >=
@@ -161,32 +302,28 @@ static int connect_and_hello(void) {
         return -1;
     int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (sock < 0) return -1;
-    double io_timeout = env_seconds("GEMINI_HOOK_IO_TIMEOUT", 10.0);
-    struct timeval tv = {(time_t)io_timeout, (suseconds_t)((io_timeout - (time_t)io_timeout) * 1e6)};
-    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0) {
-        close(sock);
-        return -1;
-    }
-    struct gm_hello hello;
-    memset(&hello, 0, sizeof hello);
-    fill_header(&hello.h, GM_MSG_HELLO, sizeof hello);
-    hello.proto_version = GM_WIRE_VERSION;
-    hello.pid = (uint32_t)getpid();
+    set_io_timeout(sock);
     struct gm_hello_reply reply;
-    if (exchange(sock, &hello, &reply, GM_MSG_HELLO_REPLY, sizeof reply) < 0 ||
-        reply.status != GM_OK || reply.gpu_count > GM_MAX_GPUS) {
+    int fds[2 * GM_MAX_GPUS], nfds = 0;
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0 ||
+        hello_exchange(sock, &reply, fds, &nfds) < 0) {
         close(sock);
         return -1;
     }
+    const int64_t said[5] = {reply.settings.token_timeout_ns, reply.settings.fallback_retry_ns,
+                             reply.settings.io_timeout_ns, (int64_t)reply.settings.context_bytes,
+                             (int64_t)reply.settings.context_max_bytes};
+    for (int i = 0; i < 5; i++) atomic_store(&daemon_setting[i], said[i] > 0 ? said[i] : 0);
+    set_io_timeout(sock);   /* now with the daemon's setting */
+    uint32_t shares[GM_MAX_GPUS];
     for (uint32_t i = 0; i < reply.gpu_count; i++) {
         memcpy(grants[i].uuid, reply.gpus[i].uuid, GM_UUID_BYTES);
         grants[i].memory_limit = reply.gpus[i].memory_limit;
+        shares[i] = reply.gpus[i].share_ppm;
     }
     grant_count = (int)reply.gpu_count;
     GM_COUNT(daemon_connects, 1);
-    gm_token_map_pages(dir, grant_count);
+    gm_token_map_pages(fds, nfds, grant_count, shares);
     return sock;
 }
 
@@ -242,7 +379,7 @@ static int ensure_connected(int may_wait, int *fresh) {
     }
     if (may_wait && !gave_up) {
         gm_warn("no answer from the node daemon at %s/sched.sock after %.1f s: allocations "
-                "fail closed until it answers", getenv("GEMINI_CHANNEL_DIR"), wait);
+                "fail closed until it answers", gm_channel_dir(), wait);
         gave_up = 1;
     }
     return -1;
@@ -294,7 +431,8 @@ int gm_channel_ensure(int may_wait) {
 }
 
 int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t work_end_ns,
-                     struct gm_token_grant *out, double timeout_s) {
+                     struct gm_token_grant *out) {
+    double timeout_s = (double)gm_setting_token_timeout_ns() / 1e9;
     pthread_mutex_lock(&lock);
     int rc = -1;
     for (int attempt = 0; attempt < 2 && rc == -1; attempt++) {

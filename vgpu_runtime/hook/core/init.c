@@ -1,8 +1,10 @@
 /*
  * init.c: switches, diagnostics, the real dlsym, and the dlsym override.
  *
- * The hook is active only when GEMINI_CHANNEL_DIR is set; otherwise every wrapper calls
- * straight through (said once on stderr when GEMINI_HOOK_DEBUG is set).
+ * The hook is active only where a channel exists: /run/gemini/sched.sock (a pod's mount
+ * point, which wins: the pod's environment cannot point the hook elsewhere or switch it off),
+ * else GEMINI_CHANNEL_DIR (gemini-run). Otherwise every wrapper calls straight through (said
+ * once on stderr when GEMINI_HOOK_DEBUG is set).
  *
  * dlsym override. dlsym(handle, name) on any handle: the real answer, swapped for our
  * wrapper when it is exactly the libcuda/libnvidia-ml symbol a table row hooks.
@@ -19,6 +21,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "hook.h"
@@ -43,14 +46,31 @@ void *gm_real_dlsym(void *handle, const char *name) {
 
 static int active = -1;
 static int debug = -1;
+static const char *channel_dir;
+static pthread_once_t channel_once = PTHREAD_ONCE_INIT;
+
+static void find_channel(void) {
+    struct stat st;
+    if (gm_lstat(GM_POD_CHANNEL_DIR "/sched.sock", &st) == 0 && S_ISSOCK(st.st_mode)) {
+        channel_dir = GM_POD_CHANNEL_DIR;
+        return;
+    }
+    const char *dir = getenv("GEMINI_CHANNEL_DIR");
+    if (dir != NULL && dir[0] != '\0') channel_dir = strdup(dir);
+}
+
+const char *gm_channel_dir(void) {
+    pthread_once(&channel_once, find_channel);
+    return channel_dir;
+}
 
 int gm_active(void) {
     int value = __atomic_load_n(&active, __ATOMIC_RELAXED);
     if (value < 0) {
-        const char *dir = getenv("GEMINI_CHANNEL_DIR");
-        value = dir != NULL && dir[0] != '\0';
+        value = gm_channel_dir() != NULL;
         __atomic_store_n(&active, value, __ATOMIC_RELAXED);
-        if (!value) gm_debug("GEMINI_CHANNEL_DIR is not set: passing every call through");
+        if (!value) gm_debug("no channel (" GM_POD_CHANNEL_DIR "/sched.sock, GEMINI_CHANNEL_DIR): "
+                             "passing every call through");
     }
     return value;
 }

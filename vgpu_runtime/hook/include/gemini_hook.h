@@ -25,8 +25,8 @@
     X(daemon_connects)        /* successful hellos (first connection and reconnections) */   \
     X(token_requests)         /* slow-path TOKEN_REQUESTs sent */                            \
     X(token_wait_ns)          /* host time launches spent in the slow path (settle + wait) */\
-    X(token_timeouts)         /* requests with no grant within GEMINI_HOOK_TOKEN_TIMEOUT */  \
-    X(ungated_launches)       /* launches passed ungated because the daemon was away */      \
+    X(token_timeouts)         /* requests with no grant within the token timeout */          \
+    X(ungated_launches)       /* launches no grant covered (daemon away): self-gated */      \
     X(frames_sent)            /* every frame written to the daemon, of any type */           \
     X(usage_reports)          /* USAGE_REPORT frames (observed kernel bursts) */             \
     X(syncs_observed)         /* host synchronisations seen returning */                     \
@@ -35,7 +35,7 @@
 
 struct gemini_hook_stats {
     uint32_t version;            /* GEMINI_HOOK_STATS_VERSION */
-    uint32_t active;             /* 1 when GEMINI_CHANNEL_DIR is set */
+    uint32_t active;             /* 1 when a channel exists (/run/gemini, GEMINI_CHANNEL_DIR) */
     uint64_t bytes_held;         /* what this process holds now, all kinds, all GPUs */
 #define GEMINI_HOOK_STATS_FIELD(name) uint64_t name;
     GEMINI_HOOK_COUNTERS(GEMINI_HOOK_STATS_FIELD)

@@ -15,6 +15,21 @@
  * One persistent connection per process. The daemon knows who is talking from
  * the socket the client connected through (one per allocation) and from
  * SO_PEERCRED; the pid in hello is only for logs.
+ *
+ * Version 2 (this one) changed only the hello reply; every other frame is laid out as in
+ * version 1, whose hooks keep running in pods across a daemon upgrade. The daemon serves both:
+ * a connection speaks the version of its hello, in every header, and a version-1 hook gets
+ * struct gm_hello_reply_v1 and no page descriptors (it asks over the socket for every launch:
+ * the daemon takes its requests as its activity). The version-2 reply adds:
+ * - the allocation's pages, passed with SCM_RIGHTS on the reply's first byte (page_fds
+ *   descriptors: for each GPU in order its token page, open O_RDONLY, then its activity page,
+ *   open O_RDWR). The pages live in the daemon's state directory, never in the channel: the
+ *   container needs no write access to anything, and nobody can open them by path;
+ * - the enforcement settings (struct gm_settings), set per node in the daemon's configuration.
+ *   The hook's environment may only ask for more safety than these.
+ * A version-2 hook that meets a version-1 daemon (a rollback) gets GM_ERR_BAD_VERSION in a
+ * version-1 error frame; it says so and treats the daemon as away (memory fails closed, GPU time
+ * is throttled to its share): the hook's rollback is to the daemon's version.
  */
 #ifndef GEMINI_WIRE_H
 #define GEMINI_WIRE_H
@@ -22,7 +37,8 @@
 #include <stdint.h>
 
 /* GM_CDEF_BEGIN */
-#define GM_WIRE_VERSION 1
+#define GM_WIRE_VERSION 2
+#define GM_WIRE_VERSION_MIN 1   /* the oldest hello the daemon still serves */
 #define GM_MAX_FRAME 4096
 #define GM_MAX_GPUS 16
 #define GM_UUID_BYTES 16
@@ -91,12 +107,35 @@ struct gm_gpu_grant {
     uint32_t limit_ppm;       /* cap on the share, parts per million */
 };
 
+/* Enforcement settings of the node (the daemon's configuration). Where the hook's environment
+ * names one too, the hook takes whichever is safer: the longer token timeout, the shorter
+ * fallback retry, the longer I/O timeout, the larger context charges. */
+struct gm_settings {
+    int64_t token_timeout_ns;     /* wait this long for a grant before the fallback */
+    int64_t fallback_retry_ns;    /* in the fallback, ask the daemon again after this long */
+    int64_t io_timeout_ns;        /* send and receive timeout on the socket */
+    uint64_t context_bytes;       /* charged for a context whose cost cannot be measured */
+    uint64_t context_max_bytes;   /* the most one measured context is charged */
+};
+
 struct gm_hello_reply {
     struct gm_header h;
     uint32_t status;                  /* enum gm_status */
     uint32_t gpu_count;               /* valid entries in gpus[] */
     char allocation_id[32];           /* GM_ALLOCATION_ID_BYTES, NUL-padded */
     struct gm_gpu_grant gpus[16];     /* GM_MAX_GPUS */
+    uint32_t page_fds;                /* descriptors passed with this reply: 2 per GPU, or 0 */
+    uint32_t reserved;
+    struct gm_settings settings;
+};
+
+/* The version-1 hello reply, which the daemon still sends to version-1 hooks. */
+struct gm_hello_reply_v1 {
+    struct gm_header h;
+    uint32_t status;
+    uint32_t gpu_count;
+    char allocation_id[32];
+    struct gm_gpu_grant gpus[16];
 };
 
 /* RESERVE and RELEASE carry a delta; SET carries the absolute amount this
@@ -124,12 +163,12 @@ struct gm_error {
 };
 /*
  * GPU-time tokens (issue 4). One token per GPU; the holder is a container (all its
- * processes). The daemon publishes the grant in a shared page per allocation and GPU,
- * <channel>/token.<gpu>, which hooks map read-only: a launch checks
+ * processes). The daemon publishes the grant in a shared page per allocation and GPU (the
+ * token page, passed to the hook read-only with the hello reply): a launch checks
  * `now < valid_until_ns` (CLOCK_MONOTONIC) with one atomic load and a vDSO clock read.
  * Only when that fails does the hook send TOKEN_REQUEST and block on the socket for the
- * TOKEN_GRANT. Hooks write their activity to <channel>/activity.<gpu>, so the daemon can
- * take the token back from an idle holder without any message on the launch path.
+ * TOKEN_GRANT. Hooks write their activity to the activity page (passed writable), so the
+ * daemon can take the token back from an idle holder without any message on the launch path.
  * All times are CLOCK_MONOTONIC nanoseconds; -1 means unknown.
  */
 #define GM_TOKEN_PAGE_MAGIC 1196250187

@@ -2,9 +2,13 @@
 #ifndef GEMINI_HOOK_H
 #define GEMINI_HOOK_H
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "cuda_types.h"
 #include "gemini_hook.h"
@@ -40,8 +44,22 @@ GM_HIDDEN int gm_lookup_name(const char *name);     /* entry id of a hooked name
 GM_HIDDEN void *gm_wrapper_for(const char *name, void *real); /* wrapper if real is that entry's */
 GM_HIDDEN void *gm_wrapper_for_pointer(void *real);   /* wrapper of whichever variant it is */
 
+/* fstat and lstat through the system call: glibc 2.33 made them symbols of that version,
+ * older images have only __fxstat (see glibc_compat.h). Kernel and glibc agree on struct stat
+ * on x86-64 and aarch64. */
+static inline int gm_fstat(int fd, struct stat *st) {
+    return (int)syscall(SYS_fstat, fd, st);
+}
+static inline int gm_lstat(const char *path, struct stat *st) {
+    return (int)syscall(SYS_newfstatat, AT_FDCWD, path, st, AT_SYMLINK_NOFOLLOW);
+}
+
 /* core/init.c */
-GM_HIDDEN int gm_active(void);               /* GEMINI_CHANNEL_DIR set */
+/* In a pod the channel is mounted here (= vgpu_runtime.paths.CONTAINER_CHANNEL_DIR); a socket
+ * there wins over GEMINI_CHANNEL_DIR, which only gemini-run needs. */
+#define GM_POD_CHANNEL_DIR "/run/gemini"
+GM_HIDDEN const char *gm_channel_dir(void);  /* the channel, or NULL: no channel, no hook */
+GM_HIDDEN int gm_active(void);               /* a channel exists */
 GM_HIDDEN void gm_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 GM_HIDDEN void gm_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 GM_HIDDEN extern __thread int gm_in_loader;  /* this thread is resolving real symbols */
@@ -56,7 +74,7 @@ struct gm_counters {
 GM_HIDDEN extern struct gm_counters gm_counters;
 #define GM_COUNT(field, n) atomic_fetch_add_explicit(&gm_counters.field, (n), memory_order_relaxed)
 
-/* channel/client.c: one connection per process to <GEMINI_CHANNEL_DIR>/sched.sock */
+/* channel/client.c: one connection per process to <channel>/sched.sock */
 struct gm_grant_view {
     uint8_t uuid[GM_UUID_BYTES];
     uint64_t memory_limit;
@@ -69,15 +87,22 @@ GM_HIDDEN void gm_channel_after_fork_child(void);
 /* Connected (hello answered, pages mapped)? The allocation's GPU count, or -1. */
 GM_HIDDEN int gm_channel_ensure(int may_wait);
 /* TOKEN_REQUEST (flags: enum gm_token_flags), then block (no busy wait) for its grant:
- * 0 granted, -1 daemon away or refused, -2 no grant within timeout_s. */
+ * 0 granted, -1 daemon away or refused, -2 no grant within the token timeout. */
 GM_HIDDEN int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns,
-                               int64_t work_end_ns, struct gm_token_grant *out,
-                               double timeout_s);
+                               int64_t work_end_ns, struct gm_token_grant *out);
+/* Enforcement settings: the daemon's from the last hello (its defaults before one), where
+ * the environment may only ask for more safety (see gm_settings in gemini_wire.h). */
+GM_HIDDEN int64_t gm_setting_token_timeout_ns(void);
+GM_HIDDEN int64_t gm_setting_fallback_retry_ns(void);
+GM_HIDDEN uint64_t gm_setting_context_bytes(void);
+GM_HIDDEN uint64_t gm_setting_context_max_bytes(void);
 /* A frame without reply (header type and length set), sent only if that costs no wait. */
 GM_HIDDEN int gm_channel_notify(void *frame);
 
 /* launch/token.c */
-GM_HIDDEN void gm_token_map_pages(const char *channel_dir, int gpu_count);
+/* A hello's pages (fds: per GPU token then activity page; all closed here) and shares. */
+GM_HIDDEN void gm_token_map_pages(const int *fds, int nfds, int gpu_count,
+                                  const uint32_t *share_ppm);
 GM_HIDDEN void gm_token_after_fork_child(void);
 GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
 GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */

@@ -2,10 +2,13 @@
  * token.c: the hook's side of GPU-time tokens (issue 4). See gemini_wire.h, above
  * struct gm_token_page, for the contract with the daemon.
  *
- * Pages. Every hello maps <channel>/token.<i> read-only and <channel>/activity.<i> read-write
- * for each GPU i of the allocation (once per process: a restarted daemon keeps the files'
- * inodes; a forked child drops its parent's mappings and maps its own after its own hello).
- * A missing page is waited for briefly (the daemon creates them with the channel).
+ * Pages. Every hello passes, for each GPU i of the allocation, the token page as a read-only
+ * descriptor (mapped PROT_READ: the container cannot forge a grant) and the activity page
+ * writable. A page already mapped (same file: a restarted daemon keeps the files' inodes) is
+ * kept; another file replaces it, and the old mapping is left in place, never unmapped, since
+ * a launch may be reading it without a lock. A forked child drops its parent's mappings and
+ * maps its own after its own hello. Without pages (none passed, or unmappable) every launch
+ * asks the daemon.
  *
  * Fast path (gm_token_gate): gate OPEN -> launch. Else one acquire load of valid_until_ns and
  * a vDSO clock_gettime(CLOCK_MONOTONIC); while now < valid_until_ns the launch goes, followed
@@ -54,12 +57,19 @@
  * of a saturating process span its whole grant and say nothing about that. A workload that
  * syncs after every launch is gated like any other: every launch checks the token.
  *
- * Daemon away (policy, GEMINI_HOOK_DAEMON_WAIT): the request waits for the daemon as memory
- * calls do (backoff, up to GEMINI_HOOK_DAEMON_WAIT seconds, default 30, once). If it stays
- * away, or no grant comes within GEMINI_HOOK_TOKEN_TIMEOUT seconds (default 30), launches on
- * that GPU pass UNGATED for GEMINI_HOOK_UNGATED_RETRY seconds (default 1), then the next launch
- * asks again (trying the daemon once, without waiting). A warning is logged once. The gate
- * never deadlocks the application: GPU time fails open, memory fails closed.
+ * Fallback (bounded): the request waits for the daemon as memory calls do (backoff, up to
+ * GEMINI_HOOK_DAEMON_WAIT seconds, default 30, once). If it stays away, or no grant comes within
+ * the token timeout (the node's setting), the hook gates that GPU's launches ITSELF at the share
+ * the last hello gave it (before any hello it knows nothing it can trust: 4%) for the fallback
+ * retry (the node's setting, 1 s), then the next launch asks the daemon again (once, without
+ * waiting), so gating by the daemon resumes within about a second of its return. Self-gating:
+ * each launch waits for its own work (it is charged exactly what it ran) and a launch waits
+ * while this process has run more than share x the time since the fallback began, plus share x
+ * 100 ms: over any window it runs at most its share, plus that allowance and one kernel. No
+ * setting of the environment can widen this (it may only make the settings safer), so neither
+ * an environment nor an outage takes a tenant past its share. A warning is logged once. The
+ * gate never deadlocks the application; memory fails closed. Limit: each process of a
+ * container gates itself, so N processes launching through an outage take up to N shares.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -67,6 +77,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -76,12 +87,19 @@
 #define MERGE_GAP_NS 2000000LL
 #define REPORT_INTERVAL_NS 100000000LL
 #define MAX_REPORTS 16
-#define PAGE_WAIT_NS 1000000000LL
+#define FALLBACK_ALLOWANCE_NS 100000000LL   /* share x this much may run ahead */
+#define UNKNOWN_SHARE_PPM 40000               /* before any hello: below the 0.05 bound */
 
 struct gpu_token {
     const struct gm_token_page *page;      /* NULL until mapped (atomic pointer loads) */
     struct gm_activity_page *activity;
-    _Atomic int64_t ungated_until;         /* daemon away: launches pass until then */
+    dev_t page_dev;                        /* the files mapped, to know a re-hello's pages */
+    ino_t page_ino;
+    _Atomic uint32_t share_ppm;            /* from the last hello: what the fallback allows */
+    _Atomic int64_t fallback_until;        /* no grant to be had: self-gated until then */
+    pthread_mutex_t fallback_lock;         /* self-gating: budget and its clock */
+    int64_t fallback_budget;               /* GPU ns this process may still run */
+    int64_t fallback_clock;                /* when the budget last grew; 0: not in a fallback */
     _Atomic uintptr_t streams[MAX_STREAMS]; /* own streams launched into since the last ask */
     _Atomic int legacy_used;               /* a launch went to the legacy default stream */
     _Atomic int64_t burst_start;           /* first launch after the last sync, or -1 */
@@ -102,22 +120,14 @@ struct gpu_token {
 
 static struct gpu_token gpus[GM_MAX_GPUS];
 static _Atomic int gpu_count = -1;
-static _Atomic int64_t no_daemon_until;   /* no hello at all: launches pass until then */
-static pid_t pages_pid;
+static _Atomic int64_t no_daemon_until;   /* no hello at all: self-gated until then */
 static _Atomic int warned;
+static __thread int fallback_launch;      /* this thread's launch is self-gated */
 
 static inline int64_t now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static double env_seconds(const char *name, double fallback) {
-    const char *text = getenv(name);
-    if (text == NULL || text[0] == '\0') return fallback;
-    char *end;
-    double value = strtod(text, &end);
-    return *end == '\0' && value >= 0 ? value : fallback;
 }
 
 static int drain_by_sync(void) {
@@ -136,52 +146,49 @@ static __attribute__((constructor)) void init_state(void) {
         pthread_mutex_init(&gpus[i].lock, NULL);
         pthread_cond_init(&gpus[i].cond, NULL);
         pthread_mutex_init(&gpus[i].burst_lock, NULL);
+        pthread_mutex_init(&gpus[i].fallback_lock, NULL);
         atomic_store(&gpus[i].burst_start, -1);
+        atomic_store(&gpus[i].share_ppm, UNKNOWN_SHARE_PPM);
         gpus[i].merged_start = -1;
     }
 }
 
 /* ---- pages ---- */
 
-static void *map_page(const char *dir, const char *name, int gpu, int writable) {
-    char path[4096];
-    if ((size_t)snprintf(path, sizeof path, "%s/%s.%d", dir, name, gpu) >= sizeof path)
-        return NULL;
-    int64_t give_up = now_ns() + PAGE_WAIT_NS;
-    for (;;) {
-        int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC | O_NOFOLLOW);
-        if (fd >= 0) {
-            void *page = mmap(NULL, GM_PAGE_BYTES, writable ? PROT_READ | PROT_WRITE : PROT_READ,
-                              MAP_SHARED, fd, 0);
-            close(fd);
-            return page == MAP_FAILED ? NULL : page;
-        }
-        if (errno != ENOENT || now_ns() >= give_up) return NULL;
-        struct timespec pause = {0, 10000000L};
-        nanosleep(&pause, NULL);
-    }
+static void *map_fd(int fd, int writable) {
+    void *page = mmap(NULL, GM_PAGE_BYTES, writable ? PROT_READ | PROT_WRITE : PROT_READ,
+                      MAP_SHARED, fd, 0);
+    return page == MAP_FAILED ? NULL : page;
 }
 
-void gm_token_map_pages(const char *dir, int count) {
-    if (pages_pid == getpid() && atomic_load(&gpu_count) == count) return;
+void gm_token_map_pages(const int *fds, int nfds, int count, const uint32_t *share_ppm) {
     for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
         struct gpu_token *g = &gpus[i];
-        const struct gm_token_page *page = map_page(dir, "token", i, 0);
-        struct gm_activity_page *activity = map_page(dir, "activity", i, 1);
+        atomic_store(&g->share_ppm, share_ppm[i] > UNKNOWN_SHARE_PPM ? share_ppm[i]
+                                                                     : UNKNOWN_SHARE_PPM);
+        struct stat st;
+        if (2 * i + 1 >= nfds || gm_fstat(fds[2 * i], &st) != 0) continue;
+        if (g->page != NULL && st.st_dev == g->page_dev && st.st_ino == g->page_ino) continue;
+        const struct gm_token_page *page = map_fd(fds[2 * i], 0);
+        struct gm_activity_page *activity = map_fd(fds[2 * i + 1], 1);
         if (page != NULL && page->magic != GM_TOKEN_PAGE_MAGIC) {
             munmap((void *)page, GM_PAGE_BYTES);
             page = NULL;
         }
         if (page == NULL || activity == NULL) {
-            gm_warn("no token pages for gpu %d in %s: its launches are not gated", i, dir);
+            gm_warn("cannot map the token pages of gpu %d: each of its launches asks the daemon",
+                    i);
             if (page != NULL) munmap((void *)page, GM_PAGE_BYTES);
             if (activity != NULL) munmap(activity, GM_PAGE_BYTES);
             continue;
         }
+        /* A previous mapping stays mapped: a launch may be reading it right now. */
+        g->page_dev = st.st_dev;
+        g->page_ino = st.st_ino;
         __atomic_store_n(&g->activity, activity, __ATOMIC_RELEASE);
         __atomic_store_n(&g->page, page, __ATOMIC_RELEASE);
     }
-    pages_pid = getpid();
+    for (int i = 0; i < nfds; i++) close(fds[i]);
     atomic_store(&gpu_count, count);
 }
 
@@ -195,12 +202,16 @@ void gm_token_after_fork_child(void) {
         pthread_mutex_init(&g->lock, NULL);
         pthread_cond_init(&g->cond, NULL);
         pthread_mutex_init(&g->burst_lock, NULL);
+        pthread_mutex_init(&g->fallback_lock, NULL);
+        g->page_dev = 0;
+        g->page_ino = 0;
+        g->fallback_budget = g->fallback_clock = 0;
+        atomic_store(&g->fallback_until, 0);
         g->requesting = 0;
         g->pending_count = 0;   /* the parent's events are not the child's */
         g->report_count = 0;
         g->merged_start = -1;
         g->longest_unmerged = g->last_unmerged = 0;
-        atomic_store(&g->ungated_until, 0);
         atomic_store(&g->burst_start, -1);
         atomic_store(&g->last_sync, 0);
         atomic_store(&g->legacy_used, 0);
@@ -208,7 +219,6 @@ void gm_token_after_fork_child(void) {
     }
     atomic_store(&gpu_count, -1);
     atomic_store(&no_daemon_until, 0);
-    pages_pid = 0;
 }
 
 /* ---- settling the last grant's work ---- */
@@ -385,18 +395,73 @@ void gm_sync_observed(void) {
     }
 }
 
+/* ---- the fallback: self-gating at the known share (see the header) ---- */
+
+static void warn_fallback(const char *why) {
+    if (!atomic_exchange(&warned, 1))
+        gm_warn("%s: this process gates its launches itself at its share until the daemon "
+                "grants again", why);
+}
+
+static void enter_fallback(_Atomic int64_t *until) {
+    atomic_store(until, now_ns() + gm_setting_fallback_retry_ns());
+}
+
+/* Wait until this process may launch again on `gpu`; the launch then runs self-gated. */
+static int fallback_gate(int gpu, int64_t *at) {
+    struct gpu_token *g = &gpus[gpu];
+    int64_t share = atomic_load(&g->share_ppm);
+    int64_t allowance = FALLBACK_ALLOWANCE_NS * share / GM_PPM;
+    pthread_mutex_lock(&g->fallback_lock);   /* held while waiting: the others wait too */
+    int64_t now = now_ns();
+    if (g->fallback_clock == 0) {
+        g->fallback_clock = now;
+        g->fallback_budget = 0;
+    }
+    g->fallback_budget += (now - g->fallback_clock) * share / GM_PPM;
+    if (g->fallback_budget > allowance) g->fallback_budget = allowance;
+    g->fallback_clock = now;
+    if (g->fallback_budget < 0) {   /* in debt: wait until the share has paid it back */
+        int64_t wait = -g->fallback_budget * GM_PPM / share;
+        struct timespec pause = {wait / 1000000000LL, wait % 1000000000LL};
+        while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
+        }
+        now = now_ns();
+        g->fallback_budget += (now - g->fallback_clock) * share / GM_PPM;
+        g->fallback_clock = now;
+    }
+    pthread_mutex_unlock(&g->fallback_lock);
+    GM_COUNT(ungated_launches, 1);
+    fallback_launch = 1;
+    *at = now_ns();
+    return gpu;
+}
+
+/* After a self-gated launch: wait for it and charge what it ran. */
+static void fallback_launched(struct gpu_token *g, const struct gm_launch *launch, int64_t at) {
+    fallback_launch = 0;
+    if (!gm_capture_open()) {   /* a synchronisation would break a global-mode capture */
+        CUstream stream = launch->stream;
+        if (stream == NULL && launch->per_thread) stream = CU_STREAM_PER_THREAD;
+        GM_REAL(cuStreamSynchronize)(stream);
+    }
+    int64_t ran = now_ns() - at;
+    pthread_mutex_lock(&g->fallback_lock);
+    g->fallback_budget -= ran;
+    pthread_mutex_unlock(&g->fallback_lock);
+}
+
+/* The daemon gates again: the next fallback starts with no budget. */
+static void leave_fallback(struct gpu_token *g) {
+    if (__atomic_load_n(&g->fallback_clock, __ATOMIC_RELAXED) == 0) return;
+    pthread_mutex_lock(&g->fallback_lock);
+    g->fallback_clock = 0;
+    pthread_mutex_unlock(&g->fallback_lock);
+}
+
 /* ---- the gate ---- */
 
-static void warn_ungated(const char *why) {
-    if (!atomic_exchange(&warned, 1))
-        gm_warn("%s: launches pass ungated for now (GPU time fails open; see "
-                "GEMINI_HOOK_DAEMON_WAIT, GEMINI_HOOK_TOKEN_TIMEOUT)", why);
-}
-
-static int64_t ungated_for(void) {
-    return (int64_t)(env_seconds("GEMINI_HOOK_UNGATED_RETRY", 1.0) * 1e9);
-}
-
+/* The GPU index when granted, -1 when the gate is open, -2 when no grant is to be had. */
 static int slow_path(int gpu) {
     struct gpu_token *g = &gpus[gpu];
     int64_t entered = now_ns();
@@ -410,7 +475,10 @@ static int slow_path(int gpu) {
             result = gpu;
             break;
         }
-        if (now < atomic_load(&g->ungated_until)) break;
+        if (now < atomic_load(&g->fallback_until)) {
+            result = -2;
+            break;
+        }
         if (g->requesting) {   /* another thread of this process asks for all of them */
             pthread_cond_wait(&g->cond, &g->lock);
             continue;
@@ -422,8 +490,7 @@ static int slow_path(int gpu) {
         struct gm_token_grant grant;
         GM_COUNT(token_requests, 1);
         int rc = gm_channel_token((uint32_t)gpu, running ? GM_TOKEN_WORK_RUNNING : 0,
-                                  burst_estimate(g), work_end, &grant,
-                                  env_seconds("GEMINI_HOOK_TOKEN_TIMEOUT", 30.0));
+                                  burst_estimate(g), work_end, &grant);
         pthread_mutex_lock(&g->lock);
         g->requesting = 0;
         pthread_cond_broadcast(&g->cond);
@@ -432,11 +499,13 @@ static int slow_path(int gpu) {
             break;
         }
         if (rc == -2) GM_COUNT(token_timeouts, 1);
-        atomic_store(&g->ungated_until, now_ns() + ungated_for());
-        warn_ungated(rc == -2 ? "no token grant in time" : "the node daemon is away");
+        enter_fallback(&g->fallback_until);
+        warn_fallback(rc == -2 ? "no token grant in time" : "the node daemon is away");
+        result = -2;
         break;
     }
     pthread_mutex_unlock(&g->lock);
+    if (result == gpu) leave_fallback(g);
     uint64_t waited = (uint64_t)(now_ns() - entered);
     GM_COUNT(token_wait_ns, waited);
     uint64_t longest = atomic_load_explicit(&gm_counters.token_wait_max_ns, memory_order_relaxed);
@@ -450,16 +519,12 @@ static int slow_path(int gpu) {
 int gm_token_gate(int64_t *at) {
     int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
     if (n < 0) {
-        int64_t now = now_ns();
-        if (now < atomic_load_explicit(&no_daemon_until, memory_order_relaxed)) {
-            GM_COUNT(ungated_launches, 1);
-            return -1;
-        }
+        if (now_ns() < atomic_load_explicit(&no_daemon_until, memory_order_relaxed))
+            return fallback_gate(0, at);
         if (gm_channel_ensure(1) < 0) {
-            atomic_store(&no_daemon_until, now_ns() + ungated_for());
-            warn_ungated("the node daemon is away");
-            GM_COUNT(ungated_launches, 1);
-            return -1;
+            enter_fallback(&no_daemon_until);
+            warn_fallback("the node daemon is away");
+            return fallback_gate(0, at);
         }
     }
     int gpu = gpu_now();
@@ -473,23 +538,23 @@ int gm_token_gate(int64_t *at) {
             *at = now;
             return gpu;
         }
-        if (now < atomic_load_explicit(&g->ungated_until, memory_order_relaxed)) {
-            GM_COUNT(ungated_launches, 1);
-            return -1;
-        }
-    } else if (now_ns() < atomic_load_explicit(&g->ungated_until, memory_order_relaxed)) {
-        GM_COUNT(ungated_launches, 1);
-        return -1;
+        if (now < atomic_load_explicit(&g->fallback_until, memory_order_relaxed))
+            return fallback_gate(gpu, at);
+    } else if (now_ns() < atomic_load_explicit(&g->fallback_until, memory_order_relaxed)) {
+        return fallback_gate(gpu, at);
     }
     int result = slow_path(gpu);
-    if (result < 0 && __atomic_load_n(&g->page, __ATOMIC_ACQUIRE) == NULL)
-        atomic_store(&g->ungated_until, now_ns() + ungated_for());
+    if (result == -2) return fallback_gate(gpu, at);
     *at = now_ns();
     return result;
 }
 
 void gm_token_launched(int gpu, const struct gm_launch *launch, int64_t at) {
     struct gpu_token *g = &gpus[gpu];
+    if (fallback_launch) {
+        fallback_launched(g, launch, at);
+        return;
+    }
     struct gm_activity_page *activity = __atomic_load_n(&g->activity, __ATOMIC_RELAXED);
     if (activity != NULL) {
         __atomic_store_n(&activity->last_launch_ns, at, __ATOMIC_RELAXED);

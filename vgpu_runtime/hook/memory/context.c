@@ -7,10 +7,12 @@
  * - cuMemGetInfo, when a context on that device is already current (a second context);
  * - otherwise NVML by UUID (the usual case: the CUDA runtime retains the primary context
  *   with no context current, and cuMemGetInfo needs one).
- * With neither, GEMINI_HOOK_CONTEXT_BYTES (default 0) is charged. The readings are
- * device-wide, so another process allocating in between skews them; a negative difference
- * counts as 0, and one context is charged at most GEMINI_HOOK_CONTEXT_MAX_BYTES (1 GiB). Where the daemon can see per-process figures in NVML, it may charge those
- * instead; the hook reports what it measured.
+ * With neither, the node's context_bytes setting (hello reply; default 0) is charged. The
+ * readings are device-wide, so another process allocating in between skews them; a negative
+ * difference counts as 0, and one context is charged at most the node's context_max_bytes
+ * (1 GiB). The environment (GEMINI_HOOK_CONTEXT_BYTES, _MAX_BYTES) may only raise either: a
+ * pod must not escape its context charge. Where the daemon can see per-process figures in
+ * NVML, it may charge those instead; the hook reports what it measured.
  *
  * Charged as MEM_SET GM_MEM_CONTEXT (the sum over this process's contexts on that GPU):
  * it is never refused, only accounted (like graph memory); it goes with cuCtxDestroy, the
@@ -75,20 +77,14 @@ static int read_free(struct reading *r, CUdevice dev, uint64_t *free) {
     return 0;
 }
 
-static uint64_t configured_cost(void) {
-    const char *text = getenv("GEMINI_HOOK_CONTEXT_BYTES");
-    return text != NULL ? strtoull(text, NULL, 10) : 0;
-}
+static uint64_t configured_cost(void) { return gm_setting_context_bytes(); }
 
 /* The most one context is charged. Readings are device-wide, so processes that start at
  * the same time see each other's contexts in their difference (100 concurrent starts on an
  * H200 measured several GiB each and starved their own 1 MiB allocations). A context there
  * costs about 0.5 GiB; 1 GiB bounds the error until the daemon charges NVML's per-process
- * figure instead. GEMINI_HOOK_CONTEXT_MAX_BYTES overrides it. */
-static uint64_t cost_cap(void) {
-    const char *text = getenv("GEMINI_HOOK_CONTEXT_MAX_BYTES");
-    return text != NULL ? strtoull(text, NULL, 10) : (uint64_t)1 << 30;
-}
+ * figure instead. The node's context_max_bytes setting sets it. */
+static uint64_t cost_cap(void) { return gm_setting_context_max_bytes(); }
 
 static uint64_t measured_cost(uint64_t before, uint64_t after) {
     uint64_t cost = before > after ? before - after : 0;
