@@ -4,12 +4,14 @@ and hooked programs that launch in loops and record when each launch returned.""
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 import struct
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,17 @@ class Rival:
         self.sock.close()
 
 
+def in_pod(channel_dir: str, argv: Sequence[str]) -> list[str]:
+    """`argv` run as in a pod: in its own mount namespace, with `channel_dir` bound READ-ONLY at
+    /run/gemini (the way Allocate's Mount is applied by runc). The environment passes through."""
+    script = "\n".join([
+        "set -eu", "mkdir -p /run/gemini",
+        f"mount --bind {shlex.quote(channel_dir)} /run/gemini",
+        "mount -o remount,bind,ro /run/gemini",
+        "exec " + shlex.join(argv)])
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script]
+
+
 LOOP = """
     import sys, time
     lib = cuda()
@@ -118,13 +131,15 @@ LOOP = """
 
 
 class Loop:
-    """A hooked process launching (and optionally synchronising) in a loop for `seconds`."""
+    """A hooked process launching (and optionally synchronising) in a loop for `seconds`; with
+    `pod_channel`, inside a pod-like mount namespace with that channel read-only (`in_pod`)."""
 
     def __init__(self, hooked: Hooked, env: dict[str, str], seconds: float,
-                 sync_each: bool = False) -> None:
+                 sync_each: bool = False, pod_channel: str | None = None) -> None:
+        argv = [sys.executable, "-c", PRELUDE + textwrap.dedent(LOOP), str(seconds),
+                "1" if sync_each else "0"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + textwrap.dedent(LOOP), str(seconds),
-             "1" if sync_each else "0"],
+            in_pod(pod_channel, argv) if pod_channel else argv,
             env=hooked.env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None

@@ -478,7 +478,10 @@ int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t wor
                 flags_refused = 1;
                 break;
             }
-            attempt = 2;   /* an error (an old daemon: unsupported) is not retried now */
+            /* A daemon shutting down closes every channel (no allocation): connect again,
+             * waiting for the next daemon. Other errors (an old daemon: unsupported) are not
+             * retried now. */
+            if (status != GM_ERR_NO_ALLOCATION) attempt = 2;
             break;
         }
     }
