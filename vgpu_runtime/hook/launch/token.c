@@ -407,8 +407,9 @@ static void enter_fallback(_Atomic int64_t *until) {
     atomic_store(until, now_ns() + gm_setting_fallback_retry_ns());
 }
 
-/* Wait until this process may launch again on `gpu`; the launch then runs self-gated. */
-static int fallback_gate(int gpu, int64_t *at) {
+/* Wait until this process may launch again on `gpu` (then the launch runs self-gated: returns
+ * gpu), or until `retry_at`, when the daemon is to be asked again first (returns -3). */
+static int fallback_gate(int gpu, int64_t retry_at, int64_t *at) {
     struct gpu_token *g = &gpus[gpu];
     int64_t share = atomic_load(&g->share_ppm);
     int64_t allowance = FALLBACK_ALLOWANCE_NS * share / GM_PPM;
@@ -421,8 +422,13 @@ static int fallback_gate(int gpu, int64_t *at) {
     g->fallback_budget += (now - g->fallback_clock) * share / GM_PPM;
     if (g->fallback_budget > allowance) g->fallback_budget = allowance;
     g->fallback_clock = now;
+    int retry = 0;
     if (g->fallback_budget < 0) {   /* in debt: wait until the share has paid it back */
         int64_t wait = -g->fallback_budget * GM_PPM / share;
+        if (now + wait > retry_at) {
+            wait = retry_at > now ? retry_at - now : 0;
+            retry = 1;
+        }
         struct timespec pause = {wait / 1000000000LL, wait % 1000000000LL};
         while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
         }
@@ -431,6 +437,7 @@ static int fallback_gate(int gpu, int64_t *at) {
         g->fallback_clock = now;
     }
     pthread_mutex_unlock(&g->fallback_lock);
+    if (retry) return -3;
     GM_COUNT(ungated_launches, 1);
     fallback_launch = 1;
     *at = now_ns();
@@ -517,36 +524,42 @@ static int slow_path(int gpu) {
 }
 
 int gm_token_gate(int64_t *at) {
-    int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
-    if (n < 0) {
-        if (now_ns() < atomic_load_explicit(&no_daemon_until, memory_order_relaxed))
-            return fallback_gate(0, at);
-        if (gm_channel_ensure(1) < 0) {
-            enter_fallback(&no_daemon_until);
-            warn_fallback("the node daemon is away");
-            return fallback_gate(0, at);
+    for (;;) {
+        int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
+        if (n < 0) {
+            int64_t until = atomic_load_explicit(&no_daemon_until, memory_order_relaxed);
+            if (now_ns() >= until) {
+                if (gm_channel_ensure(1) >= 0) continue;
+                enter_fallback(&no_daemon_until);
+                warn_fallback("the node daemon is away");
+                until = atomic_load(&no_daemon_until);
+            }
+            int result = fallback_gate(0, until, at);
+            if (result == -3) continue;
+            return result;
         }
-    }
-    int gpu = gpu_now();
-    if (gpu < 0) return -1;   /* no context or a device outside the allocation: the driver says */
-    struct gpu_token *g = &gpus[gpu];
-    const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
-    if (page != NULL) {
-        if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
-        int64_t now = now_ns();
-        if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
-            *at = now;
-            return gpu;
+        int gpu = gpu_now();
+        if (gpu < 0) return -1;   /* no context or a device outside the allocation: the driver says */
+        struct gpu_token *g = &gpus[gpu];
+        const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
+        int64_t until = atomic_load_explicit(&g->fallback_until, memory_order_relaxed);
+        if (page != NULL) {
+            if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
+            int64_t now = now_ns();
+            if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
+                *at = now;
+                return gpu;
+            }
         }
-        if (now < atomic_load_explicit(&g->fallback_until, memory_order_relaxed))
-            return fallback_gate(gpu, at);
-    } else if (now_ns() < atomic_load_explicit(&g->fallback_until, memory_order_relaxed)) {
-        return fallback_gate(gpu, at);
+        int result = now_ns() < until ? -2 : slow_path(gpu);
+        if (result == -2) {
+            result = fallback_gate(gpu, atomic_load(&g->fallback_until), at);
+            if (result == -3) continue;   /* time to ask the daemon again */
+            return result;
+        }
+        *at = now_ns();
+        return result;
     }
-    int result = slow_path(gpu);
-    if (result == -2) return fallback_gate(gpu, at);
-    *at = now_ns();
-    return result;
 }
 
 void gm_token_launched(int gpu, const struct gm_launch *launch, int64_t at) {

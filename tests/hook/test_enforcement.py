@@ -1,0 +1,195 @@
+"""Enforcement is not configured by the workload (issue 13, S5), and its fallback is bounded.
+
+The settings come from the daemon's hello reply; the environment may only make them safer.
+Without a grant (no daemon, no hello, a daemon away) the hook gates itself at its share: no
+setting of the environment and no outage takes a tenant past its share over a window by more
+than 0.05, and the daemon gates again within a second of its return.
+
+GPU time is the fake driver's: every launch takes KERNEL_NS on its stream, so a process's GPU
+time is its launches times KERNEL_NS.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.hook.conftest import PRELUDE, Hooked, MiB, Node, start_node, stop_node
+from tests.hook.tokenkit import Loop
+from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
+
+CONTEXT = 300 * MiB
+KERNEL_NS = 2_000_000
+NS = 1_000_000_000
+
+# Launches for `seconds` (sys.argv[1]) a 2 ms kernel and waits for it, in a loop; prints when
+# each launch was made and when the work had all finished.
+TIMED_LOOP = """
+    import sys, time
+    lib = cuda()
+    context(lib)
+    lib.fake_cuda_set_kernel_ns.argtypes = [ctypes.c_longlong]
+    lib.fake_cuda_set_kernel_ns(KERNEL_NS)
+    stream = ctypes.c_void_p(0x77)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    seconds = float(sys.argv[1])
+    launched = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        launched.append(time.monotonic_ns())
+        assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+        assert lib.cuStreamSynchronize(stream) == 0
+    print(json.dumps({"launched": launched, "done": time.monotonic_ns(), "stats": stats()}),
+          flush=True)
+""".replace("KERNEL_NS", str(KERNEL_NS))
+
+
+class TimedLoop:
+    def __init__(self, hooked: Hooked, env: dict[str, str], seconds: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PRELUDE + textwrap.dedent(TIMED_LOOP), str(seconds)],
+            env=hooked.env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == "ready", self.proc.stderr.read() if self.proc.stderr else ""
+        self.started = time.monotonic_ns()
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float = 60) -> dict[str, object]:
+        out, err = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, err
+        result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+        result["stderr"] = err
+        return result
+
+
+def gpu_share(launched: list[int], start: int, end: int) -> float:
+    """The GPU time of the launches made in [start, end), as a part of that window."""
+    return sum(1 for t in launched if start <= t < end) * KERNEL_NS / (end - start)
+
+
+@pytest.fixture
+def pair_node() -> Iterator[Node]:
+    started = start_node(0.5)
+    started.allocate(0.5)
+    yield started
+    stop_node(started)
+
+
+def test_a_zero_token_timeout_in_the_environment_does_not_ungate_launches(
+        hooked: Hooked, pair_node: Node) -> None:
+    """S5: GEMINI_HOOK_TOKEN_TIMEOUT=0 with a huge retry gave 33,590 ungated launches."""
+    node = pair_node
+    attack = {"GEMINI_HOOK_TOKEN_TIMEOUT": "0", "GEMINI_HOOK_UNGATED_RETRY": "1e6",
+              "GEMINI_HOOK_FALLBACK_RETRY": "1e6", "GEMINI_HOOK_IO_TIMEOUT": "0"}
+    loops = [Loop(hooked, node.env(**attack), 1.5),
+             Loop(hooked, node.env_of(node.others[0]), 1.5)]
+    for loop in loops:
+        loop.go()
+    attacker, other = (loop.result() for loop in loops)
+    stats = attacker["stats"]
+    assert stats["token_requests"] >= 2, stats               # it did wait its turns
+    assert stats["token_timeouts"] == 0 and stats["ungated_launches"] == 0, stats
+    assert "ignored" not in attacker["stderr"]               # numbers: they parse, then lose
+    assert other["stats"]["token_timeouts"] == 0
+
+
+def test_a_zero_context_cap_in_the_environment_does_not_escape_the_context_charge(
+        hooked: Hooked, node: Node) -> None:
+    """S5: GEMINI_HOOK_CONTEXT_MAX_BYTES=0 made every context free."""
+    result = hooked.python("""
+        lib = cuda()
+        context(lib)
+        print(json.dumps({"held": stats()["bytes_held"]}))
+    """, node.env(FAKE_CUDA_CONTEXT_BYTES=str(CONTEXT), GEMINI_HOOK_CONTEXT_MAX_BYTES="0",
+                  GEMINI_HOOK_CONTEXT_BYTES="0"))
+    assert result["held"] == CONTEXT
+
+
+def test_the_context_settings_come_from_the_daemon(hooked: Hooked, tmp_path: Path) -> None:
+    """The node's --hook-context-bytes is charged for an unmeasurable context, whatever the
+    pod's environment says, and its --hook-context-max-bytes caps a measured one."""
+    node = start_node(0.5, "--hook-context-bytes", "128MiB", "--hook-context-max-bytes",
+                      "200MiB")
+    try:
+        no_nvml = tmp_path / "lib"             # without libnvidia-ml: nothing to measure with
+        no_nvml.mkdir()
+        (no_nvml / "libcuda.so.1").symlink_to(hooked.fake / "libcuda.so.1")
+        code = """
+            lib = cuda()
+            context(lib)
+            print(json.dumps({"held": stats()["bytes_held"]}))
+        """
+        unmeasured = hooked.python(code, node.env(
+            FAKE_CUDA_CONTEXT_BYTES=str(CONTEXT), GEMINI_HOOK_CONTEXT_BYTES="0",
+            LD_LIBRARY_PATH=str(no_nvml)))
+        assert unmeasured["held"] == 128 * MiB
+        capped = hooked.python(code, node.env(FAKE_CUDA_CONTEXT_BYTES=str(CONTEXT)))
+        assert capped["held"] == 200 * MiB
+        raised = hooked.python(code, node.env(FAKE_CUDA_CONTEXT_BYTES=str(CONTEXT),
+                                              GEMINI_HOOK_CONTEXT_MAX_BYTES=str(CONTEXT)))
+        assert raised["held"] == CONTEXT        # the environment may ask for more
+    finally:
+        stop_node(node)
+
+
+def test_a_missing_channel_gates_launches_at_a_small_bounded_share(hooked: Hooked) -> None:
+    """S5: a channel that does not exist gave 96,164 ungated, uncharged launches. Before any
+    hello the hook knows no share it can trust: it gates itself at 0.04."""
+    loop = TimedLoop(hooked, {"GEMINI_CHANNEL_DIR": "/nonexistent-gemini-channel",
+                              "GEMINI_HOOK_DAEMON_WAIT": "0", "GEMINI_HOOK_FALLBACK_RETRY": "1e6"},
+                     3.0)
+    result = loop.result()
+    launched = result["launched"]
+    assert isinstance(launched, list) and len(launched) > 10
+    share = gpu_share(launched, launched[0], int(result["done"]))  # type: ignore[call-overload]
+    assert share <= 0.05, (share, len(launched))
+    assert share >= 0.02, (share, len(launched))     # gated, not starved
+    assert "gates its launches itself" in str(result["stderr"])
+
+
+def test_a_daemon_outage_keeps_the_tenant_within_its_share_and_gating_resumes_within_a_second(
+        hooked: Hooked) -> None:
+    """While the daemon is away after a hello, the hook gates itself at the share that hello
+    gave it (0.3); back, the daemon gates it again within its fallback retry (0.5 s here)."""
+    node = start_node(0.3, "--hook-fallback-retry", "0.5")
+    try:
+        loop = TimedLoop(hooked, node.env(GEMINI_HOOK_DAEMON_WAIT="0.2",
+                                          GEMINI_HOOK_FALLBACK_RETRY="1e6"), 5.0)
+        time.sleep(0.5)
+        killed = time.monotonic_ns()
+        node.daemon.stop(signal.SIGKILL)
+        time.sleep(2.5)
+        node.daemon = DaemonProcess(node.state_dir).wait_ready()
+        back = time.monotonic_ns()
+        wait_served(node.record)
+
+        def connected() -> bool:
+            entry = node.daemon.allocation(node.record.id)
+            return bool(entry and entry["connections"])
+
+        wait_for(connected, 3, "the hook says hello to the returning daemon")
+        reconnected = time.monotonic_ns()
+        result = loop.result()
+        launched = result["launched"]
+        assert isinstance(launched, list)
+        outage = gpu_share(launched, killed, back)
+        assert outage <= 0.3 + 0.05, outage
+        assert outage >= 0.15, outage                    # it ran, at about its share
+        assert (reconnected - back) / NS < 1.0, (reconnected - back) / NS
+        stats = result["stats"]
+        assert isinstance(stats, dict) and stats["daemon_connects"] == 2, stats
+        assert stats["ungated_launches"] > 0, stats
+    finally:
+        stop_node(node)
