@@ -9,9 +9,12 @@ must reconnect and ask again at once without the flag, and never pass launches u
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections import Counter
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hook.conftest import LIMIT, UUID, Hooked
+from tests.hook.conftest import LIMIT, PRELUDE, UUID, Hooked
 from vgpu_runtime import paths, wire
 from vgpu_runtime.scheduler.grants import uuid_bytes
 from vgpu_runtime.scheduler.pages import GATE_TOKEN, ActivityPage, TokenPage
@@ -165,3 +168,61 @@ def test_a_refused_flag_is_dropped_and_the_request_sent_again_at_once(
     assert stats["ungated_launches"] == 0, stats
     assert stats["token_timeouts"] == 0, stats
     assert seen["token"] >= 5 and stats["daemon_connects"] == 2, (seen, stats)
+
+
+class Version1Daemon:
+    """A daemon of wire version 1 (a DaemonSet rolled back under pods that started with this
+    hook): it answers any other version's frame with GM_ERR_BAD_VERSION, in a version-1 frame,
+    and closes, as the version-1 daemon's header check did."""
+
+    def __init__(self, channel: Path) -> None:
+        self.refused = 0
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(paths.channel_socket(channel)))
+        self.server.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                header = OlderDaemon._read(conn, wire.HEADER_SIZE)
+                if header is None:
+                    continue
+                self.refused += 1
+                error = wire.new(C("GM_MSG_ERROR"), version=1, status=C("GM_ERR_BAD_VERSION"))
+                error.reason = b"protocol version 2, this daemon speaks 1"
+                conn.sendall(wire.encode(error))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_version_1_daemon_is_named_and_treated_as_away(hooked: Hooked) -> None:
+    """This hook does not speak version 1: against a rolled-back daemon its memory fails
+    closed and its launches are gated by the hook itself (at 0.04), and it says why, once."""
+    root = Path(tempfile.mkdtemp(prefix="gmv-"))
+    daemon = Version1Daemon(root)
+    try:
+        proc = hooked.run([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+            lib = cuda()
+            context(lib)
+            rc, _ = alloc(lib, 1 << 20)
+            for _ in range(20):
+                assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
+            print(json.dumps({"alloc": rc, "stats": stats()}))
+        """)], {"GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
+                "FAKE_CUDA_TOTAL_MEM": str(16 * LIMIT), "GEMINI_HOOK_DAEMON_WAIT": "0.3"})
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["alloc"] == 2                       # CUDA_ERROR_OUT_OF_MEMORY
+        assert result["stats"]["ungated_launches"] == 20  # self-gated
+        assert daemon.refused >= 1
+        assert "speaks wire version 1, this hook 2" in proc.stderr, proc.stderr
+        assert proc.stderr.count("speaks wire version 1") == 1
+    finally:
+        daemon.close()
+        shutil.rmtree(root, ignore_errors=True)
