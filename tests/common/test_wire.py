@@ -129,3 +129,14 @@ def test_check_header_at_an_offset_and_view_in_place() -> None:
     assert (view.h.seq, view.gpu, view.kind, view.bytes) == (6, 2, 7, 9)
     token = wire.view(wire.const("GM_MSG_TOKEN_REQUEST"), frames[0])
     assert (token.burst_ns, token.work_end_ns) == (-1, 123)
+
+
+def test_the_hooks_pod_channel_is_the_plugins_mount_point() -> None:
+    """The hook finds its channel where Allocate mounts it: one path, said in two languages."""
+    import re
+
+    from vgpu_runtime import paths
+
+    header = (wire.HEADER_PATH.parent / "hook.h").read_text()
+    match = re.search(r'#define GM_POD_CHANNEL_DIR "([^"]+)"', header)
+    assert match is not None and match.group(1) == paths.CONTAINER_CHANNEL_DIR

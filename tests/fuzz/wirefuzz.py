@@ -102,9 +102,9 @@ def play(path: Path, frames: list[bytes], timeout: float = 5.0) -> tuple[list[An
             pass
     replies = []
     while len(received) >= wire.HEADER_SIZE:
-        header = wire.parse_header(received)
+        header = wire.parse_header(received, wire.SUPPORTED_VERSIONS)
         if len(received) < header.length:
             break
-        replies.append(wire.decode(received[:header.length]))
+        replies.append(wire.decode(received[:header.length], wire.SUPPORTED_VERSIONS))
         received = received[header.length:]
     return replies, received

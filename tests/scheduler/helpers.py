@@ -156,7 +156,7 @@ def split_frames(received: bytes) -> list[Any]:
     """Whole daemon-to-hook frames, decoded, in the order they came."""
     frames = []
     while received:
-        header = wire.parse_header(received)
-        frames.append(wire.decode(received[:header.length]))
+        header = wire.parse_header(received, wire.SUPPORTED_VERSIONS)
+        frames.append(wire.decode(received[:header.length], wire.SUPPORTED_VERSIONS))
         received = received[header.length:]
     return frames

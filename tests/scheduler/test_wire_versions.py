@@ -134,3 +134,38 @@ def test_a_version_1_hook_without_pages_is_not_released_as_idle_2_ms_into_its_gr
     finally:
         for hook in hooks:
             hook.close()
+
+
+def test_pages_a_version_1_daemon_left_in_a_channel_are_closed_for_good_and_removed(
+        state_dir: Path) -> None:
+    """A version-1 hook of a writable channel (gemini-run) may have its old daemon's pages
+    mapped. Nobody writes them any more, so the new daemon closes their gate (a stale "open"
+    would pass its launches ungated forever) and removes them; such a hook then asks."""
+    import mmap
+    import os
+
+    from vgpu_runtime.scheduler.pages import GATE_OPEN, TokenPage
+
+    state_dir.mkdir(parents=True)
+    record = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),))
+    channel = Path(record.channel_dir)
+    channel.mkdir(parents=True, exist_ok=True)
+    legacy = TokenPage(channel / "token.0", GATE_OPEN)
+    legacy.grant(7, time.monotonic_ns() + 3600 * 1_000_000_000)
+    legacy.close(remove=False)
+    (channel / "activity.0").write_bytes(b"\0" * 4096)
+    fd = os.open(channel / "token.0", os.O_RDONLY)
+    mapped = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ)   # as the old hook has it
+    os.close(fd)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    try:
+        wait_served(record)
+        buffer = wire.ffi.from_buffer(mapped)
+        page = wire.ffi.cast("struct gm_token_page *", buffer)
+        assert page.gate == C("GM_GATE_TOKEN") and page.valid_until_ns == 0
+        del page
+        wire.ffi.release(buffer)
+        assert sorted(p.name for p in channel.iterdir()) == ["sched.sock"]
+    finally:
+        mapped.close()
+        assert daemon.stop() == 0, daemon.logs()
