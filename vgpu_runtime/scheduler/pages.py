@@ -198,6 +198,7 @@ class ActivityPage(_MappedPage):
             self._page.last_launch_ns = -1
             self._page.last_sync_ns = -1
             self._page.launches = 0
+            self._page.fallback_ns = 0
             self._page.version = wire.VERSION
             self._page.magic = C("GM_ACTIVITY_PAGE_MAGIC")
 

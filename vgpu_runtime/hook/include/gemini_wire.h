@@ -195,6 +195,8 @@ struct gm_activity_page {   /* written by the hooks of the allocation */
     int64_t last_launch_ns; /* the latest launch by any process of the allocation */
     int64_t last_sync_ns;   /* the latest host synchronisation that returned */
     uint64_t launches;
+    int64_t fallback_ns;    /* the container's self-gating clock while no grant is to be had
+                               (launch/token.c); the daemon only initialises it (0) */
 };
 
 enum gm_token_flags {

@@ -63,13 +63,14 @@
  * the last hello gave it (before any hello it knows nothing it can trust: 4%) for the fallback
  * retry (the node's setting, 1 s), then the next launch asks the daemon again (once, without
  * waiting), so gating by the daemon resumes within about a second of its return. Self-gating:
- * each launch waits for its own work (it is charged exactly what it ran) and a launch waits
- * while this process has run more than share x the time since the fallback began, plus share x
- * 100 ms: over any window it runs at most its share, plus that allowance and one kernel. No
- * setting of the environment can widen this (it may only make the settings safer), so neither
- * an environment nor an outage takes a tenant past its share. A warning is logged once. The
- * gate never deadlocks the application; memory fails closed. Limit: each process of a
- * container gates itself, so N processes launching through an outage take up to N shares.
+ * each launch waits for its own work (it is charged exactly what it ran: d), and moves a clock
+ * V to max(V, now - 100 ms) + d / share; a launch waits while V is more than 100 ms ahead of
+ * now. Over any window T the container runs at most share x (T + 200 ms) plus a kernel per
+ * launching thread. V lives in the activity page, so all processes of the container share it
+ * (before any hello there is no page: each process keeps its own, at 0.04). No setting of the
+ * environment can widen this (it may only make the settings safer), so neither an environment
+ * nor an outage takes a tenant past its share. A warning is logged once. The gate never
+ * deadlocks the application; memory fails closed.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -87,7 +88,7 @@
 #define MERGE_GAP_NS 2000000LL
 #define REPORT_INTERVAL_NS 100000000LL
 #define MAX_REPORTS 16
-#define FALLBACK_ALLOWANCE_NS 100000000LL   /* share x this much may run ahead */
+#define FALLBACK_AHEAD_NS 100000000LL       /* how far the self-gating clock may run ahead */
 #define UNKNOWN_SHARE_PPM 40000               /* before any hello: below the 0.05 bound */
 
 struct gpu_token {
@@ -97,9 +98,7 @@ struct gpu_token {
     ino_t page_ino;
     _Atomic uint32_t share_ppm;            /* from the last hello: what the fallback allows */
     _Atomic int64_t fallback_until;        /* no grant to be had: self-gated until then */
-    pthread_mutex_t fallback_lock;         /* self-gating: budget and its clock */
-    int64_t fallback_budget;               /* GPU ns this process may still run */
-    int64_t fallback_clock;                /* when the budget last grew; 0: not in a fallback */
+    _Atomic int64_t fallback_ns;           /* the self-gating clock when there is no page */
     _Atomic uintptr_t streams[MAX_STREAMS]; /* own streams launched into since the last ask */
     _Atomic int legacy_used;               /* a launch went to the legacy default stream */
     _Atomic int64_t burst_start;           /* first launch after the last sync, or -1 */
@@ -146,7 +145,6 @@ static __attribute__((constructor)) void init_state(void) {
         pthread_mutex_init(&gpus[i].lock, NULL);
         pthread_cond_init(&gpus[i].cond, NULL);
         pthread_mutex_init(&gpus[i].burst_lock, NULL);
-        pthread_mutex_init(&gpus[i].fallback_lock, NULL);
         atomic_store(&gpus[i].burst_start, -1);
         atomic_store(&gpus[i].share_ppm, UNKNOWN_SHARE_PPM);
         gpus[i].merged_start = -1;
@@ -202,10 +200,9 @@ void gm_token_after_fork_child(void) {
         pthread_mutex_init(&g->lock, NULL);
         pthread_cond_init(&g->cond, NULL);
         pthread_mutex_init(&g->burst_lock, NULL);
-        pthread_mutex_init(&g->fallback_lock, NULL);
         g->page_dev = 0;
         g->page_ino = 0;
-        g->fallback_budget = g->fallback_clock = 0;
+        atomic_store(&g->fallback_ns, 0);
         atomic_store(&g->fallback_until, 0);
         g->requesting = 0;
         g->pending_count = 0;   /* the parent's events are not the child's */
@@ -407,44 +404,34 @@ static void enter_fallback(_Atomic int64_t *until) {
     atomic_store(until, now_ns() + gm_setting_fallback_retry_ns());
 }
 
+/* The self-gating clock: the container's, on its activity page, else this process's own. */
+static _Atomic int64_t *fallback_clock(struct gpu_token *g) {
+    struct gm_activity_page *activity = __atomic_load_n(&g->activity, __ATOMIC_ACQUIRE);
+    return activity != NULL ? (_Atomic int64_t *)&activity->fallback_ns : &g->fallback_ns;
+}
+
 /* Wait until this process may launch again on `gpu` (then the launch runs self-gated: returns
  * gpu), or until `retry_at`, when the daemon is to be asked again first (returns -3). */
 static int fallback_gate(int gpu, int64_t retry_at, int64_t *at) {
     struct gpu_token *g = &gpus[gpu];
-    int64_t share = atomic_load(&g->share_ppm);
-    int64_t allowance = FALLBACK_ALLOWANCE_NS * share / GM_PPM;
-    pthread_mutex_lock(&g->fallback_lock);   /* held while waiting: the others wait too */
     int64_t now = now_ns();
-    if (g->fallback_clock == 0) {
-        g->fallback_clock = now;
-        g->fallback_budget = 0;
-    }
-    g->fallback_budget += (now - g->fallback_clock) * share / GM_PPM;
-    if (g->fallback_budget > allowance) g->fallback_budget = allowance;
-    g->fallback_clock = now;
-    int retry = 0;
-    if (g->fallback_budget < 0) {   /* in debt: wait until the share has paid it back */
-        int64_t wait = -g->fallback_budget * GM_PPM / share;
-        if (now + wait > retry_at) {
-            wait = retry_at > now ? retry_at - now : 0;
-            retry = 1;
-        }
+    int64_t wait = atomic_load_explicit(fallback_clock(g), memory_order_relaxed) -
+                   FALLBACK_AHEAD_NS - now;
+    if (wait > 0) {   /* the container is ahead of its share: wait until it is not */
+        int retry = now + wait > retry_at;
+        if (retry) wait = retry_at > now ? retry_at - now : 0;
         struct timespec pause = {wait / 1000000000LL, wait % 1000000000LL};
         while (nanosleep(&pause, &pause) != 0 && errno == EINTR) {
         }
-        now = now_ns();
-        g->fallback_budget += (now - g->fallback_clock) * share / GM_PPM;
-        g->fallback_clock = now;
+        if (retry) return -3;
     }
-    pthread_mutex_unlock(&g->fallback_lock);
-    if (retry) return -3;
     GM_COUNT(ungated_launches, 1);
     fallback_launch = 1;
     *at = now_ns();
     return gpu;
 }
 
-/* After a self-gated launch: wait for it and charge what it ran. */
+/* After a self-gated launch: wait for it and move the clock by what it ran over the share. */
 static void fallback_launched(struct gpu_token *g, const struct gm_launch *launch, int64_t at) {
     fallback_launch = 0;
     if (!gm_capture_open()) {   /* a synchronisation would break a global-mode capture */
@@ -452,18 +439,15 @@ static void fallback_launched(struct gpu_token *g, const struct gm_launch *launc
         if (stream == NULL && launch->per_thread) stream = CU_STREAM_PER_THREAD;
         GM_REAL(cuStreamSynchronize)(stream);
     }
-    int64_t ran = now_ns() - at;
-    pthread_mutex_lock(&g->fallback_lock);
-    g->fallback_budget -= ran;
-    pthread_mutex_unlock(&g->fallback_lock);
-}
-
-/* The daemon gates again: the next fallback starts with no budget. */
-static void leave_fallback(struct gpu_token *g) {
-    if (__atomic_load_n(&g->fallback_clock, __ATOMIC_RELAXED) == 0) return;
-    pthread_mutex_lock(&g->fallback_lock);
-    g->fallback_clock = 0;
-    pthread_mutex_unlock(&g->fallback_lock);
+    int64_t now = now_ns();
+    int64_t share = atomic_load(&g->share_ppm);
+    int64_t cost = (now - at) * GM_PPM / share;
+    _Atomic int64_t *clock = fallback_clock(g);
+    int64_t seen = atomic_load_explicit(clock, memory_order_relaxed), next;
+    do {
+        next = (seen > now - FALLBACK_AHEAD_NS ? seen : now - FALLBACK_AHEAD_NS) + cost;
+    } while (!atomic_compare_exchange_weak_explicit(clock, &seen, next, memory_order_relaxed,
+                                                    memory_order_relaxed));
 }
 
 /* ---- the gate ---- */
@@ -512,7 +496,6 @@ static int slow_path(int gpu) {
         break;
     }
     pthread_mutex_unlock(&g->lock);
-    if (result == gpu) leave_fallback(g);
     uint64_t waited = (uint64_t)(now_ns() - entered);
     GM_COUNT(token_wait_ns, waited);
     uint64_t longest = atomic_load_explicit(&gm_counters.token_wait_max_ns, memory_order_relaxed);
