@@ -169,3 +169,20 @@ def test_pages_a_version_1_daemon_left_in_a_channel_are_closed_for_good_and_remo
     finally:
         mapped.close()
         assert daemon.stop() == 0, daemon.logs()
+
+
+def test_a_hello_whose_pages_cannot_be_opened_is_answered_without_them(
+        daemon: DaemonProcess, state_dir: Path) -> None:
+    """Descriptors exhausted, a page file gone: the hook is answered, without pages, and is
+    served as one that asks for every launch (never dropped for it)."""
+    from vgpu_runtime.scheduler.client import ChannelClient
+
+    record = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),))
+    wait_served(record)
+    (state_dir / "pages" / f"{record.id}.activity.0").unlink()
+    with ChannelClient(wait_served(record)) as client:
+        reply = client.hello()
+        assert reply.status == C("GM_OK") and reply.page_fds == 0 and client.page_fds == []
+        assert reply.settings["token_timeout_ns"] == 30 * 1_000_000_000
+        assert client.request_token(0).valid()
+    assert "cannot open the pages" in daemon.logs()

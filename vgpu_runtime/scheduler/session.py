@@ -255,7 +255,13 @@ class Session(Waiter):
         if version >= 2:
             self._fill_settings(reply.settings)
             # The pages go with the connection's first reply only: one set per connection.
-            fds = self.channel.page_descriptors() if first else []
+            # Without them (descriptors exhausted) the hook asks for every launch: slower, and
+            # still gated.
+            try:
+                fds = self.channel.page_descriptors() if first else []
+            except OSError as err:
+                log.warning("cannot open the pages for a hook; it will ask for every launch",
+                            extra=self._log_fields(error=str(err)))
             reply.page_fds = len(fds)
         log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid, version=version,
                                                  pages_passed=len(fds)))
