@@ -12,9 +12,11 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -40,8 +42,11 @@ def gpu_status(node: Node) -> dict[str, object]:
 
 
 def run_in_pod(hooked: Hooked, node: Node, code: str, env: dict[str, str],
-               record: AllocationRecord | None = None) -> dict[str, object]:
+               record: AllocationRecord | None = None, uid: int | None = None
+               ) -> dict[str, object]:
     argv = [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
+    if uid is not None:   # as most pods run: not root
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
     proc = subprocess.run(in_pod((record or node.record).channel_dir, argv),
                           env=hooked.env(env), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -109,6 +114,36 @@ def test_an_empty_channel_variable_does_not_switch_the_hook_off_in_a_pod(
         assert result["big"] == 2, (channel, result)   # CUDA_ERROR_OUT_OF_MEMORY
         stats = result["stats"]
         assert isinstance(stats, dict) and stats["mem_refused"] == 1, result
+
+
+def test_a_pod_of_a_non_root_user_keeps_the_fast_path_and_its_memory_limit(
+        hooked: Hooked, node: Node) -> None:
+    """Nothing the hook needs from its channel is more than connecting to the socket: a pod
+    running as uid 65534 is gated on its pages and held to its limit."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv(1)")
+    shared = Path(tempfile.mkdtemp(prefix="gmu-"))   # the libraries where uid 65534 reads them
+    shutil.copytree(hooked.fake, shared / "fake")
+    shutil.copy(hooked.hook, shared / hooked.hook.name)
+    for path in (shared, shared / "fake"):
+        path.chmod(0o755)
+    as_user = Hooked(shared / hooked.hook.name, shared / "fake")
+    try:
+        result = run_in_pod(as_user, node, """
+        lib = cuda()
+        context(lib)
+        for _ in range(20000):
+            lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        big = alloc(lib, 3 << 30)[0]
+        print(json.dumps({"uid": os.getuid(), "big": big, "stats": stats()}))
+    """, pod_env(node), uid=65534)
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    stats = result["stats"]
+    assert isinstance(stats, dict)
+    assert result["uid"] == 65534 and result["big"] == 2, result
+    assert stats["kernel_launches"] == 20000 and stats["token_requests"] <= 5, stats
+    assert stats["ungated_launches"] == 0, stats
 
 
 def test_the_token_page_is_mapped_read_only_and_cannot_be_made_writable(
