@@ -152,7 +152,9 @@ class ChannelClient:
                 self.page_fds += list(fds)
         return data + (self._recv_exact(size - len(data)) if data else b"")
 
-    def hello(self, pid: int | None = None) -> HelloReply:
+    def hello(self, pid: int | None = None, keep_pages: bool = True) -> HelloReply:
+        """HELLO; the page descriptors it passes are kept (`page_fds`) unless `keep_pages` is
+        False (a load generator holding thousands of connections needs no pages)."""
         frame = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION,
                          pid=os.getpid() if pid is None else pid)
         self._seq += 1
@@ -172,6 +174,10 @@ class ChannelClient:
             GpuGrantReply(bytes(reply.gpus[i].uuid), int(reply.gpus[i].memory_limit),
                           int(reply.gpus[i].share_ppm), int(reply.gpus[i].limit_ppm))
             for i in range(reply.gpu_count))
+        if not keep_pages:
+            for fd in self.page_fds:
+                os.close(fd)
+            self.page_fds = []
         settings = {name: int(getattr(reply.settings, name)) for name in (
             "token_timeout_ns", "fallback_retry_ns", "io_timeout_ns", "context_bytes",
             "context_max_bytes")}
