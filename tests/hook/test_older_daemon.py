@@ -1,10 +1,11 @@
-"""The hook against a node daemon older than token request flags (a daemon rolled back while pods
-with a newer hook run): such a daemon answers any flag with GM_ERR_MALFORMED and closes.
+"""The hook against older node daemons (a DaemonSet rolled back while pods with a newer hook run).
 
-The daemon here is a stub that speaks the wire protocol as that older daemon did: hello, memory
-and token requests, its own token page, and "token request flags must be zero". The hooked
-process runs in report mode with a long kernel, so its asks say GM_TOKEN_WORK_RUNNING. The hook
-must reconnect and ask again at once without the flag, and never pass launches ungated for it.
+The daemon here is a stub that speaks wire version 1 as those daemons did: hello, memory and
+token requests, its pages in the channel, a version-2 frame refused with GM_ERR_BAD_VERSION, and
+(before token request flags) "token request flags must be zero". The hook speaks version 1 to
+it. Against the flagless one, the hooked process runs in report mode with a long kernel, so its
+asks say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once without the flag,
+and never pass launches ungated for it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.hook.conftest import LIMIT, PRELUDE, UUID, Hooked
+from tests.hook.tokenkit import in_pod
 from vgpu_runtime import paths, wire
 from vgpu_runtime.scheduler.grants import uuid_bytes
 from vgpu_runtime.scheduler.pages import GATE_TOKEN, ActivityPage, TokenPage
@@ -33,11 +35,14 @@ QUOTA_NS = 30_000_000
 
 
 class OlderDaemon:
-    """One channel served as the daemon before GM_TOKEN_WORK_RUNNING: every grant is a fresh
-    30 ms quota (the token is this process's alone), and a flagged request is malformed."""
+    """One channel served as the daemon of wire version 1 before GM_TOKEN_WORK_RUNNING: its pages
+    in the channel, every grant a fresh 30 ms quota (the token is this process's alone), a
+    flagged request malformed, and a frame of another version refused with GM_ERR_BAD_VERSION
+    in a version-1 frame (then the connection closes), as its header check did."""
 
-    def __init__(self, channel: Path) -> None:
+    def __init__(self, channel: Path, flags_known: bool = False) -> None:
         self.channel = channel
+        self.flags_known = flags_known
         self.page = TokenPage(channel / "token.0", GATE_TOKEN)
         self.activity = ActivityPage(channel / "activity.0")
         self.seen: Counter[str] = Counter()
@@ -64,15 +69,23 @@ class OlderDaemon:
                 header = self._read(conn, wire.HEADER_SIZE)
                 if header is None:
                     return
-                length = wire.parse_header(header).length
-                body = self._read(conn, length - wire.HEADER_SIZE)
+                parsed = wire.parse_header(header, wire.SUPPORTED_VERSIONS)
+                if parsed.version != 1:
+                    self.seen["other version"] += 1
+                    error = wire.new(C("GM_MSG_ERROR"), version=1,
+                                     status=C("GM_ERR_BAD_VERSION"))
+                    error.reason = b"protocol version 2, this daemon speaks 1"
+                    conn.sendall(wire.encode(error))
+                    return
+                body = self._read(conn, parsed.length - wire.HEADER_SIZE)
                 if body is None:
                     return
-                frame = wire.decode(header + body)
+                frame = wire.decode(header + body, frozenset((1,)))
                 reply = self._answer(frame)
                 if reply is not None:
                     conn.sendall(reply)
-                if wire.frame_type(frame) == C("GM_MSG_TOKEN_REQUEST") and frame.flags:
+                if (wire.frame_type(frame) == C("GM_MSG_TOKEN_REQUEST") and frame.flags
+                        and not self.flags_known):
                     return   # an error closes the connection
 
     @staticmethod
@@ -90,7 +103,8 @@ class OlderDaemon:
         seq = frame.h.seq  # type: ignore[attr-defined]
         if kind == C("GM_MSG_HELLO"):
             self.seen["hello"] += 1
-            reply = wire.new(C("GM_MSG_HELLO_REPLY"), seq=seq, status=C("GM_OK"), gpu_count=1)
+            reply = wire.new(C("GM_MSG_HELLO_REPLY"), seq=seq, version=1, status=C("GM_OK"),
+                             gpu_count=1)
             reply.allocation_id = b"older-daemon"
             reply.gpus[0].uuid = list(uuid_bytes(UUID))
             reply.gpus[0].memory_limit = LIMIT
@@ -99,19 +113,19 @@ class OlderDaemon:
             return wire.encode(reply)
         if kind in (C("GM_MSG_MEM_RESERVE"), C("GM_MSG_MEM_RELEASE"), C("GM_MSG_MEM_SET")):
             self.seen["memory"] += 1
-            return wire.encode(wire.new(C("GM_MSG_MEM_REPLY"), seq=seq, status=C("GM_OK"),
-                                        gpu=0, used=0, limit=LIMIT))
+            return wire.encode(wire.new(C("GM_MSG_MEM_REPLY"), seq=seq, version=1,
+                                        status=C("GM_OK"), gpu=0, used=0, limit=LIMIT))
         if kind == C("GM_MSG_TOKEN_REQUEST"):
-            if frame.flags:  # type: ignore[attr-defined]
+            if frame.flags and not self.flags_known:  # type: ignore[attr-defined]
                 self.seen["flagged"] += 1
-                error = wire.new(C("GM_MSG_ERROR"), status=C("GM_ERR_MALFORMED"))
+                error = wire.new(C("GM_MSG_ERROR"), version=1, status=C("GM_ERR_MALFORMED"))
                 error.reason = b"token request flags must be zero"
                 return wire.encode(error)
             self.seen["token"] += 1
             self.generation += 1
             until = time.monotonic_ns() + QUOTA_NS
             self.page.grant(self.generation, until)
-            return wire.encode(wire.new(C("GM_MSG_TOKEN_GRANT"), seq=seq, gpu=0,
+            return wire.encode(wire.new(C("GM_MSG_TOKEN_GRANT"), seq=seq, version=1, gpu=0,
                                         status=C("GM_OK"), generation=self.generation,
                                         valid_until_ns=until))
         return None   # usage reports have no reply
@@ -170,59 +184,41 @@ def test_a_refused_flag_is_dropped_and_the_request_sent_again_at_once(
     assert seen["token"] >= 5 and stats["daemon_connects"] == 2, (seen, stats)
 
 
-class Version1Daemon:
-    """A daemon of wire version 1 (a DaemonSet rolled back under pods that started with this
-    hook): it answers any other version's frame with GM_ERR_BAD_VERSION, in a version-1 frame,
-    and closes, as the version-1 daemon's header check did."""
-
-    def __init__(self, channel: Path) -> None:
-        self.refused = 0
-        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(str(paths.channel_socket(channel)))
-        self.server.listen(8)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            with conn:
-                header = OlderDaemon._read(conn, wire.HEADER_SIZE)
-                if header is None:
-                    continue
-                self.refused += 1
-                error = wire.new(C("GM_MSG_ERROR"), version=1, status=C("GM_ERR_BAD_VERSION"))
-                error.reason = b"protocol version 2, this daemon speaks 1"
-                conn.sendall(wire.encode(error))
-
-    def close(self) -> None:
-        self.server.close()
-
-
-def test_a_version_1_daemon_is_named_and_treated_as_away(hooked: Hooked) -> None:
-    """This hook does not speak version 1: against a rolled-back daemon its memory fails
-    closed and its launches are gated by the hook itself (at 0.04), and it says why, once."""
+@pytest.mark.parametrize("pod", [False, True], ids=["writable-channel", "read-only-pod"])
+def test_a_version_1_daemon_is_spoken_to_in_version_1(hooked: Hooked, pod: bool) -> None:
+    """A DaemonSet rolled back under pods started with this hook: the hook says so once and
+    speaks version 1 on each connection (after trying 2): memory is served, and launches are
+    gated on that daemon's token page, read from the channel (read-only in a pod, where the
+    activity page cannot be opened for writing and is left out)."""
+    if pod and shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
     root = Path(tempfile.mkdtemp(prefix="gmv-"))
-    daemon = Version1Daemon(root)
+    daemon = OlderDaemon(root, flags_known=True)
     try:
-        proc = hooked.run([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        argv = [sys.executable, "-c", PRELUDE + textwrap.dedent("""
+            import time
             lib = cuda()
             context(lib)
             rc, _ = alloc(lib, 1 << 20)
-            for _ in range(20):
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
                 assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
             print(json.dumps({"alloc": rc, "stats": stats()}))
-        """)], {"GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
-                "FAKE_CUDA_TOTAL_MEM": str(16 * LIMIT), "GEMINI_HOOK_DAEMON_WAIT": "0.3"})
+        """)]
+        proc = hooked.run(in_pod(str(root), argv) if pod else argv, {
+            "GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
+            "FAKE_CUDA_TOTAL_MEM": str(16 * LIMIT), "GEMINI_HOOK_DAEMON_WAIT": "2"})
         assert proc.returncode == 0, proc.stderr
         result = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert result["alloc"] == 2                       # CUDA_ERROR_OUT_OF_MEMORY
-        assert result["stats"]["ungated_launches"] == 20  # self-gated
-        assert daemon.refused >= 1
-        assert "speaks wire version 1, this hook 2" in proc.stderr, proc.stderr
-        assert proc.stderr.count("speaks wire version 1") == 1
+        stats = result["stats"]
+        assert result["alloc"] == 0 and daemon.seen["memory"] >= 1, (result, daemon.seen)
+        assert stats["ungated_launches"] == 0, stats
+        assert stats["token_requests"] >= 1 and stats["token_requests"] * 20 < stats[
+            "kernel_launches"], stats                    # the fast path, on its token page
+        assert daemon.seen["other version"] == daemon.seen["hello"] == 1, daemon.seen
+        assert proc.stderr.count("speaks wire version 1") == 1, proc.stderr
+        # Its activity page was written where the channel is writable, and only there.
+        assert (daemon.activity.read().launches > 0) == (not pod)
     finally:
         daemon.close()
         shutil.rmtree(root, ignore_errors=True)

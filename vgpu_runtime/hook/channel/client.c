@@ -23,7 +23,11 @@
  * below: the environment may only make them safer) and, with SCM_RIGHTS on its first byte, the
  * allocation's pages: per GPU the token page read-only and the activity page writable. The
  * container needs no write access to its channel. A daemon that speaks only version 1 (a
- * rollback) answers with a version-1 error: said plainly, and treated as a daemon away.
+ * rollback) answers with a version-1 error: the hook then says so once and speaks version 1 on
+ * that connection (every new connection tries version 2 first): the version-1 reply, the pages
+ * opened from the channel as that daemon keeps them (the token page read-only; the activity
+ * page only where the channel is writable), and the hook's own default settings, which the
+ * environment may still only make safer.
  *
  * Tokens (launch/token.c). Every hello hands the allocation's pages to token.c. TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
  * connection, one request at a time, so a memory call made by another thread while this
@@ -48,6 +52,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int fd = -1;
 static pid_t owner;               /* the process that opened fd */
 static uint32_t next_seq = 1;
+static uint16_t spoken = GM_WIRE_VERSION;   /* this connection's: 1 with a version-1 daemon */
+static int refused_version;   /* the last hello met a daemon of an older wire version */
 static int gave_up;               /* a full wait failed: later needs try once, no wait */
 static struct gm_grant_view grants[GM_MAX_GPUS];
 static int grant_count = -1;      /* -1: no hello answered yet */
@@ -152,7 +158,7 @@ static void fill_header(struct gm_header *h, uint16_t type, uint32_t length) {
     memset(h, 0, sizeof *h);
     h->length = length;
     h->type = type;
-    h->version = GM_WIRE_VERSION;
+    h->version = spoken;
     h->seq = next_seq++;
 }
 
@@ -168,16 +174,12 @@ static int send_frame(int sock, const void *frame) {
 
 /* One whole frame; -1 when the connection broke or the frame is unreadable. */
 static int read_frame_body(int sock, union frame_buffer *frame) {
-    if (frame->h.version != GM_WIRE_VERSION && frame->h.type == GM_MSG_ERROR &&
+    if (frame->h.version == 1 && spoken != 1 && frame->h.type == GM_MSG_ERROR &&
         frame->h.length == sizeof(struct gm_error)) {
-        static _Atomic int said;
-        if (!atomic_exchange(&said, 1))
-            gm_warn("the node daemon speaks wire version %u, this hook %u: it cannot serve this "
-                    "hook until it is upgraded (memory fails closed, GPU time is gated by the "
-                    "hook at its share)", frame->h.version, GM_WIRE_VERSION);
+        refused_version = 1;   /* a version-1 daemon refused this version's frame */
         return -1;
     }
-    if (frame->h.version != GM_WIRE_VERSION || frame->h.length < sizeof frame->h ||
+    if (frame->h.version != spoken || frame->h.length < sizeof frame->h ||
         frame->h.length > GM_MAX_FRAME) {
         gm_warn("daemon sent a malformed frame header; dropping the connection");
         return -1;
@@ -266,19 +268,26 @@ static int exchange(int sock, void *request, void *reply, uint16_t reply_type, s
     return 0;
 }
 
-/* HELLO, and its reply read with the page descriptors; -1 (nothing open) on any failure. */
-static int hello_exchange(int sock, struct gm_hello_reply *reply, int *fds, int *nfds) {
+/* HELLO in `version`, and its reply read with the page descriptors (a version-1 reply, the
+ * prefix of version 2's, fills *reply up to its gpus[] and leaves the rest 0); -1 (nothing
+ * open) on any failure. */
+static int hello_exchange(int sock, uint16_t version, struct gm_hello_reply *reply, int *fds,
+                          int *nfds) {
+    spoken = version;
+    refused_version = 0;
     struct gm_hello hello;
     memset(&hello, 0, sizeof hello);
     fill_header(&hello.h, GM_MSG_HELLO, sizeof hello);
-    hello.proto_version = GM_WIRE_VERSION;
+    hello.proto_version = version;
     hello.pid = (uint32_t)getpid();
     if (send_frame(sock, &hello) < 0) return -1;
     union frame_buffer frame;
     if (read_frame_with_fds(sock, &frame, fds, 2 * GM_MAX_GPUS, nfds) < 0) return -1;
+    size_t length = version == 1 ? sizeof(struct gm_hello_reply_v1) : sizeof *reply;
     int ok = error_status(&frame) < 0 && frame.h.type == GM_MSG_HELLO_REPLY &&
-             frame.h.length == sizeof *reply && frame.h.seq == hello.h.seq;
-    if (ok) memcpy(reply, frame.bytes, sizeof *reply);
+             frame.h.length == length && frame.h.seq == hello.h.seq;
+    memset(reply, 0, sizeof *reply);
+    if (ok) memcpy(reply, frame.bytes, length);
     ok = ok && reply->status == GM_OK && reply->gpu_count <= GM_MAX_GPUS;
     if (ok && (reply->page_fds != (uint32_t)*nfds ||
                (*nfds != 0 && *nfds != 2 * (int)reply->gpu_count))) {
@@ -300,15 +309,23 @@ static int connect_and_hello(void) {
         (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sched.sock", dir) >=
             sizeof addr.sun_path)
         return -1;
-    int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (sock < 0) return -1;
-    set_io_timeout(sock);
     struct gm_hello_reply reply;
     int fds[2 * GM_MAX_GPUS], nfds = 0;
-    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) < 0 ||
-        hello_exchange(sock, &reply, fds, &nfds) < 0) {
+    int sock = -1;
+    for (uint16_t version = GM_WIRE_VERSION;; version = 1) {
+        sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (sock < 0) return -1;
+        set_io_timeout(sock);
+        if (connect(sock, (struct sockaddr *)&addr, sizeof addr) == 0 &&
+            hello_exchange(sock, version, &reply, fds, &nfds) == 0)
+            break;
         close(sock);
-        return -1;
+        if (!refused_version || version == 1) return -1;
+        static _Atomic int said;
+        if (!atomic_exchange(&said, 1))
+            gm_warn("the node daemon speaks wire version 1, this hook %u: speaking version 1 to "
+                    "it (pages from the channel, the hook's default settings) until it is "
+                    "upgraded", GM_WIRE_VERSION);
     }
     const int64_t said[5] = {reply.settings.token_timeout_ns, reply.settings.fallback_retry_ns,
                              reply.settings.io_timeout_ns, (int64_t)reply.settings.context_bytes,
@@ -323,6 +340,7 @@ static int connect_and_hello(void) {
     }
     grant_count = (int)reply.gpu_count;
     GM_COUNT(daemon_connects, 1);
+    if (spoken == 1) nfds = gm_token_open_legacy_pages(dir, grant_count, fds);
     gm_token_map_pages(fds, nfds, grant_count, shares);
     return sock;
 }

@@ -28,8 +28,8 @@
  * - the enforcement settings (struct gm_settings), set per node in the daemon's configuration.
  *   The hook's environment may only ask for more safety than these.
  * A version-2 hook that meets a version-1 daemon (a rollback) gets GM_ERR_BAD_VERSION in a
- * version-1 error frame; it says so and treats the daemon as away (memory fails closed, GPU time
- * is throttled to its share): the hook's rollback is to the daemon's version.
+ * version-1 error frame; it says so and speaks version 1 on a new connection (every later
+ * connection tries version 2 first), opening that daemon's pages from the channel.
  */
 #ifndef GEMINI_WIRE_H
 #define GEMINI_WIRE_H

@@ -100,9 +100,13 @@ GM_HIDDEN uint64_t gm_setting_context_max_bytes(void);
 GM_HIDDEN int gm_channel_notify(void *frame);
 
 /* launch/token.c */
-/* A hello's pages (fds: per GPU token then activity page; all closed here) and shares. */
+/* A hello's pages (fds: per GPU token then activity page, -1 for an activity page that could
+ * not be opened; all closed here) and shares. */
 GM_HIDDEN void gm_token_map_pages(const int *fds, int nfds, int gpu_count,
                                   const uint32_t *share_ppm);
+/* A version-1 daemon's pages, opened from the channel into fds as gm_token_map_pages takes them
+ * (the activity page only where the channel is writable); their count. */
+GM_HIDDEN int gm_token_open_legacy_pages(const char *channel_dir, int gpu_count, int *fds);
 GM_HIDDEN void gm_token_after_fork_child(void);
 GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
 GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */

@@ -159,21 +159,36 @@ static void *map_fd(int fd, int writable) {
     return page == MAP_FAILED ? NULL : page;
 }
 
+int gm_token_open_legacy_pages(const char *dir, int count, int *fds) {
+    int n = 0;
+    for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/token.%d", dir, i);
+        fds[n++] = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        snprintf(path, sizeof path, "%s/activity.%d", dir, i);
+        fds[n++] = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);   /* EROFS in a pod */
+    }
+    return n;
+}
+
 void gm_token_map_pages(const int *fds, int nfds, int count, const uint32_t *share_ppm) {
     for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
         struct gpu_token *g = &gpus[i];
         atomic_store(&g->share_ppm, share_ppm[i] > UNKNOWN_SHARE_PPM ? share_ppm[i]
                                                                      : UNKNOWN_SHARE_PPM);
         struct stat st;
-        if (2 * i + 1 >= nfds || gm_fstat(fds[2 * i], &st) != 0) continue;
+        if (2 * i + 1 >= nfds || fds[2 * i] < 0 || gm_fstat(fds[2 * i], &st) != 0) continue;
         if (g->page != NULL && st.st_dev == g->page_dev && st.st_ino == g->page_ino) continue;
         const struct gm_token_page *page = map_fd(fds[2 * i], 0);
-        struct gm_activity_page *activity = map_fd(fds[2 * i + 1], 1);
+        /* No activity page (a version-1 daemon's, in a read-only channel): launches write
+         * none; that daemon's idle check is its own affair. */
+        int has_activity = fds[2 * i + 1] >= 0;
+        struct gm_activity_page *activity = has_activity ? map_fd(fds[2 * i + 1], 1) : NULL;
         if (page != NULL && page->magic != GM_TOKEN_PAGE_MAGIC) {
             munmap((void *)page, GM_PAGE_BYTES);
             page = NULL;
         }
-        if (page == NULL || activity == NULL) {
+        if (page == NULL || (has_activity && activity == NULL)) {
             gm_warn("cannot map the token pages of gpu %d: each of its launches asks the daemon",
                     i);
             if (page != NULL) munmap((void *)page, GM_PAGE_BYTES);
@@ -186,7 +201,8 @@ void gm_token_map_pages(const int *fds, int nfds, int count, const uint32_t *sha
         __atomic_store_n(&g->activity, activity, __ATOMIC_RELEASE);
         __atomic_store_n(&g->page, page, __ATOMIC_RELEASE);
     }
-    for (int i = 0; i < nfds; i++) close(fds[i]);
+    for (int i = 0; i < nfds; i++)
+        if (fds[i] >= 0) close(fds[i]);
     atomic_store(&gpu_count, count);
 }
 
