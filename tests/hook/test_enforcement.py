@@ -118,9 +118,9 @@ def test_a_zero_context_cap_in_the_environment_does_not_escape_the_context_charg
 
 
 def test_the_context_settings_come_from_the_daemon(hooked: Hooked, tmp_path: Path) -> None:
-    """The node's --hook-context-bytes is charged for an unmeasurable context, whatever the
-    pod's environment says, and its --hook-context-max-bytes caps a measured one."""
-    node = start_node(0.5, "--hook-context-bytes", "128MiB", "--hook-context-max-bytes",
+    """The node's --interposer-context-bytes is charged for an unmeasurable context, whatever the
+    pod's environment says, and its --interposer-context-max-bytes caps a measured one."""
+    node = start_node(0.5, "--interposer-context-bytes", "128MiB", "--interposer-context-max-bytes",
                       "200MiB")
     try:
         no_nvml = tmp_path / "lib"             # without libnvidia-ml: nothing to measure with
@@ -164,7 +164,7 @@ def test_a_daemon_outage_keeps_the_tenant_within_its_share_and_gating_resumes_wi
     """While the daemon is away after a hello, the container gates itself at the share that
     hello gave it (0.3), its two launching processes together (they share the clock on their
     activity page); back, the daemon gates it again within its fallback retry (0.5 s here)."""
-    node = start_node(0.3, "--hook-fallback-retry", "0.5")
+    node = start_node(0.3, "--interposer-fallback-retry", "0.5")
     try:
         env = node.env(GEMINI_HOOK_DAEMON_WAIT="0.2", GEMINI_HOOK_FALLBACK_RETRY="1e6")
         loops = [TimedLoop(hooked, env, 5.0) for _ in range(2)]

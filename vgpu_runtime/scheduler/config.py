@@ -39,13 +39,16 @@ Pod awareness and telemetry (issue 5):
   `simulated` reads `process_memory_file` (tests, demos), `off` keeps the hook's own
   measurements. `process_memory_interval` (1 s): NVML's figures move with every allocation;
   once a second bounds a stale context charge to a second and costs one NVML call per GPU.
-* `hook_*`: the interposer's enforcement settings, sent to every hook in its hello reply (a
-  pod's environment may only make them safer, never weaker). `hook_token_timeout` (30 s): how
+* `interposer_*`: the interposer's enforcement settings, sent to every hook in its hello reply
+  (a pod's environment, GEMINI_HOOK_*, may only make them safer, never weaker; the daemon's own
+  environment names them GEMINI_INTERPOSER_*, so a gemini-run user's hook variables, which the
+  daemon it starts inherits, never configure the node). `interposer_token_timeout` (30 s): how
   long a launch waits for a grant before the hook falls back to gating itself at its share;
-  `hook_fallback_retry` (1 s): how often a self-gating hook asks the daemon again, so gating
-  resumes within about a second of the daemon's return; `hook_io_timeout` (10 s): the socket's
-  send and receive timeout; `hook_context_bytes` (0) and `hook_context_max_bytes` (1 GiB): what a
-  context is charged when unmeasured, and at most (a context costs about 0.5 GiB on an H200).
+  `interposer_fallback_retry` (1 s): how often a self-gating hook asks the daemon again, so
+  gating resumes within about a second of the daemon's return; `interposer_io_timeout` (10 s):
+  the socket's send and receive timeout; `interposer_context_bytes` (0) and
+  `interposer_context_max_bytes` (1 GiB): what a context is charged when unmeasured, and at most
+  (a context costs about 0.5 GiB on an H200).
 * `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
   second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
 """
@@ -175,18 +178,18 @@ class SchedulerConfig:
         None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
         "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
     # ---- the hooks' enforcement settings (sent in every hello reply) ----
-    hook_token_timeout: float = cfg.setting(
+    interposer_token_timeout: float = cfg.setting(
         30.0, "seconds a launch waits for a token grant before the hook gates itself at its "
         "share", cfg.number(0.001, 3600), "SECONDS")
-    hook_fallback_retry: float = cfg.setting(
+    interposer_fallback_retry: float = cfg.setting(
         1.0, "seconds between a self-gating hook's attempts to reach the daemon again",
         cfg.number(0.01, 60), "SECONDS")
-    hook_io_timeout: float = cfg.setting(
+    interposer_io_timeout: float = cfg.setting(
         10.0, "the hooks' socket send and receive timeout, seconds", cfg.number(0.1, 3600),
         "SECONDS")
-    hook_context_bytes: int = cfg.setting(
+    interposer_context_bytes: int = cfg.setting(
         0, "what a context is charged when its cost cannot be measured", cfg.size, "SIZE")
-    hook_context_max_bytes: int = cfg.setting(
+    interposer_context_max_bytes: int = cfg.setting(
         1 << 30, "the most one measured context is charged", cfg.size, "SIZE")
     # ---- telemetry ----
     metrics_port: int = cfg.setting(

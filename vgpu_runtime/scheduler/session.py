@@ -280,11 +280,11 @@ class Session(Waiter):
 
     def _fill_settings(self, settings: Any) -> None:
         config = self.channel.tokens.config
-        settings.token_timeout_ns = round(config.hook_token_timeout * NS)
-        settings.fallback_retry_ns = round(config.hook_fallback_retry * NS)
-        settings.io_timeout_ns = round(config.hook_io_timeout * NS)
-        settings.context_bytes = config.hook_context_bytes
-        settings.context_max_bytes = config.hook_context_max_bytes
+        settings.token_timeout_ns = round(config.interposer_token_timeout * NS)
+        settings.fallback_retry_ns = round(config.interposer_fallback_retry * NS)
+        settings.io_timeout_ns = round(config.interposer_io_timeout * NS)
+        settings.context_bytes = config.interposer_context_bytes
+        settings.context_max_bytes = config.interposer_context_max_bytes
 
     def _send_with_fds(self, data: bytes, fds: list[int]) -> None:
         """`data` with `fds` attached to its first byte (SCM_RIGHTS). The transport cannot pass
