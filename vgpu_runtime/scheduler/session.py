@@ -427,7 +427,8 @@ class Session(Waiter):
         self.closing_status = status
         transport = self.writer.transport
         if not transport.is_closing():
-            transport.write(ERROR.pack(0, status, 0, reason.encode()[:REASON_BYTES - 1]))
+            transport.write(ERROR[self.version].pack(0, status, 0,
+                                                     reason.encode()[:REASON_BYTES - 1]))
         if transport.get_write_buffer_size():
             transport.abort()
         else:
