@@ -25,6 +25,7 @@ from tests.childenv import as_user, child_env
 from tests.scheduler.helpers import DaemonProcess, make_record, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.scheduler.client import ChannelClient
+from vgpu_runtime.scheduler.pages import pages_dir
 
 C = wire.const
 MiB = 1 << 20
@@ -279,19 +280,18 @@ def test_a_read_only_state_dir_keeps_what_is_served_and_serves_the_rest_once_wri
 
 
 @pytest.mark.skipif(not _mount_namespaces_usable(),
-                    reason="needs root, unshare -m and nsenter to fill the channels directory")
-@pytest.mark.xfail(strict=True, reason="pages.py (task B's) sizes a page file with ftruncate and "
-                   "writes it through mmap: on a full filesystem the daemon dies of SIGBUS. "
-                   "posix_fallocate before mapping (or pages off the filesystem) fixes it")
-def test_a_full_channels_directory_keeps_what_is_served_and_serves_the_rest_once_freed(
+                    reason="needs root, unshare -m and nsenter to fill the pages directory")
+def test_a_full_pages_directory_keeps_what_is_served_and_serves_the_rest_once_freed(
         state_dir: Path) -> None:
-    """ENOSPC: the daemon's channels directory becomes a full 64 KiB tmpfs (in its own mount
-    namespace). Pass: the daemon runs on and serves its allocation; the new record's channel is
-    refused cleanly (not a SIGBUS on a page it could not back), then served once there is room."""
+    """ENOSPC: the daemon's pages directory (<state-dir>/pages, the only place a channel needs
+    blocks) becomes a full 64 KiB tmpfs (in its own mount namespace). Pass: the daemon runs on
+    and serves its allocation; the new record's channel is refused cleanly (not a SIGBUS on a
+    page it could not back: pages.py reserves a page's blocks before mapping it), then served
+    once there is room."""
     state_dir.mkdir(parents=True)
     daemon = DaemonProcess(state_dir, wrap=("unshare", "-m", "--propagation", "private"))
     daemon.wait_ready()
-    channels = str(paths.channels_dir(state_dir))
+    channels = str(pages_dir(state_dir))
 
     def in_daemons_namespace(script: str) -> None:
         done = subprocess.run(["nsenter", "-t", str(daemon.proc.pid), "-m", "sh", "-c", script,

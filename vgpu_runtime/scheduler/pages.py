@@ -86,6 +86,9 @@ def _map(path: Path, mode: int) -> tuple[mmap.mmap, bool]:
         os.fchmod(fd, mode)  # O_CREAT's mode is filtered by the umask
         if not reused:
             os.ftruncate(fd, PAGE_BYTES)
+        # Blocks reserved now: on a full filesystem this raises ENOSPC here, where a sparse
+        # page would be a SIGBUS at its first store through the mapping.
+        os.posix_fallocate(fd, 0, PAGE_BYTES)
         return mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), reused
     finally:
         os.close(fd)
