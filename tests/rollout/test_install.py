@@ -16,7 +16,8 @@ from vgpu_runtime import allocation, install, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 
 CURRENT = paths.HOOK_LIBRARY_NAME
-OLD = install.LIBRARY_PREFIX + "0.0.9"
+# The name every node held before the digest was added: records of running pods name it.
+OLD = install.LIBRARY_PREFIX + "0.1.0"
 OLDER = install.LIBRARY_PREFIX + "0.0.8"
 
 
@@ -86,6 +87,26 @@ def test_different_bytes_under_the_same_name_are_refused_and_kept(node: Path,
         install.run(config(node, library))
     assert target.read_bytes() == b"the library running pods use"
     assert lib_names(node) == [CURRENT]
+
+
+def test_a_refusal_names_what_differs(node: Path, tmp_path: Path) -> None:
+    """Two real builds under one name, the second with other flags (as another compiler would
+    do): the message shows size, sha256 and build ID of both, and the SONAME is the same."""
+    from vgpu_runtime.hook import build
+
+    first = build.build_library(tmp_path / "first")
+    install.run(config(node, first))
+    command = build.compile_command(tmp_path / CURRENT)
+    subprocess.run([*command, "-fno-inline"], check=True, capture_output=True)
+    with pytest.raises(install.InstallError) as refused:
+        install.run(config(node, tmp_path / CURRENT))
+    message = str(refused.value)
+    facts = install.identity.describe(first)
+    assert f"sha256: installed {facts['sha256']}, new " in message
+    assert f"build-id: installed {facts['build-id']}, new " in message
+    assert facts["soname"] == CURRENT and "soname:" not in message
+    assert "GCC" in facts["compiler"] and "compiler:" not in message   # same gcc here
+    assert (node / "lib" / CURRENT).read_bytes() == first.read_bytes()
 
 
 def test_a_non_regular_file_under_the_name_is_refused(node: Path, library: Path) -> None:
