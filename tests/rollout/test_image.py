@@ -9,13 +9,17 @@ a rerun reuses build/image/base.tar and podman's layer cache.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +50,8 @@ class Image:
     archive: Path
     podman: list[str]
     env: list[str]        # the image's Env, which runc does not read from the image itself
+    registry: str | None  # host:port of the registry it was pushed to
+    pushed: str | None    # the `pushed` line: REPOSITORY@sha256:...
 
     @property
     def site_packages(self) -> str:
@@ -61,13 +67,52 @@ def cannot_build() -> str | None:
     return oci.runtime_available()
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
-def image() -> Image:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """Debian's docker-registry (the distribution registry) on a free local port, plain HTTP;
+    None where it is not installed (the push is then not exercised, and its test skips)."""
+    if shutil.which("docker-registry") is None:
+        yield None
+        return
+    root = tmp_path_factory.mktemp("registry")
+    address = f"127.0.0.1:{free_port()}"
+    (root / "config.yml").write_text(f"version: 0.1\nstorage:\n  filesystem:\n"
+                                     f"    rootdirectory: {root / 'data'}\n"
+                                     f"http:\n  addr: {address}\n")
+    with open(root / "registry.log", "wb") as log:
+        proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{address}/v2/", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((root / "registry.log").read_text()) from None
+                time.sleep(0.2)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def image(registry: str | None) -> Image:
     reason = cannot_build()
     if reason:
         pytest.skip(reason)
-    result = subprocess.run([sys.executable, str(SCRIPT), "--work", str(WORK), "--name", NAME],
-                            capture_output=True, text=True, timeout=1500)
+    push = (["--push", f"{registry}/gemini/vgpu-node:{__version__}", "--tls-verify=false"]
+            if registry else [])
+    result = subprocess.run([sys.executable, str(SCRIPT), "--work", str(WORK), "--name", NAME,
+                             *push], capture_output=True, text=True, timeout=1500)
     if result.returncode != 0 and NETWORK_DOWN.search(result.stderr):
         pytest.skip(f"the build cannot reach Debian's mirror or the package index:\n"
                     f"{result.stderr[-3000:]}")
@@ -76,13 +121,14 @@ def image() -> Image:
              if line.startswith("build-image: ")]
     assert steps == ["1/6", "2/6", "3/6", "4/6", "5/6", "6/6"], result.stdout
     facts = dict(line.split(" ", 1) for line in result.stdout.splitlines()
-                 if line.split(" ", 1)[0] in ("image", "id", "archive"))
+                 if line.split(" ", 1)[0] in ("image", "id", "archive", "pushed"))
     podman = ["podman", "--root", str(WORK / "storage"), "--runroot", str(WORK / "run"),
               "--storage-driver", "vfs"]
     env = json.loads(subprocess.run([*podman, "image", "inspect", "--format",
                                      "{{json .Config.Env}}", NAME], capture_output=True,
                                     text=True, check=True).stdout)
-    return Image(facts["image"], facts["id"], Path(facts["archive"]), podman, env)
+    return Image(facts["image"], facts["id"], Path(facts["archive"]), podman, env, registry,
+                 facts.get("pushed"))
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +148,24 @@ def test_the_build_prints_the_name_and_digest_and_exports_an_oci_archive(image: 
     assert layout["imageLayoutVersion"] == "1.0.0"
     (manifest,) = index["manifests"]
     assert manifest["digest"].startswith("sha256:")
+
+
+def test_the_push_reaches_the_registry_under_the_digest_it_prints(image: Image) -> None:
+    if image.registry is None:
+        pytest.skip("Debian's docker-registry is not installed (scripts/test installs it)")
+    assert image.pushed is not None
+    repository, digest = image.pushed.split("@")
+    assert repository == f"{image.registry}/gemini/vgpu-node" and digest.startswith("sha256:")
+    accept = ("application/vnd.oci.image.manifest.v1+json, "
+              "application/vnd.docker.distribution.manifest.v2+json")
+    by_tag = urllib.request.Request(
+        f"http://{image.registry}/v2/gemini/vgpu-node/manifests/{__version__}",
+        headers={"Accept": accept})
+    with urllib.request.urlopen(by_tag, timeout=10) as answer:
+        manifest = answer.read()
+    assert "sha256:" + hashlib.sha256(manifest).hexdigest() == digest
+    layers = json.loads(manifest)["layers"]
+    assert len(layers) >= 2   # the Debian base and the runtime stage's own
 
 
 def test_the_image_runs_from_a_virtual_environment_without_a_compiler(image: Image,
