@@ -53,10 +53,6 @@ class Image:
     registry: str | None  # host:port of the registry it was pushed to
     pushed: str | None    # the `pushed` line: REPOSITORY@sha256:...
 
-    @property
-    def site_packages(self) -> str:
-        return "opt/gemini/lib/python3.11/site-packages"
-
 
 def cannot_build() -> str | None:
     if os.geteuid() != 0:
