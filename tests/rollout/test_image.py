@@ -48,6 +48,7 @@ class Image:
     name: str
     image_id: str
     archive: Path
+    digest: str
     podman: list[str]
     env: list[str]        # the image's Env, which runc does not read from the image itself
     registry: str | None  # host:port of the registry it was pushed to
@@ -117,14 +118,14 @@ def image(registry: str | None) -> Image:
              if line.startswith("build-image: ")]
     assert steps == ["1/6", "2/6", "3/6", "4/6", "5/6", "6/6"], result.stdout
     facts = dict(line.split(" ", 1) for line in result.stdout.splitlines()
-                 if line.split(" ", 1)[0] in ("image", "id", "archive", "pushed"))
+                 if line.split(" ", 1)[0] in ("image", "id", "archive", "digest", "pushed"))
     podman = ["podman", "--root", str(WORK / "storage"), "--runroot", str(WORK / "run"),
               "--storage-driver", "vfs"]
     env = json.loads(subprocess.run([*podman, "image", "inspect", "--format",
                                      "{{json .Config.Env}}", NAME], capture_output=True,
                                     text=True, check=True).stdout)
-    return Image(facts["image"], facts["id"], Path(facts["archive"]), podman, env, registry,
-                 facts.get("pushed"))
+    return Image(facts["image"], facts["id"], Path(facts["archive"]), facts["digest"], podman,
+                 env, registry, facts.get("pushed"))
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,12 @@ def test_the_build_prints_the_name_and_digest_and_exports_an_oci_archive(image: 
         index = json.load(archive.extractfile("index.json"))  # type: ignore[arg-type]
     assert layout["imageLayoutVersion"] == "1.0.0"
     (manifest,) = index["manifests"]
-    assert manifest["digest"].startswith("sha256:")
+    assert manifest["digest"] == image.digest and image.digest.startswith("sha256:")
+    with tarfile.open(image.archive) as archive:
+        blob = archive.extractfile("blobs/sha256/" + image.digest.split(":")[1])
+        assert blob is not None
+        config = json.load(blob)["config"]["digest"]
+    assert config == image.image_id    # the manifest is this image's
 
 
 def test_the_push_reaches_the_registry_under_the_digest_it_prints(image: Image) -> None:
