@@ -262,3 +262,25 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
         for name in runc.logs:
             print(f"---- {name} ----\n{runc.output(name)[-4000:]}")
     assert codes == {"scheduler": 0, "device-plugin": 0}, codes
+
+
+def test_the_build_context_leaves_out_the_venv_and_caches(image: Image, tmp_path: Path) -> None:
+    """podman build reads .dockerignore: the whole context copied into an empty image holds the
+    sources but no .venv/ (scripts/test made one; the demo's is 444 MB), build/ (this test's
+    podman storage) or bytecode caches."""
+    assert (REPO / ".venv").is_dir() and (REPO / "build").is_dir()
+    dockerfile = tmp_path / "Containerfile"
+    dockerfile.write_text("FROM scratch\nCOPY . /context\n")
+    name = "localhost/gemini-vgpu-context:test"
+    subprocess.run([*image.podman, "build", "--isolation", "chroot", "--file", str(dockerfile),
+                    "--tag", name, str(REPO)], check=True, capture_output=True, timeout=300)
+    try:
+        with oci.mounted_image(image.podman, name) as root:
+            context = root / "context"
+            assert (context / "vgpu_runtime" / "hook" / "build.py").is_file()
+            assert (context / "daemonset" / "image" / "Dockerfile").is_file()
+            for left_out in (".venv", "build", ".git"):
+                assert not (context / left_out).exists(), left_out
+            assert not list(context.rglob("__pycache__"))
+    finally:
+        subprocess.run([*image.podman, "rmi", "--force", name], capture_output=True)
