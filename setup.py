@@ -1,16 +1,26 @@
 """Builds the interposer (C, gcc only) as part of `pip install .`.
 
-The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>; see
-vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules.
+The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>; see
+vgpu_runtime/hook/build.py for the compiler line, the name and the glibc symbol-version rules.
+The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
+it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
 """
 
 import importlib.util
+import platform
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
 HERE = Path(__file__).parent
+# The architectures vgpu_runtime/hook/include/glibc_compat.h pins to glibc 2.17 symbols.
+MANYLINUX2014 = {"x86_64", "aarch64"}
 
 
 def _hook_builder():
@@ -21,6 +31,14 @@ def _hook_builder():
     return module
 
 
+def platform_tag():
+    machine = platform.machine()
+    if machine not in MANYLINUX2014:
+        raise RuntimeError(f"the interposer has no glibc 2.17 symbol pins for {machine!r} "
+                           "(vgpu_runtime/hook/include/glibc_compat.h)")
+    return f"manylinux2014_{machine}"
+
+
 class BuildWithHook(build_py):
     def run(self):
         super().run()
@@ -28,4 +46,17 @@ class BuildWithHook(build_py):
         _hook_builder().build_library(out_dir)
 
 
-setup(cmdclass={"build_py": BuildWithHook})
+class WithNativeLibrary(Distribution):
+    """Not pure: installed to platlib, and the wheel is not root-is-purelib."""
+
+    def has_ext_modules(self):
+        return True
+
+
+class PlatformWheel(bdist_wheel):
+    def get_tag(self):
+        return "py3", "none", platform_tag()
+
+
+setup(distclass=WithNativeLibrary,
+      cmdclass={"build_py": BuildWithHook, "bdist_wheel": PlatformWheel})

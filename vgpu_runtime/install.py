@@ -2,18 +2,21 @@
 
 The DaemonSet runs this as an init container before the device plugin starts. The rule:
 
-1. The packaged interposer is installed as `<hook-dir>/libgemini-hook.so.<version>`
-   (`paths.HOOK_LIBRARY_NAME`; hook-dir defaults to `<state-dir>/lib`). It is written to a
+1. The packaged interposer is installed as `<hook-dir>/libgemini-hook.so.<version>-<digest>`
+   (`paths.HOOK_LIBRARY_NAME`: the digest is of the hook's sources, so every change to them is a
+   new name; hook-dir defaults to `<state-dir>/lib`). It is written to a
    temporary file in that directory, synced, then hard-linked to its name, which fails if the
    name exists: a reader sees no file or the whole file, and two installers racing cannot
    overwrite each other.
-2. A file of that name is never overwritten. With identical bytes there is nothing to do; with
-   different bytes the install is refused (exit status 1). A version's library must never change:
+2. A file of that name is never overwritten. With identical bytes there is nothing to do (the
+   build is reproducible, so a rebuilt image of the same sources lands here); with different
+   bytes the install is refused (exit status 1) and the message names what differs (size,
+   sha256, SONAME, build ID, compiler). A name's library must never change:
    kubelet replays a container's kept Allocate response (`LD_PRELOAD=/opt/gemini/lib/<name>`) when
    the container restarts, so a name must mean the same code for the life of every pod using it.
-3. Any other version (`libgemini-hook.so.*`) is deleted only when no allocation record
-   (`<state-dir>/allocations/*.json`, field `hook_library`) names it. The current version is never
-   deleted.
+3. Any other version (`libgemini-hook.so.*`, old names without a digest included) is deleted
+   only when no allocation record (`<state-dir>/allocations/*.json`, field `hook_library`) names
+   it. The current version is never deleted.
 4. If any record cannot be read, no old version is deleted in that run. An unreadable record may
    belong to a running pod; were its library deleted, a restart of its container would preload a
    missing file, which ld.so skips with a warning, and the program would run outside its limits.
@@ -42,11 +45,12 @@ from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common import logs
 from vgpu_runtime.common.atomicfile import fsync_dir
+from vgpu_runtime.hook import identity
 
 log = logging.getLogger("gemini-install-hook")
 
 # Every version's file starts with this; temporary files start with "." and are never versions.
-LIBRARY_PREFIX = paths.HOOK_LIBRARY_NAME[: -len(__version__)]
+LIBRARY_PREFIX = paths.HOOK_LIBRARY_PREFIX
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_AGE = 3600.0  # seconds; a temporary file this old was left by an installer that died
 LIBRARY_MODE = 0o755     # readable by every container user; the directory is mounted read-only
@@ -95,10 +99,12 @@ def _check_existing(source: Path, target: Path) -> bool:
     if filecmp.cmp(source, target, shallow=False):
         return True
     raise InstallError(
-        f"{target} already exists with different content than {source}. A version's interposer "
-        "must never change (restarted containers reload it by name), so it is not replaced. "
-        f"Build the new library under a new version (vgpu_runtime.__version__ "
-        f"{__version__!r}), or, if no pod uses {target.name}, delete it by hand")
+        f"{target} already exists with different content than {source} "
+        f"({identity.differences(target, source)}). A name's interposer must never change "
+        "(restarted containers reload it by name), so it is not replaced. The name carries the "
+        "digest of the hook's sources, so the same sources were built differently (another "
+        f"compiler, or flags outside vgpu_runtime/hook/build.py); if no pod uses {target.name}, "
+        "delete it by hand")
 
 
 def install_library(source: Path, hook_dir: Path) -> tuple[Path, bool]:

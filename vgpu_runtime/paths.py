@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vgpu_runtime import __version__
+from vgpu_runtime.hook import build
 
 RESOURCE_NAME = "gemini.ai/vgpu"
 
@@ -26,9 +26,11 @@ LIB_SUBDIR = "lib"
 # can reach any channel, whatever its name (allocation IDs are hashes of guessable slice IDs).
 CHANNELS_DIR_MODE = 0o700
 
-# The interposer is installed under a versioned name and a file of that name is never
+# The interposer is installed under a name that changes with its sources
+# (libgemini-hook.so.<version>-<digest>, see hook/build.py) and a file of that name is never
 # rewritten: running pods keep the library they started with across upgrades.
-HOOK_LIBRARY_NAME = f"libgemini-hook.so.{__version__}"
+HOOK_LIBRARY_PREFIX = build.LIBRARY_PREFIX
+HOOK_LIBRARY_NAME = build.library_name()
 
 # Inside a container.
 CONTAINER_LIB_DIR = "/opt/gemini/lib"

@@ -6,12 +6,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from vgpu_runtime import hooklib, paths
+from vgpu_runtime import __version__, hooklib, paths
 from vgpu_runtime.hook import build
+
+REPO = Path(__file__).resolve().parents[2]
 
 OLDEST_GLIBC = (2, 17)
 
@@ -19,6 +22,54 @@ OLDEST_GLIBC = (2, 17)
 def test_library_has_the_versioned_name(hook_lib: Path) -> None:
     assert hook_lib.name == paths.HOOK_LIBRARY_NAME
     assert build.library_name() == paths.HOOK_LIBRARY_NAME
+    digest = build.sources_digest()
+    assert f"libgemini-hook.so.{__version__}-{digest}" == paths.HOOK_LIBRARY_NAME
+    assert paths.HOOK_LIBRARY_NAME.startswith(paths.HOOK_LIBRARY_PREFIX)
+
+
+def checkout(root: Path) -> Path:
+    """A copy of the package as another checkout would hold it: the hook and the version file."""
+    package = root / "vgpu_runtime"
+    shutil.copytree(REPO / "vgpu_runtime" / "hook", package / "hook",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
+    return package / "hook" / "build.py"
+
+
+def build_in(script: Path, out: Path, cwd: Path) -> Path:
+    """The checkout's own build.py, run the way setup.py runs it, from cwd."""
+    result = subprocess.run([sys.executable, str(script), str(out)], cwd=cwd,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip())
+
+
+def test_two_checkouts_of_the_same_sources_build_identical_bytes(tmp_path: Path) -> None:
+    """No build path, timestamp or debug info in the library: a rebuilt image of unchanged
+    sources carries the very file a node already has under that name."""
+    first = build_in(checkout(tmp_path / "a"), tmp_path / "out-a", tmp_path)
+    second = build_in(checkout(tmp_path / "a-much-longer-directory" / "b"), tmp_path / "out-b",
+                      tmp_path / "a-much-longer-directory")
+    assert first.name == second.name == paths.HOOK_LIBRARY_NAME
+    data = first.read_bytes()
+    assert data == second.read_bytes()
+    assert str(tmp_path).encode() not in data
+    sections = subprocess.run(["readelf", "-S", "-W", str(first)], capture_output=True,
+                              text=True, check=True).stdout
+    assert ".debug_" not in sections and ".note.gnu.build-id" in sections
+
+
+def test_a_changed_source_gives_a_new_name(tmp_path: Path) -> None:
+    script = checkout(tmp_path / "changed")
+    gate = script.parent / "launch" / "gate.c"
+    gate.write_text(gate.read_text() + "\n/* a change */\n")
+    changed = build_in(script, tmp_path / "out", tmp_path)
+    assert changed.name != paths.HOOK_LIBRARY_NAME
+    assert changed.name.startswith(f"{paths.HOOK_LIBRARY_PREFIX}{__version__}-")
+    # Flags live in build.py, which the digest covers too.
+    script.write_text(script.read_text().replace('"-O2"', '"-O1"'))
+    assert build_in(script, tmp_path / "out", tmp_path).name not in (changed.name,
+                                                                     paths.HOOK_LIBRARY_NAME)
 
 
 def required_glibc_versions(library: Path) -> set[tuple[int, ...]]:

@@ -1,154 +1,286 @@
-"""The node image: scripts/build-image runs the Dockerfile's steps without Docker."""
+"""The node image, built for real by scripts/build-image (mmdebstrap, podman import, podman build
+on vfs) and its three entrypoints run under runc over the kubelet emulator's sockets.
+
+Needs root, Debian's tools (the script installs mmdebstrap and podman with apt-get) and the
+network (Debian's mirror, the Python package index). The build takes 5-7 minutes on two cores;
+a rerun reuses build/image/base.tar and podman's layer cache.
+"""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-import io
+import asyncio
+import hashlib
+import json
+import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
-import zipfile
+import tarfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from tests.childenv import REPO
-from vgpu_runtime import paths
+from tests.hook.conftest import Hooked, fake_dir, hook_lib, hooked  # noqa: F401 (fixtures)
+from tests.integration.conftest import Node, node  # noqa: F401 (fixture)
+from tests.reliability.clients import Container, GiB
+from tests.rollout import oci
+from vgpu_runtime import __version__, allocation, paths
+from vgpu_runtime.hook import identity
 
 SCRIPT = REPO / "scripts" / "build-image"
-DOCKERFILE = REPO / "daemonset" / "image" / "Dockerfile"
-INSTALL_ENTRY = 'gemini-install-hook = "vgpu_runtime.install:main"'
+WORK = REPO / "build" / "image"
+NAME = f"localhost/gemini-vgpu-node:{__version__}-test"
+NETWORK_DOWN = re.compile(r"Failed to establish a new connection|Temporary failure resolving|"
+                          r"Could not resolve|Network is unreachable")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-def load_script() -> ModuleType:
-    loader = importlib.machinery.SourceFileLoader("build_image", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("build_image", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+@dataclass(frozen=True)
+class Image:
+    name: str
+    image_id: str
+    archive: Path
+    digest: str
+    podman: list[str]
+    env: list[str]        # the image's Env, which runc does not read from the image itself
+    registry: str | None  # host:port of the registry it was pushed to
+    pushed: str | None    # the `pushed` line: REPOSITORY@sha256:...
 
 
-build_image = load_script()
+def cannot_build() -> str | None:
+    if os.geteuid() != 0:
+        return "the image build needs root (mmdebstrap, podman on vfs, runc)"
+    if shutil.which("apt-get") is None and not (shutil.which("mmdebstrap")
+                                                and shutil.which("podman")):
+        return "mmdebstrap and podman are missing and there is no apt-get to install them"
+    return oci.runtime_available()
 
 
-def pyproject_has_install_script() -> bool:
-    return INSTALL_ENTRY in (REPO / "pyproject.toml").read_text()
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
-# ---- the Dockerfile, read the way the script reads it ----
-
-def test_the_builder_copies_what_the_wheel_is_built_from() -> None:
-    assert build_image.builder_copies(DOCKERFILE) == [
-        (["pyproject.toml", "setup.py", "README.md"], "./"),
-        (["device_plugin"], "./device_plugin"),
-        (["vgpu_runtime"], "./vgpu_runtime"),
-    ]
-    assert build_image.workdir(DOCKERFILE) == "/src"
-
-
-def test_dockerfile_and_script_run_the_same_build_commands() -> None:
-    text = DOCKERFILE.read_text()
-    assert "RUN pip wheel --no-deps --wheel-dir /dist /src" in text
-    assert re.search(r'pip install --no-cache-dir "\$\(ls /dist/\*\.whl\)\[kubernetes\]"', text)
-    for script in build_image.REQUIRED_SCRIPTS:   # the runtime stage checks the same commands
-        assert f"{script} --help" in text
-    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.M)
-    assert stages == [("${PYTHON_IMAGE}", "builder"), ("${PYTHON_IMAGE}", "")]
-    assert "cuda" not in re.search(r"^ARG PYTHON_IMAGE=(\S+)", text, re.M).group(1)  # type: ignore[union-attr]
-
-
-def test_copy_context_follows_dockers_copy_rules(tmp_path: Path) -> None:
-    build_image.copy_context(DOCKERFILE, tmp_path)
-    assert (tmp_path / "pyproject.toml").read_bytes() == (REPO / "pyproject.toml").read_bytes()
-    assert (tmp_path / "device_plugin" / "allocator.py").is_file()   # contents, not a nested dir
-    assert (tmp_path / "vgpu_runtime" / "hook" / "build.py").is_file()
-    assert not list(tmp_path.rglob("__pycache__"))
-
-
-def test_a_copy_of_a_missing_source_fails_clearly(tmp_path: Path) -> None:
-    broken = tmp_path / "Dockerfile"
-    broken.write_text("FROM python AS builder\nWORKDIR /src\nCOPY no-such-dir ./x\n")
-    with pytest.raises(build_image.BuildError, match="no-such-dir is not in the repository"):
-        build_image.copy_context(broken, tmp_path / "src")
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """Debian's docker-registry (the distribution registry) on a free local port, plain HTTP;
+    None where it is not installed (the push is then not exercised, and its test skips)."""
+    if shutil.which("docker-registry") is None:
+        yield None
+        return
+    root = tmp_path_factory.mktemp("registry")
+    address = f"127.0.0.1:{free_port()}"
+    (root / "config.yml").write_text(f"version: 0.1\nstorage:\n  filesystem:\n"
+                                     f"    rootdirectory: {root / 'data'}\n"
+                                     f"http:\n  addr: {address}\n")
+    with open(root / "registry.log", "wb") as log:
+        proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{address}/v2/", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError((root / "registry.log").read_text()) from None
+                time.sleep(0.2)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
-def fake_wheel(path: Path, members: dict[str, bytes]) -> Path:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as wheel:
-        for name, data in members.items():
-            wheel.writestr(name, data)
-    path.write_bytes(buffer.getvalue())
-    return path
-
-
-ENTRY_POINTS = "gemini_vgpu-0.1.0.dist-info/entry_points.txt"
-ALL_SCRIPTS = (b"[console_scripts]\ngemini-device-plugin = a:b\ngemini-scheduler = a:b\n"
-               b"gemini-install-hook = a:b\n")
-
-
-def test_a_wheel_without_the_interposer_is_rejected(tmp_path: Path) -> None:
-    wheel = fake_wheel(tmp_path / "w.whl", {ENTRY_POINTS: ALL_SCRIPTS})
-    with pytest.raises(build_image.BuildError, match="did not build the interposer"):
-        build_image.check_wheel(wheel, paths.HOOK_LIBRARY_NAME, tmp_path)
-
-
-def test_a_wheel_without_a_console_script_is_rejected(tmp_path: Path) -> None:
-    library = f"vgpu_runtime/lib/{paths.HOOK_LIBRARY_NAME}"
-    scripts = ALL_SCRIPTS.replace(b"gemini-install-hook = a:b\n", b"")
-    wheel = fake_wheel(tmp_path / "w.whl", {ENTRY_POINTS: scripts, library: b"\x7fELF"})
-    with pytest.raises(build_image.BuildError, match=re.escape(INSTALL_ENTRY)):
-        build_image.check_wheel(wheel, paths.HOOK_LIBRARY_NAME, tmp_path)
-    not_elf = fake_wheel(tmp_path / "x.whl", {ENTRY_POINTS: ALL_SCRIPTS, library: b"text"})
-    with pytest.raises(build_image.BuildError, match="not an ELF"):
-        build_image.check_wheel(not_elf, paths.HOOK_LIBRARY_NAME, tmp_path)
-
-
-def test_pyproject_declares_the_init_steps_console_script() -> None:
-    assert pyproject_has_install_script()
-
-
-# ---- the whole build ----
-
-def source_copy(tmp_path: Path) -> Path:
-    """The files the build reads."""
-    root = tmp_path / "repo"
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, root / name)
-    for name in ("device_plugin", "vgpu_runtime"):
-        shutil.copytree(REPO / name, root / name, ignore=build_image.IGNORED)
-    (root / "scripts").mkdir()
-    shutil.copy2(SCRIPT, root / "scripts" / SCRIPT.name)
-    (root / "daemonset" / "image").mkdir(parents=True)
-    shutil.copy2(DOCKERFILE, root / "daemonset" / "image" / "Dockerfile")
-    return root
-
-
-def test_build_image_produces_an_installed_node_image(tmp_path: Path) -> None:
-    if shutil.which("gcc") is None:
-        pytest.skip("the builder stage needs gcc")
-    root = source_copy(tmp_path)
-    work = tmp_path / "work"
-    result = subprocess.run([sys.executable, str(root / "scripts" / "build-image"),
-                             "--work", str(work)], capture_output=True, text=True, timeout=300,
-                            cwd=tmp_path)
-    if result.returncode != 0 and re.search(r"No matching distribution|Could not find a version|"
-                                            r"Failed to establish a new connection",
-                                            result.stderr):
-        pytest.skip(f"pip cannot reach the package index for setuptools:\n{result.stderr}")
+@pytest.fixture(scope="module")
+def image(registry: str | None) -> Image:
+    reason = cannot_build()
+    if reason:
+        pytest.skip(reason)
+    push = (["--push", f"{registry}/gemini/vgpu-node:{__version__}", "--tls-verify=false"]
+            if registry else [])
+    result = subprocess.run([sys.executable, str(SCRIPT), "--work", str(WORK), "--name", NAME,
+                             *push], capture_output=True, text=True, timeout=1500)
+    if result.returncode != 0 and NETWORK_DOWN.search(result.stderr):
+        pytest.skip(f"the build cannot reach Debian's mirror or the package index:\n"
+                    f"{result.stderr[-3000:]}")
     assert result.returncode == 0, result.stdout + result.stderr
-    steps = [line for line in result.stdout.splitlines() if line.startswith("build-image: ")]
-    assert [s.split()[1] for s in steps] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
-    image = Path(result.stdout.splitlines()[-1])
-    assert image == work / "root"
-    for script in build_image.REQUIRED_SCRIPTS:
-        assert (image / "bin" / script).is_file()
-    (packaged,) = image.glob(
-        f"lib/python*/site-packages/vgpu_runtime/lib/{paths.HOOK_LIBRARY_NAME}")
-    host_copy = work / "host" / "lib" / paths.HOOK_LIBRARY_NAME
-    assert host_copy.read_bytes() == packaged.read_bytes()
-    assert packaged.read_bytes().startswith(b"\x7fELF")
+    steps = [line.split()[1] for line in result.stdout.splitlines()
+             if line.startswith("build-image: ")]
+    assert steps == ["1/6", "2/6", "3/6", "4/6", "5/6", "6/6"], result.stdout
+    facts = dict(line.split(" ", 1) for line in result.stdout.splitlines()
+                 if line.split(" ", 1)[0] in ("image", "id", "archive", "digest", "pushed"))
+    podman = ["podman", "--root", str(WORK / "storage"), "--runroot", str(WORK / "run"),
+              "--storage-driver", "vfs"]
+    env = json.loads(subprocess.run([*podman, "image", "inspect", "--format",
+                                     "{{json .Config.Env}}", NAME], capture_output=True,
+                                    text=True, check=True).stdout)
+    return Image(facts["image"], facts["id"], Path(facts["archive"]), facts["digest"], podman,
+                 env, registry, facts.get("pushed"))
+
+
+@pytest.fixture(scope="module")
+def rootfs(image: Image) -> Iterator[Path]:
+    with oci.mounted_image(image.podman, image.name) as path:
+        yield path
+
+
+def test_the_build_prints_the_name_and_digest_and_exports_an_oci_archive(image: Image) -> None:
+    assert image.name == NAME
+    inspected = subprocess.run([*image.podman, "image", "inspect", "--format", "{{.Id}}",
+                                NAME], capture_output=True, text=True, check=True).stdout
+    assert image.image_id == f"sha256:{inspected.strip()}"
+    with tarfile.open(image.archive) as archive:
+        layout = json.load(archive.extractfile("oci-layout"))  # type: ignore[arg-type]
+        index = json.load(archive.extractfile("index.json"))  # type: ignore[arg-type]
+    assert layout["imageLayoutVersion"] == "1.0.0"
+    (manifest,) = index["manifests"]
+    assert manifest["digest"] == image.digest and image.digest.startswith("sha256:")
+    with tarfile.open(image.archive) as archive:
+        blob = archive.extractfile("blobs/sha256/" + image.digest.split(":")[1])
+        assert blob is not None
+        config = json.load(blob)["config"]["digest"]
+    assert config == image.image_id    # the manifest is this image's
+
+
+def test_the_push_reaches_the_registry_under_the_digest_it_prints(image: Image) -> None:
+    if image.registry is None:
+        pytest.skip("Debian's docker-registry is not installed (scripts/test installs it)")
+    assert image.pushed is not None
+    repository, digest = image.pushed.split("@")
+    assert repository == f"{image.registry}/gemini/vgpu-node" and digest.startswith("sha256:")
+    accept = ("application/vnd.oci.image.manifest.v1+json, "
+              "application/vnd.docker.distribution.manifest.v2+json")
+    by_tag = urllib.request.Request(
+        f"http://{image.registry}/v2/gemini/vgpu-node/manifests/{__version__}",
+        headers={"Accept": accept})
+    with urllib.request.urlopen(by_tag, timeout=10) as answer:
+        manifest = answer.read()
+    assert "sha256:" + hashlib.sha256(manifest).hexdigest() == digest
+    layers = json.loads(manifest)["layers"]
+    assert len(layers) >= 2   # the Debian base and the runtime stage's own
+
+
+def test_the_image_runs_from_a_virtual_environment_without_a_compiler(image: Image,
+                                                                      rootfs: Path) -> None:
+    for script in ("gemini-install-hook", "gemini-device-plugin", "gemini-scheduler"):
+        assert (rootfs / "opt" / "gemini" / "bin" / script).is_file()
+    assert any(e.startswith("PATH=/opt/gemini/bin:") for e in image.env)
+    assert not (rootfs / "usr" / "bin" / "gcc").exists(), "the builder's gcc leaked in"
+    assert not (rootfs / "src").exists()
+
+
+def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
+                                                                    hook_lib: Path) -> None:  # noqa: F811
+    """Built in the image's /src by its own gcc, in another directory than the host's build:
+    the same name, and the same bytes wherever the two compilers are the same release."""
+    (packaged,) = rootfs.glob("opt/gemini/lib/python3*/site-packages/vgpu_runtime/lib/*")
+    assert packaged.name == paths.HOOK_LIBRARY_NAME
+    ours, theirs = identity.describe(hook_lib), identity.describe(packaged)
+    assert theirs["soname"] == paths.HOOK_LIBRARY_NAME
+    if ours["compiler"] != theirs["compiler"]:
+        pytest.skip(f"this machine's gcc ({ours['compiler']}) is not the image's "
+                    f"({theirs['compiler']}): bytes may differ")
+    assert packaged.read_bytes() == hook_lib.read_bytes()
+
+
+async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
+                                                   node: Node, hooked: Hooked,  # noqa: F811
+                                                   ) -> None:
+    """The DaemonSet's three containers from the image, under runc with a read-only root and
+    no capabilities: the init step installs the interposer on the "host" (twice: a restart
+    never fails), the plugin registers with the kubelet emulator and answers Allocate with the
+    installed file's name, and the daemon serves the allocation's channel to a hooked program."""
+    state, kubelet_dir, pod_resources = node.state_dir, node.kubelet_dir, node.root / "pr"
+    state.mkdir(parents=True)
+    runc = oci.Runc(node.root / "runc", rootfs, image.env)
+    install = ["gemini-install-hook", f"--state-dir={state}", "--log-format=text"]
+    try:
+        code, out = runc.run("install-hook", install, [(state, True)])
+        assert code == 0 and "interposer installed" in out, out
+        installed = state / "lib" / paths.HOOK_LIBRARY_NAME
+        assert installed.read_bytes() == next(rootfs.glob(
+            f"opt/gemini/lib/python3*/site-packages/vgpu_runtime/lib/{installed.name}"
+        )).read_bytes()
+        code, out = runc.run("install-hook-again", install, [(state, True)])
+        assert code == 0 and "already present" in out, out
+
+        runc.start("scheduler", ["gemini-scheduler", f"--state-dir={state}",
+                                 f"--pod-resources-socket={pod_resources}/kubelet.sock",
+                                 "--simulate-gpus=2", "--metrics-port=0",
+                                 "--log-format=text"],
+                   [(state, True), (pod_resources, False)])
+        runc.start("device-plugin", ["gemini-device-plugin", f"--kubelet-dir={kubelet_dir}",
+                                     f"--state-dir={state}", "--simulate-gpus=2",
+                                     "--log-format=text"],
+                   [(kubelet_dir, True), (state, True)])
+        try:
+            await node.wait_registered(20, timeout=60)
+        except AssertionError:
+            raise AssertionError(runc.output("device-plugin")) from None
+
+        pod = await node.kubelet.admit_pod("trainer", containers=[("main", 3)])
+        assert pod.admitted, pod.message
+        response = pod.containers["main"].response
+        preload = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+        assert response.envs["LD_PRELOAD"] == preload
+        (lib_mount,) = [m for m in response.mounts
+                        if m.container_path == paths.CONTAINER_LIB_DIR]
+        assert lib_mount.read_only and Path(lib_mount.host_path) / installed.name == installed
+        (record,) = [r for _, r in allocation.scan_records(state)]
+        assert isinstance(record, allocation.AllocationRecord)
+        assert record.hook_library == paths.HOOK_LIBRARY_NAME
+
+        # A program of that pod, preloading the very file the init step installed.
+        def use_the_gpu() -> dict[str, object]:
+            program = Container(Hooked(installed, hooked.fake), record)
+            try:
+                assert program.alloc(GiB) == 0
+                limit = record.gpus[0].memory_limit
+                assert program.alloc(limit) == 2, "past the 3-slice memory limit"
+                return program.step("launch 0.2")
+            finally:
+                program.stop()
+
+        launched = await asyncio.to_thread(use_the_gpu)
+        stats = launched["stats"]
+        assert launched["returns"] and isinstance(stats, dict)
+        assert stats["daemon_connects"] == 1 and stats["token_requests"] >= 1, stats
+        assert stats["ungated_launches"] == 0 and stats["mem_refused"] == 1, stats
+        assert runc.alive("scheduler") and runc.alive("device-plugin")
+    finally:
+        codes = {name: runc.stop(name) for name in list(runc.running)}
+        for name in runc.logs:
+            print(f"---- {name} ----\n{runc.output(name)[-4000:]}")
+    assert codes == {"scheduler": 0, "device-plugin": 0}, codes
+
+
+def test_the_build_context_leaves_out_the_venv_and_caches(image: Image, tmp_path: Path) -> None:
+    """podman build reads .dockerignore: the whole context copied into an empty image holds the
+    sources but no .venv/ (scripts/test made one; the demo's is 444 MB), build/ (this test's
+    podman storage) or bytecode caches."""
+    assert (REPO / ".venv").is_dir() and (REPO / "build").is_dir()
+    dockerfile = tmp_path / "Containerfile"
+    dockerfile.write_text("FROM scratch\nCOPY . /context\n")
+    name = "localhost/gemini-vgpu-context:test"
+    subprocess.run([*image.podman, "build", "--isolation", "chroot", "--file", str(dockerfile),
+                    "--tag", name, str(REPO)], check=True, capture_output=True, timeout=300)
+    try:
+        with oci.mounted_image(image.podman, name) as root:
+            context = root / "context"
+            assert (context / "vgpu_runtime" / "hook" / "build.py").is_file()
+            assert (context / "daemonset" / "image" / "Dockerfile").is_file()
+            for left_out in (".venv", "build", ".git"):
+                assert not (context / left_out).exists(), left_out
+            assert not list(context.rglob("__pycache__"))
+    finally:
+        subprocess.run([*image.podman, "rmi", "--force", name], capture_output=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from vgpu_runtime import allocation, install, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 
 CURRENT = paths.HOOK_LIBRARY_NAME
-OLD = install.LIBRARY_PREFIX + "0.0.9"
+# The name every node held before the digest was added: records of running pods name it.
+OLD = install.LIBRARY_PREFIX + "0.1.0"
 OLDER = install.LIBRARY_PREFIX + "0.0.8"
 
 
@@ -86,6 +88,26 @@ def test_different_bytes_under_the_same_name_are_refused_and_kept(node: Path,
         install.run(config(node, library))
     assert target.read_bytes() == b"the library running pods use"
     assert lib_names(node) == [CURRENT]
+
+
+def test_a_refusal_names_what_differs(node: Path, tmp_path: Path) -> None:
+    """Two real builds under one name, the second with other flags (as another compiler would
+    do): the message shows size, sha256 and build ID of both, and the SONAME is the same."""
+    from vgpu_runtime.hook import build
+
+    first = build.build_library(tmp_path / "first")
+    install.run(config(node, first))
+    command = build.compile_command(tmp_path / CURRENT)
+    subprocess.run([*command, "-fno-inline"], check=True, capture_output=True)
+    with pytest.raises(install.InstallError) as refused:
+        install.run(config(node, tmp_path / CURRENT))
+    message = str(refused.value)
+    facts = install.identity.describe(first)
+    assert f"sha256: installed {facts['sha256']}, new " in message
+    assert f"build-id: installed {facts['build-id']}, new " in message
+    assert facts["soname"] == CURRENT and "soname:" not in message
+    assert "GCC" in facts["compiler"] and "compiler:" not in message   # same gcc here
+    assert (node / "lib" / CURRENT).read_bytes() == first.read_bytes()
 
 
 def test_a_non_regular_file_under_the_name_is_refused(node: Path, library: Path) -> None:
@@ -222,3 +244,40 @@ def test_module_installs_the_packaged_interposer_by_default(node: Path) -> None:
     assert installed.startswith(b"\x7fELF")
     from vgpu_runtime import hooklib
     assert installed == hooklib.library_path().read_bytes()
+
+
+def install_from(tree: Path, state: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    """The init step of an image built from `tree` (its interposer built from its own sources)."""
+    env = {**child_env(XDG_CACHE_HOME=str(cache)), "PYTHONPATH": str(tree)}
+    return subprocess.run([sys.executable, "-m", "vgpu_runtime.install", "--state-dir",
+                           str(state), "--log-format", "text"], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_an_image_with_changed_hook_sources_installs_beside_the_running_one(
+        node: Path, tmp_path: Path) -> None:
+    """Upgrade, rollback and cleanup across a change to the hook: never a refusal, the running
+    pod's file stays while its record does."""
+    upgraded = tmp_path / "upgraded"
+    shutil.copytree(REPO / "vgpu_runtime", upgraded / "vgpu_runtime",
+                    ignore=shutil.ignore_patterns("__pycache__", "lib"))
+    gate = upgraded / "vgpu_runtime" / "hook" / "launch" / "gate.c"
+    gate.write_text(gate.read_text() + "\n/* the next release's change */\n")
+
+    first = install_from(REPO, node, tmp_path / "cache")
+    assert first.returncode == 0, first.stderr
+    running = record_using(node, CURRENT, "GPU-0::1")
+
+    upgrade = install_from(upgraded, node, tmp_path / "cache")
+    assert upgrade.returncode == 0, upgrade.stderr
+    (new,) = set(lib_names(node)) - {CURRENT}
+    assert new.startswith(install.LIBRARY_PREFIX) and new in upgrade.stderr
+    assert "kept an old interposer version" in upgrade.stderr
+
+    rollback = install_from(REPO, node, tmp_path / "cache")
+    assert rollback.returncode == 0 and "already present" in rollback.stderr, rollback.stderr
+
+    allocation.remove_record(node, running.id)      # the old release's last pod is gone
+    cleanup = install_from(upgraded, node, tmp_path / "cache")
+    assert cleanup.returncode == 0, cleanup.stderr
+    assert lib_names(node) == [new]

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -317,13 +318,33 @@ def test_commands_are_the_packages_console_scripts(node_ds: m.Obj) -> None:
 
 
 def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> None:
-    version = re.search(r'^version\s*=\s*"([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
-    assert version is not None and version.group(1) == __version__
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert not re.search(r'^version\s*=\s*"', pyproject, re.M), "one version: vgpu_runtime's"
+    assert 'version = { attr = "vgpu_runtime.__version__" }' in pyproject
     for objects in built.values():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             pod = daemonset["spec"]["template"]["spec"]
             for container in pod["containers"] + pod["initContainers"]:
                 assert container["image"] == f"ghcr.io/gemini-ai/vgpu-node:{__version__}"
+
+
+def test_the_readmes_kustomize_step_replaces_every_image(tmp_path: Path) -> None:
+    """What `kustomize edit set image ghcr.io/gemini-ai/vgpu-node=REF:TAG@DIGEST` writes into
+    daemonset/kustomization.yaml (README step 4) reaches all three containers."""
+    if m.kustomize_command() is None:
+        pytest.skip("neither kubectl nor kustomize is installed")
+    tree = tmp_path / "daemonset"
+    shutil.copytree(REPO / "daemonset", tree)
+    digest = "sha256:" + "0123456789abcdef" * 4
+    with open(tree / "kustomization.yaml", "a") as top:
+        top.write("images:\n- digest: " + digest + "\n  name: ghcr.io/gemini-ai/vgpu-node\n"
+                  "  newName: registry.example.com/gemini/vgpu-node\n  newTag: " + __version__
+                  + "\n")
+    (daemonset,) = [o for o in m.build(tree) if o["kind"] == "DaemonSet"]
+    pod = daemonset["spec"]["template"]["spec"]
+    images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
+    # The tag stays for people; the runtime pulls by the digest.
+    assert images == {f"registry.example.com/gemini/vgpu-node:{__version__}@{digest}"}
 
 
 def test_config_volume_holds_both_settings_files(base: list[m.Obj], node_ds: m.Obj) -> None:

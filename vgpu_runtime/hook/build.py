@@ -3,8 +3,14 @@
 Pure standard library: setup.py loads this file by path during `pip install .`, and
 vgpu_runtime.hooklib imports it to build on demand from a source tree.
 
-The library is written under its versioned name (vgpu_runtime.paths.HOOK_LIBRARY_NAME): a
-running program's library is never rewritten. A file of that name with the same content
+The library's name is `libgemini-hook.so.<package version>-<sources digest>`
+(vgpu_runtime.paths.HOOK_LIBRARY_NAME): every change to a source, header, the hook table or
+this script (its flags) gives a new name, so an upgraded node installs the new file beside the
+old one and running pods keep theirs. The build is reproducible: the same sources give the same
+bytes wherever they are checked out (no build paths, no timestamps, no debug info), so a rebuild
+of unchanged sources installs over nothing.
+
+A running program's library is never rewritten. A file of that name with the same content
 is left alone; one with different content is replaced by an atomic rename (a process that
 mapped the old file keeps the old inode), never overwritten in place.
 """
@@ -21,31 +27,44 @@ from pathlib import Path
 
 HOOK_DIR = Path(__file__).resolve().parent
 FAMILIES = ("core", "launch", "memory", "nvml", "channel")
+# No -g: debug info records the build directory, and the name promises the same bytes for the
+# same sources. The symbol table stays, so backtraces still name functions.
 CFLAGS = (
-    "-std=gnu11", "-O2", "-g", "-fPIC", "-fvisibility=hidden", "-pthread",
+    "-std=gnu11", "-O2", "-fPIC", "-fvisibility=hidden", "-pthread",
     "-Wall", "-Wextra", "-Wno-unused-parameter",
     "-fno-strict-aliasing", "-D_GNU_SOURCE",
 )
 # -Bsymbolic-functions: the hook's own references (the name -> wrapper table) bind to its
 # wrappers, whatever else the process exports. -z defs: every wrapper the table names exists.
 # libdl and libpthread stay NEEDED so the old symbol versions resolve on glibc < 2.34.
+# --build-id=sha1: a content hash in the library, which gemini-install-hook shows when it refuses.
 LDFLAGS = (
-    "-shared", "-Wl,-Bsymbolic-functions", "-Wl,-z,defs", "-Wl,-z,now",
+    "-shared", "-Wl,--build-id=sha1", "-Wl,-Bsymbolic-functions", "-Wl,-z,defs", "-Wl,-z,now",
     "-Wl,--no-as-needed", "-ldl", "-lpthread",
 )
+
+
+# Every version's file starts with this (libraries installed before the digest was added are
+# named libgemini-hook.so.<version> and are retired by the same prefix).
+LIBRARY_PREFIX = "libgemini-hook.so."
 
 
 class HookBuildError(RuntimeError):
     """gcc is missing or the sources do not compile; the message holds gcc's output."""
 
 
-def library_name() -> str:
-    """vgpu_runtime.paths.HOOK_LIBRARY_NAME, read without importing the package (setup.py)."""
+def package_version() -> str:
+    """vgpu_runtime.__version__, read without importing the package (setup.py)."""
     init = (HOOK_DIR.parent / "__init__.py").read_text()
     match = re.search(r'^__version__\s*=\s*"([^"]+)"', init, re.M)
     if match is None:
         raise HookBuildError("cannot find __version__ in vgpu_runtime/__init__.py")
-    return f"libgemini-hook.so.{match.group(1)}"
+    return match.group(1)
+
+
+def library_name() -> str:
+    """vgpu_runtime.paths.HOOK_LIBRARY_NAME: the package version and the sources' digest."""
+    return f"{LIBRARY_PREFIX}{package_version()}-{sources_digest()}"
 
 
 def source_files() -> list[Path]:
@@ -67,7 +86,6 @@ def sources_digest() -> str:
     for path in input_files():
         digest.update(path.relative_to(HOOK_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
-    digest.update(library_name().encode())
     return digest.hexdigest()[:16]
 
 
@@ -75,8 +93,10 @@ def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -
     """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings)."""
     includes = [f"-I{HOOK_DIR / 'include'}",
                 f"-include{HOOK_DIR / 'include' / 'glibc_compat.h'}"]
+    # __FILE__ and any path the compiler records read relative to the hook's directory.
+    prefix_map = [f"-ffile-prefix-map={HOOK_DIR}=vgpu_runtime/hook"]
     werror = ["-Werror"] if strict else []
-    return [compiler, *CFLAGS, *werror, *includes, f"-Wl,-soname,{library_name()}",
+    return [compiler, *CFLAGS, *prefix_map, *werror, *includes, f"-Wl,-soname,{library_name()}",
             *map(str, source_files()), "-o", str(output), *LDFLAGS]
 
 
