@@ -396,3 +396,52 @@ def test_fake_driver_queues_kernel_time_per_stream(fake_dir: Path) -> None:
     assert lib.cuCtxSynchronize() == 0
     assert time.monotonic_ns() - launched >= 55 * ms
     lib.fake_cuda_set_kernel_ns(0)
+
+
+# L fills the hook's table of streams (16 per quota) with short kernels, then launches its long
+# kernel into one more stream, and launches on without a sync as NO_SYNC does.
+MANY_STREAMS = ONE_MS_KERNELS + """
+    import time
+    ready()
+    start = time.monotonic_ns()
+    lib.fake_cuda_set_kernel_ns(200000)
+    for i in range(16):
+        assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(0x1000 + i),
+                                  None, None) == 0
+    far = ctypes.c_void_p(0x2000)
+    lib.fake_cuda_set_kernel_ns(LONG_NS)
+    assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, far, None, None) == 0
+    lib.fake_cuda_set_kernel_ns(200000)
+    while time.monotonic_ns() < start + RUN_NS:
+        launch()
+        time.sleep(0.001)
+    lib.cuStreamSynchronize(far)
+    sync()
+    ready(start=start, end=time.monotonic_ns())
+""".replace("LONG_NS", str(int(KERNEL_S * 1e9))).replace("RUN_NS", str(int(2.0 * 1e9)))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("drain", ["sync", "report"])
+def test_a_long_kernel_on_a_stream_past_the_hooks_table_is_charged_whole(
+        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+    # The hook follows 16 streams per quota; a kernel on a 17th went unmeasured, so its time
+    # past the holder's release was never charged (the table failed open). Past the table the
+    # ask now waits for the whole context.
+    node, charges = hooked_node
+    other = node.allocate(0.5)
+    short = Client(hooked, node.env_of(other, GEMINI_HOOK_DRAIN=drain), 0)
+    proc = hooked.start(MANY_STREAMS, node.env(GEMINI_HOOK_DRAIN=drain))
+    try:
+        hooked.line(proc)
+        short.go()
+        ran = hooked.line(proc, go=True)
+        least, most, gpu = charges.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        short.stop()
+    stuck_id, short_id = node.record.id, other.id
+    assert least[stuck_id] >= 0.9 * KERNEL_S, (drain, least, gpu)
+    assert least[stuck_id] <= (ran["end"] - ran["start"]) / 1e9 + 0.3, (drain, most, gpu)
+    assert most[short_id] > 0.1, (drain, most, gpu)

@@ -101,6 +101,7 @@ struct gpu_token {
     _Atomic int64_t fallback_ns;           /* the self-gating clock when there is no page */
     _Atomic uintptr_t streams[MAX_STREAMS]; /* own streams launched into since the last ask */
     _Atomic int legacy_used;               /* a launch went to the legacy default stream */
+    _Atomic int streams_overflowed;        /* a launch went to a stream past the table */
     _Atomic int64_t burst_start;           /* first launch after the last sync, or -1 */
     _Atomic int64_t last_sync;             /* this process's last synchronisation's return */
     pthread_mutex_t lock;                  /* slow path: one asker, the others wait */
@@ -228,6 +229,7 @@ void gm_token_after_fork_child(void) {
         atomic_store(&g->burst_start, -1);
         atomic_store(&g->last_sync, 0);
         atomic_store(&g->legacy_used, 0);
+        atomic_store(&g->streams_overflowed, 0);
         for (int s = 0; s < MAX_STREAMS; s++) atomic_store(&g->streams[s], 0);
     }
     atomic_store(&gpu_count, -1);
@@ -272,6 +274,21 @@ static void record_pending(struct gpu_token *g, CUstream stream) {
     g->pending[g->pending_count++] = event;
 }
 
+/* Launches went to more streams than the table holds: the streams past it are unknown, so the
+ * whole context is waited for, in either drain mode (report mode's events need their stream).
+ * Its work ended now if the wait blocked, else by the ask (unknown: nothing past the release is
+ * charged, as for known streams found done), or at the last sync if quiet since. */
+#define CONTEXT_IDLE_WAIT_NS 50000LL   /* a context synchronisation with nothing to wait for */
+static int64_t settle_context(struct gpu_token *g, int64_t started, int64_t synced, int quiet) {
+    GM_REAL(cuCtxSynchronize)();
+    int64_t end = now_ns();
+    for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
+    g->pending_count = 0;   /* all done by now */
+    if (end - started < CONTEXT_IDLE_WAIT_NS) return quiet ? synced : -1;
+    GM_COUNT(drain_ns, (uint64_t)(end - started));
+    return quiet ? synced : end;
+}
+
 /* When the last grant's work ended, -1 when unknown; *running: work queued before the previous
  * ask is still running (report mode only). */
 static int64_t settle(struct gpu_token *g, int *running) {
@@ -280,10 +297,12 @@ static int64_t settle(struct gpu_token *g, int *running) {
     CUstream streams[MAX_STREAMS];
     int n = take_streams(g, streams);
     int legacy = atomic_exchange(&g->legacy_used, 0);
+    int overflowed = atomic_exchange(&g->streams_overflowed, 0);
     int64_t started = now_ns();
     /* A synchronisation returned after the last launch: the work was done by then. */
     int64_t synced = atomic_load(&g->last_sync);
     int quiet = synced > 0 && atomic_load(&g->burst_start) < 0;
+    if (overflowed) return settle_context(g, started, synced, quiet);
     if (drain_by_sync()) {
         if (n == 0 && !legacy) return -1;
         /* Work still queued is waited for, and ended now. Work already done ended before this
@@ -593,5 +612,8 @@ void gm_token_launched(int gpu, const struct gm_launch *launch, int64_t at) {
                           seen == value))
             return;
     }
-    /* more than MAX_STREAMS streams in one quota: the rest go unmeasured */
+    /* More than MAX_STREAMS streams in one quota: the next ask waits for the whole context
+     * (settle), so no stream's work goes unmeasured. */
+    if (!atomic_load_explicit(&g->streams_overflowed, memory_order_relaxed))
+        atomic_store_explicit(&g->streams_overflowed, 1, memory_order_relaxed);
 }
