@@ -26,10 +26,11 @@ from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
 from device_plugin.statedir import prepare as prepare_state_dir
-from vgpu_runtime.common import logs
+from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common.atomicfile import DirectorySyncer
 
 log = logging.getLogger("device_plugin")
+PROG = "gemini-device-plugin"
 
 
 def make_backend(config: PluginConfig) -> Backend:
@@ -99,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = plugin_config.load(argv)
     except ConfigError as err:
-        print(f"gemini-device-plugin: configuration error: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format)
     try:
@@ -107,10 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(config, backend))
     except DiscoveryError as err:
         log.error("cannot discover GPUs", extra={"error": str(err)})
-        print(f"gemini-device-plugin: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 1
     except ValueError as err:  # e.g. memory_reserve larger than a GPU, UUID too long
-        print(f"gemini-device-plugin: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 2
     return 0
 

@@ -13,10 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from vgpu_runtime import paths
+from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
 from vgpu_runtime.scheduler import client
 from vgpu_runtime.scheduler.control import control_socket
 
+PROG = "gemini-vgpu"
 COLUMNS = ("CONTAINER", "ALLOCATION", "REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT",
            "WAIT P50", "WAIT P99", "REVOKED", "HOLDER")
 
@@ -102,7 +104,8 @@ def render(status: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gemini-vgpu", description="gemini.ai/vgpu tools")
+    parser = argparse.ArgumentParser(prog=PROG, description="gemini.ai/vgpu tools")
+    cli.add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="per GPU and container: shares, memory, "
                                  "token waits and the holder now, from the node daemon")
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         answer = fetch_status(args.state_dir)
     except StatusError as err:
-        print(f"gemini-vgpu: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 1
     print(json.dumps(answer, indent=1) if args.json else render(answer))
     return 0

@@ -42,12 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vgpu_runtime import __version__, allocation, paths
+from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.common import logs
 from vgpu_runtime.common.atomicfile import fsync_dir
 from vgpu_runtime.hook import identity
 
 log = logging.getLogger("gemini-install-hook")
+PROG = "gemini-install-hook"
 
 # Every version's file starts with this; temporary files start with "." and are never versions.
 LIBRARY_PREFIX = paths.HOOK_LIBRARY_PREFIX
@@ -225,12 +226,12 @@ def run(config: InstallConfig) -> Outcome:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = cfg.load(InstallConfig, argv, prog="gemini-install-hook",
+        config = cfg.load(InstallConfig, argv, prog=PROG,
                           description="Install the gemini.ai/vgpu interposer on the host under "
                                       "its versioned name and delete old versions no allocation "
                                       "record uses")
     except cfg.ConfigError as err:
-        print(f"gemini-install-hook: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format)
     try:

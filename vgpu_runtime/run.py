@@ -50,10 +50,11 @@ from device_plugin.discovery.nvml import NvmlBackend
 from device_plugin.discovery.simulated import SimulatedBackend
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
-from vgpu_runtime.common import securedir
+from vgpu_runtime.common import cli, securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
 from vgpu_runtime.scheduler import lock as scheduler_lock
 
+PROG = "gemini-run"
 ENV_STATE_DIR = "GEMINI_STATE_DIR"
 ENV_SIMULATE = "GEMINI_SIMULATE_GPUS"
 ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
@@ -109,8 +110,9 @@ def _count(text: str) -> int:
 
 def parse_args(argv: Sequence[str] | None = None) -> Request:
     parser = argparse.ArgumentParser(
-        prog="gemini-run", description="Run COMMAND on a share of a GPU, without Kubernetes.",
+        prog=PROG, description="Run COMMAND on a share of a GPU, without Kubernetes.",
         usage="gemini-run [options] -- COMMAND...")
+    cli.add_version(parser)
     parser.add_argument("--gpu", help="GPU index or UUID (default: the first with room)")
     parser.add_argument("--share", type=_fraction, default=1.0,
                         help="guaranteed share of GPU time, in (0, 1] (default 1.0)")
@@ -372,7 +374,7 @@ def supervise(command: list[str], env: dict[str, str]) -> int:
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=_unblock_signals)
     except OSError as err:
-        print(f"gemini-run: cannot run {command[0]}: {err.strerror}", file=sys.stderr)
+        cli.error(PROG, f"cannot run {command[0]}: {err.strerror}")
         return 127 if isinstance(err, FileNotFoundError) else 126
     while child.poll() is None:
         # Timed, so that a SIGCHLD that never comes (a parent that ignored it) costs a poll
@@ -441,10 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(request)
     except (RunError, allocation.RecordError) as err:
-        print(f"gemini-run: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 125
     except OSError as err:   # e.g. a link where the lock or the log file goes (ELOOP)
-        print(f"gemini-run: {err}; check the state directory", file=sys.stderr)
+        cli.error(PROG, f"{err}; check the state directory")
         return 125
 
 

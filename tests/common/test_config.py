@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,3 +78,40 @@ def test_bad_sizes(text: str) -> None:
 def test_format_size() -> None:
     assert format_size(8 << 30) == "8.0 GiB"
     assert format_size(100) == "100 B"
+
+
+@pytest.mark.parametrize("value, parse, shown", [
+    (2 << 30, cfg.size, "2GiB"),
+    (141 * 1000**3, cfg.size, "141GB"),
+    (1536 * 1024, cfg.size, "1536KiB"),
+    (1000, cfg.size, "1KB"),
+    (0, cfg.size, "0"),
+    (1234567, cfg.size, "1234567"),
+    ((13, 31, 43), cfg.int_list, "13,31,43"),
+    (None, cfg.optional(cfg.text), None),
+    (0.002, cfg.number(), "0.002"),
+    (300.0, cfg.number(), "300"),
+    (False, cfg.boolean, "false"),
+    (65536, cfg.integer(), "65536"),     # a count, not a size: shown as typed
+    ("best-fit", cfg.text, "best-fit"),
+])
+def test_defaults_are_shown_as_a_person_types_them(value: object, parse: cfg.Parser,
+                                                   shown: str | None) -> None:
+    assert cfg.show_default(value, parse) == shown
+    if shown is not None and parse is cfg.size:
+        assert parse_size(shown) == value   # what --help shows can be typed back
+
+
+def test_help_shows_readable_defaults_and_none_as_nothing() -> None:
+    @dataclass(frozen=True)
+    class WithOptional:
+        reserve: int = cfg.setting(2 << 30, "reserve, 100% of it", cfg.size)
+        xids: tuple[int, ...] = cfg.setting((13, 31), "xids", cfg.int_list)
+        hook_dir: str | None = cfg.setting(None, "where", cfg.optional(cfg.text))
+
+    parser = argparse.ArgumentParser(prog="x")
+    cfg.add_arguments(parser, WithOptional)
+    text = " ".join(parser.format_help().split())   # argparse wraps lines
+    assert "(env GEMINI_RESERVE; default 2GiB)" in text and "100% of it" in text
+    assert "(env GEMINI_XIDS; default 13,31)" in text
+    assert "(env GEMINI_HOOK_DIR)" in text and "None" not in text

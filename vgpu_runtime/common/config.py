@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from vgpu_runtime.common.sizes import parse_size
+from vgpu_runtime.common import cli
+from vgpu_runtime.common.sizes import exact_size, parse_size
 
 ENV_PREFIX = "GEMINI_"
 CONFIG_FILE_ENV = "GEMINI_CONFIG"
@@ -143,11 +144,29 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[Any]) -> None:
     )
     for field in dataclasses.fields(cls):
         meta = field.metadata
+        shown = show_default(field.default, meta["parse"])
+        default = "" if shown is None else f"; default {shown}"
         parser.add_argument(
             flag_name(field.name), dest=field.name, default=argparse.SUPPRESS,
             metavar=meta.get("metavar") or field.name.upper(),
-            help=f"{meta['help']} (env {env_name(field.name)}; default {field.default!r})",
+            # argparse %-formats help texts: a literal % must be doubled.
+            help=f"{meta['help']} (env {env_name(field.name)}{default})".replace("%", "%%"),
         )
+
+
+def show_default(value: Any, parse: Parser) -> str | None:
+    """A default as a person would type it (2GiB, 13,31,43, 0.002, true); None for no default."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if parse is size and isinstance(value, int):
+        return exact_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(item) for item in value)
+    return str(value)
 
 
 def load_file(path: str) -> dict[str, Any]:
@@ -215,6 +234,8 @@ def load(
     """Parse argv and the environment into `cls`; raises ConfigError on a bad value."""
     environ = os.environ if environ is None else environ
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    if prog:
+        cli.add_version(parser)
     add_arguments(parser, cls)
     namespace = vars(parser.parse_args(argv))
     config_path = namespace.pop("config", None) or environ.get(CONFIG_FILE_ENV)

@@ -45,3 +45,13 @@ def format_size(n: int) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def exact_size(n: int) -> str:
+    """Render bytes exactly, in a form parse_size reads back: 2GiB, 64KiB, 141GB, 1000."""
+    for units in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10),
+                  ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000)):
+        unit, scale = units
+        if n and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)

@@ -9,14 +9,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.common import logs
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.scheduler import lock
 from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.daemon import Daemon
 
 log = logging.getLogger("gemini-scheduler")
+PROG = "gemini-scheduler"
 
 
 async def _serve(config: SchedulerConfig) -> None:
@@ -29,12 +30,12 @@ async def _serve(config: SchedulerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = cfg.load(SchedulerConfig, argv, prog="gemini-scheduler",
+        config = cfg.load(SchedulerConfig, argv, prog=PROG,
                           description="gemini.ai/vgpu node daemon: per-allocation channels"
                                       ", the memory ledger and GPU-time tokens")
         config.check()
     except cfg.ConfigError as err:
-        print(f"gemini-scheduler: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format)
     raise_open_file_limit()   # one socket per client process, past the usual 1024
@@ -42,11 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
         lock_fd = lock.acquire(config.state_dir)
     except lock.AlreadyRunning as err:
-        print(f"gemini-scheduler: {err}", file=sys.stderr)
+        cli.error(PROG, str(err))
         return 1
     except OSError as err:
-        print(f"gemini-scheduler: cannot use state directory {config.state_dir}: {err}",
-              file=sys.stderr)
+        cli.error(PROG, f"cannot use state directory {config.state_dir}: {err}")
         return 1
     try:
         asyncio.run(_serve(config))
