@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from vgpu_runtime.scheduler import client
 from vgpu_runtime.scheduler.control import control_socket
 
 PROG = "gemini-vgpu"
+FREE_COLUMNS = ("INDEX", "GPU", "MODEL", "MEMORY", "FREE SHARE", "FREE SLICES", "HEALTH")
 COLUMNS = ("CONTAINER", "ALLOCATION", "REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT",
            "WAIT P50", "WAIT P99", "REVOKED", "HOLDER")
 
@@ -72,15 +74,37 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
             for row in rows]
 
 
+def _free(gpus: list[dict[str, Any]]) -> list[str]:
+    """What is left on each GPU: time (a gemini-run --share) and slices (a pod's request)."""
+    if not gpus:
+        return ["no GPU found by the daemon (NVML found none; a daemon started with "
+                "--simulate-gpus N shows simulated ones)"]
+    rows: list[tuple[str, ...]] = [FREE_COLUMNS]
+    for gpu in gpus:
+        total = gpu.get("memory_total")
+        health = "healthy" if gpu.get("healthy", True) else f"unhealthy: {gpu.get('reason', '')}"
+        rows.append((
+            str(gpu.get("index", "?")), gpu["uuid"], gpu.get("model") or "?",
+            "?" if total is None else format_size(total),
+            f"{max(0.0, 1 - gpu.get('share_allocated', 0.0)):.2f}",
+            f"{max(0, gpu['slices'] - gpu['slices_allocated'])} of {gpu['slices']}", health))
+    return _table(rows)
+
+
 def render(status: dict[str, Any]) -> str:
     daemon = status["daemon"]
     settings = daemon.get("token_settings", {})
     lines = [f"gemini-scheduler pid {daemon['pid']} (version {daemon['version']}), state "
              f"{daemon['state_dir']}, limit policy {daemon.get('limit_policy', '?')}, "
              f"share window {settings.get('window', '?')} s"]
+    lines.append("")
+    lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, FREE SLICES for "
+                 "pods' gemini.ai/vgpu requests):")
+    lines.extend(_free(status.get("node", {}).get("gpus", [])))
     allocations = {a["id"]: a for a in status.get("allocations", [])}
     gpus = status.get("gpus", [])
     if not gpus:
+        lines.append("")
         lines.append("no allocations: no GPU is shared yet")
     for gpu in gpus:
         holder = gpu["holder"] or "nobody"
@@ -109,12 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     status = commands.add_parser("status", help="per GPU and container: shares, memory, "
                                  "token waits and the holder now, from the node daemon")
-    status.add_argument("--state-dir", default=paths.default_state_dir(),
-                        help="the daemon's state directory (default: %(default)s)")
+    status.add_argument("--state-dir", metavar="DIR",
+                        help=f"the daemon's state directory (env {paths.ENV_STATE_DIR}; default "
+                             f"{paths.default_state_dir()})")
     status.add_argument("--json", action="store_true", help="the daemon's answer as JSON")
     args = parser.parse_args(argv)
     try:
-        answer = fetch_status(args.state_dir)
+        state_dir = (args.state_dir or os.environ.get(paths.ENV_STATE_DIR)
+                     or paths.default_state_dir())
+        answer = fetch_status(state_dir)
     except StatusError as err:
         cli.error(PROG, str(err))
         return 1

@@ -45,6 +45,8 @@ CHANNEL_PRELOAD_NAME = "ld.so.preload"   # bind-mounted at CONTAINER_PRELOAD_FIL
 UNIX_PATH_MAX = 107
 
 # Environment the hook reads (set by Allocate and by gemini-run).
+# Every program's state directory when no flag names one (the daemon's own config reads it too).
+ENV_STATE_DIR = "GEMINI_STATE_DIR"
 ENV_CHANNEL_DIR = "GEMINI_CHANNEL_DIR"
 ENV_ALLOCATION_ID = "GEMINI_ALLOCATION_ID"
 ENV_SHARE = "GEMINI_VGPU_SHARE"

@@ -55,7 +55,7 @@ from vgpu_runtime.common.sizes import format_size, parse_size
 from vgpu_runtime.scheduler import lock as scheduler_lock
 
 PROG = "gemini-run"
-ENV_STATE_DIR = "GEMINI_STATE_DIR"
+ENV_STATE_DIR = paths.ENV_STATE_DIR
 ENV_SIMULATE = "GEMINI_SIMULATE_GPUS"
 ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
 RUN_LOCK_NAME = "run.lock"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from device_plugin.discovery.simulated import SimulatedBackend
+from tests.childenv import child_env
 from tests.scheduler.helpers import (
     REPO,
     UUID_A,
@@ -24,6 +26,33 @@ def run_status(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status", "--state-dir",
                            str(state_dir), *args], capture_output=True, text=True, timeout=30,
                           cwd=REPO)
+
+
+def test_status_without_allocations_lists_the_gpus_and_what_is_free(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    first, second = SimulatedBackend(2).discover()
+    daemon = DaemonProcess(state_dir, "--simulate-gpus", "2").wait_ready()
+    try:
+        # No --state-dir: GEMINI_STATE_DIR names it, as for every other program.
+        env = child_env(GEMINI_STATE_DIR=str(state_dir), COLUMNS="400")
+        status = [sys.executable, "-m", "vgpu_runtime.cli", "status"]
+        empty = subprocess.run(status, capture_output=True, text=True, timeout=30, cwd=REPO,
+                               env=env)
+        assert empty.returncode == 0, empty.stderr
+        for gpu in (first, second):
+            (row,) = [line.split() for line in empty.stdout.splitlines() if gpu.uuid in line]
+            assert row[0] == str(gpu.index) and row[-5:] == ["1.00", "10", "of", "10", "healthy"]
+        assert "no allocations" in empty.stdout
+        record = make_record(state_dir, gpus=((second.uuid, 100 * MiB, 0.3),))
+        wait_served(record)
+        used = subprocess.run(status, capture_output=True, text=True, timeout=30, cwd=REPO,
+                              env=env)
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+    assert used.returncode == 0, used.stderr
+    (row,) = [line.split() for line in used.stdout.splitlines()
+              if line.lstrip().startswith(f"{second.index} ")]
+    assert row[1] == second.uuid and row[-5:] == ["0.70", "7", "of", "10", "healthy"]
 
 
 def test_status_prints_a_table_per_gpu_and_container(state_dir: Path) -> None:

@@ -331,17 +331,25 @@ class Daemon:
         per_gpu = self.config.slices_per_gpu
         health = self.health.read()
         allocated: dict[str, int] = {}
+        shares: dict[str, float] = {}
+        indexes = {g.uuid: g.index for g in self.node_gpus}
         for channel in self.channels.values():
             for gpu in channel.record.gpus:
                 allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * per_gpu)
-        models = {g.uuid: g.model for g in self.node_gpus}
-        uuids = [g.uuid for g in self.node_gpus] + sorted(set(allocated) - set(models))
+                shares[gpu.uuid] = shares.get(gpu.uuid, 0.0) + gpu.share
+                indexes.setdefault(gpu.uuid, gpu.index)
+        found = {g.uuid: g for g in self.node_gpus}
+        uuids = [g.uuid for g in self.node_gpus] + sorted(set(allocated) - set(found))
         gpus = []
         for uuid in uuids:
             healthy, reason = health.get(uuid, (True, ""))
-            gpus.append({"uuid": uuid, "model": models.get(uuid, ""), "slices": per_gpu,
-                         "slices_allocated": allocated.get(uuid, 0), "healthy": healthy,
-                         "reason": reason})
+            node_gpu = found.get(uuid)
+            gpus.append({"uuid": uuid, "index": indexes[uuid],
+                         "model": node_gpu.model if node_gpu else "",
+                         "memory_total": node_gpu.memory_total if node_gpu else None,
+                         "slices": per_gpu, "slices_allocated": allocated.get(uuid, 0),
+                         "share_allocated": round(shares.get(uuid, 0.0), 6),
+                         "healthy": healthy, "reason": reason})
         return {"name": self.config.node_name, "slices_per_gpu": per_gpu, "gpus": gpus,
                 "kubernetes": self.kube is not None, "pod_binds": self.pods.binds,
                 "pod_resources_lists": self.pods.lister.lists,
