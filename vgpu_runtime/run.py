@@ -7,8 +7,10 @@ It writes an allocation record (origin "gemini-run") the way the device plugin's
 starts the node daemon in the background if none holds the state directory's lock, waits for the
 allocation's channel socket, and runs COMMAND with the interposer preloaded and the channel in
 its environment. When COMMAND ends (or gemini-run gets SIGTERM/SIGINT/SIGHUP) the record is
-removed, which ends the allocation. The exit status is COMMAND's (128+N if a signal N killed it);
-gemini-run's own errors (refused admission, no GPU, no daemon) exit with 125 and a message.
+removed, which ends the allocation. Exit status, as `docker run`'s: 125 for every error of
+gemini-run's own (usage included: refused admission, no GPU, no daemon, a bad flag), 126 when
+COMMAND cannot be run, 127 when it is not found, else COMMAND's own (128+N if signal N killed it).
+COMMAND is checked before anything else, so a typo costs no GPU discovery and no daemon.
 
 Admission: the shares of the live records on the chosen GPU (both origins) plus the new one must
 not pass 1.0, unless --overcommit. Admissions by concurrent gemini-run commands are serialised by
@@ -36,6 +38,7 @@ import contextlib
 import fcntl
 import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,6 +46,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import vgpu_runtime
 from device_plugin.discovery import DiscoveryError, GpuInfo
@@ -68,8 +72,25 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}
 
 
+EXIT_OWN_ERROR = 125     # docker run's codes: gemini-run's own error,
+EXIT_CANNOT_RUN = 126    # COMMAND exists but cannot be run,
+EXIT_NOT_FOUND = 127     # COMMAND is not found.
+
+
 class RunError(Exception):
     """Something stops gemini-run before COMMAND starts; the message says what to do."""
+
+    def __init__(self, message: str, status: int = EXIT_OWN_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors exit 125 like every other error of gemini-run's own (argparse says 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_OWN_ERROR, f"{self.prog}: error: {message}\n")
 
 
 @dataclass(frozen=True)
@@ -109,7 +130,7 @@ def _count(text: str) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Request:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="Run COMMAND on a share of a GPU, without Kubernetes.",
         usage="gemini-run [options] -- COMMAND...")
     cli.add_version(parser)
@@ -143,11 +164,31 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
             simulate = _count(os.environ[ENV_SIMULATE])
         except argparse.ArgumentTypeError as err:
             parser.error(f"{ENV_SIMULATE}: {err}")
+    if args.limit is not None and args.limit < args.share:
+        parser.error(f"--limit {args.limit:g} is below --share {args.share:g}: the cap on a "
+                     "share cannot be less than the share guaranteed")
     state_dir = args.state_dir or os.environ.get(ENV_STATE_DIR) or paths.default_state_dir()
     return Request(
         gpu=args.gpu, share=args.share, limit=args.limit, memory=args.memory,
         state_dir=Path(state_dir), overcommit=args.overcommit, simulate_gpus=simulate,
         hook_library=args.hook_library or os.environ.get(ENV_HOOK_LIBRARY), command=command)
+
+
+def check_command(command: list[str]) -> None:
+    """COMMAND must be found (127) and be runnable (126) before a GPU is looked for."""
+    name = command[0]
+    if "/" in name:
+        path = Path(name)
+        if not path.exists():
+            raise RunError(f"{name}: no such file", EXIT_NOT_FOUND)
+    else:
+        found = shutil.which(name)
+        if found is None:
+            raise RunError(f"{name}: command not found in PATH", EXIT_NOT_FOUND)
+        path = Path(found)
+    # Effective ids, as exec uses: access()'s real-id check ignores capabilities.
+    if path.is_dir() or not os.access(path, os.X_OK, effective_ids=True):
+        raise RunError(f"{name}: cannot be run (not an executable file)", EXIT_CANNOT_RUN)
 
 
 # ---- GPUs ----
@@ -295,7 +336,7 @@ def _unblock_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
 
 
-def ensure_daemon(state_dir: Path) -> subprocess.Popen[bytes] | None:
+def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Popen[bytes] | None:
     """Start gemini-scheduler detached (new session) unless one holds the lock already."""
     if scheduler_lock.is_held(state_dir):
         return None
@@ -304,12 +345,14 @@ def ensure_daemon(state_dir: Path) -> subprocess.Popen[bytes] | None:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     log_fd = securedir.open_nofollow(state_dir / DAEMON_LOG_NAME,
                                      os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    # The daemon sees the GPUs gemini-run sees (gemini-vgpu status lists them).
+    simulate = ["--simulate-gpus", str(simulate_gpus)] if simulate_gpus else []
     with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
             # No metrics port: a node's own daemon may hold 9401 already.
             [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir),
-             "--metrics-port", "0"],
+             "--metrics-port", "0", *simulate],
             stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
             preexec_fn=_unblock_signals)
 
@@ -375,7 +418,7 @@ def supervise(command: list[str], env: dict[str, str]) -> int:
         child = subprocess.Popen(command, env=env, preexec_fn=_unblock_signals)
     except OSError as err:
         cli.error(PROG, f"cannot run {command[0]}: {err.strerror}")
-        return 127 if isinstance(err, FileNotFoundError) else 126
+        return EXIT_NOT_FOUND if isinstance(err, FileNotFoundError) else EXIT_CANNOT_RUN
     while child.poll() is None:
         # Timed, so that a SIGCHLD that never comes (a parent that ignored it) costs a poll
         # interval, not a hang.
@@ -410,6 +453,7 @@ def build_record(request: Request, gpu: GpuInfo, library: Path) -> AllocationRec
 
 
 def run(request: Request) -> int:
+    check_command(request.command)
     library = hook_library_path(request)
     gpus = discover(request)
     prepare_state_dir(request.state_dir)
@@ -427,7 +471,7 @@ def run(request: Request) -> int:
             record = build_record(request, gpu, library)
             Path(record.channel_dir).mkdir(mode=0o700)
             allocation.write_record(request.state_dir, record)
-        daemon = ensure_daemon(request.state_dir)
+        daemon = ensure_daemon(request.state_dir, request.simulate_gpus)
         wait_for_channel(record, daemon, request.state_dir)
         return supervise(request.command, child_environment(record, library))
     except Interrupted as stop:
@@ -442,12 +486,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     request = parse_args(argv)
     try:
         return run(request)
-    except (RunError, allocation.RecordError) as err:
+    except RunError as err:
         cli.error(PROG, str(err))
-        return 125
+        return err.status
+    except allocation.RecordError as err:
+        cli.error(PROG, str(err))
+        return EXIT_OWN_ERROR
     except OSError as err:   # e.g. a link where the lock or the log file goes (ELOOP)
         cli.error(PROG, f"{err}; check the state directory")
-        return 125
+        return EXIT_OWN_ERROR
 
 
 if __name__ == "__main__":

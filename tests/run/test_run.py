@@ -288,11 +288,14 @@ def test_sigkill_of_gemini_run_leaves_a_record_the_next_run_removes(
     (["--limit", "0"], "must be in (0, 1]"),
     (["--memory", "lots"], "expected a size"),
     (["--simulate-gpus", "0"], "positive number of GPUs"),
+    (["--share", "0.5", "--limit", "0.3"], "--limit 0.3 is below --share 0.5"),
+    (["--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_arguments_are_refused_with_a_reason(state_dir: Path, hook_library: Path,
                                                  args: list[str], message: str) -> None:
     code, err = finish(gemini_run(state_dir, hook_library, *args))
-    assert code == 2 and message in err
+    # docker run's rule: 125 for gemini-run's own errors, usage errors included.
+    assert code == 125 and "gemini-run: error: " in err and message in err
     assert not state_dir.exists()  # nothing written
 
 
@@ -300,12 +303,46 @@ def test_no_command_unknown_gpu_and_too_much_memory(state_dir: Path, hook_librar
     no_command = subprocess.run(
         [sys.executable, "-m", "vgpu_runtime.run", "--simulate-gpus", "1", "--"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
-    assert no_command.returncode == 2 and "no COMMAND" in no_command.stderr
+    assert no_command.returncode == 125 and "no COMMAND" in no_command.stderr
     code, err = finish(gemini_run(state_dir, hook_library, "--gpu", "7"))
     assert code == 125 and "no GPU '7'" in err and simulated_uuid(1) in err
     code, err = finish(gemini_run(state_dir, hook_library, "--memory", "1TiB"))
     assert code == 125 and "more than GPU 0 has" in err
     assert live_records(state_dir) == []
+
+
+def test_command_is_checked_before_gpus_127_missing_126_not_runnable(
+        state_dir: Path, hook_library: Path, tmp_path: Path) -> None:
+    not_executable = tmp_path / "script.sh"
+    not_executable.write_text("#!/bin/sh\nexit 0\n")
+    cases = [(["no-such-command-gemini"], 127, "command not found"),
+             ([str(tmp_path / "missing")], 127, "no such file"),
+             ([str(not_executable)], 126, "cannot be run"),
+             ([str(tmp_path)], 126, "cannot be run")]
+    for command, status, message in cases:
+        # No --simulate-gpus and NVML absent here: a GPU lookup would fail first with 125.
+        proc = subprocess.run(
+            [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state_dir),
+             "--hook-library", str(hook_library), "--", *command],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == status, (command, proc.stderr)
+        assert proc.stderr.startswith("gemini-run: error: ") and message in proc.stderr
+        assert not state_dir.exists()   # no state directory, record or daemon
+
+
+def test_the_daemon_it_starts_sees_the_simulated_gpus(state_dir: Path,
+                                                      hook_library: Path) -> None:
+    proc = gemini_run(state_dir, hook_library, "--share", "0.25")
+    probe_started(proc)
+    status = subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status"], cwd=REPO,
+                            env={**ENV, "GEMINI_STATE_DIR": str(state_dir), "COLUMNS": "400"},
+                            capture_output=True, text=True, timeout=30)
+    assert finish(proc)[0] == 0
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[1]: line.split() for line in status.stdout.splitlines()
+            if line.lstrip().startswith(("0 ", "1 "))}
+    assert rows[simulated_uuid(0)][-5:] == ["0.75", "8", "of", "10", "healthy"]
+    assert rows[simulated_uuid(1)][-5:] == ["1.00", "10", "of", "10", "healthy"]
 
 
 def test_missing_hook_library_is_a_clear_error(state_dir: Path, tmp_path: Path) -> None:
