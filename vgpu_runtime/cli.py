@@ -1,4 +1,5 @@
-"""gemini-vgpu: the operator's view of a node. `gemini-vgpu status` asks the node daemon.
+"""gemini-vgpu: the operator's view of a node. `gemini-vgpu status` asks the node daemon;
+`gemini-vgpu stop` stops it (the one gemini-run started in the background, typically).
 
 The daemon's control socket (<state-dir>/scheduler.sock) is private to the daemon's user: on a
 node that is root, with gemini-run it is the user who ran it (a per-user state directory).
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,9 +19,11 @@ from vgpu_runtime import paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
 from vgpu_runtime.scheduler import client
+from vgpu_runtime.scheduler import lock as scheduler_lock
 from vgpu_runtime.scheduler.control import control_socket
 
 PROG = "gemini-vgpu"
+STOP_TIMEOUT = 15.0   # the daemon closes every channel first; 15 s is what gemini-run allows
 FREE_COLUMNS = ("INDEX", "GPU", "MODEL", "MEMORY", "FREE SHARE", "FREE SLICES", "HEALTH")
 COLUMNS = ("CONTAINER", "ALLOCATION", "REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT",
            "WAIT P50", "WAIT P99", "REVOKED", "HOLDER")
@@ -30,10 +34,17 @@ class StatusError(RuntimeError):
 
 
 def fetch_status(state_dir: str) -> dict[str, Any]:
+    return ask(state_dir, "status")
+
+
+def ask(state_dir: str, op: str, **fields: Any) -> dict[str, Any]:
     socket_path = control_socket(state_dir)
     try:
-        answer = client.request(state_dir, "status")
+        answer = client.request(state_dir, op, **fields)
     except FileNotFoundError:
+        if op == "stop":
+            raise StatusError(f"no gemini-scheduler runs for {state_dir}: nothing to stop") \
+                from None
         raise StatusError(f"no gemini-scheduler serves {state_dir}: {socket_path} does not "
                           "exist. Start the daemon (gemini-scheduler --state-dir "
                           f"{state_dir}), or pass the --state-dir it uses.") from None
@@ -41,6 +52,9 @@ def fetch_status(state_dir: str) -> dict[str, Any]:
         raise StatusError(f"permission denied on {socket_path}: the control socket is private "
                           "to the daemon's user (root on a node); run as that user.") from None
     except ConnectionRefusedError:
+        if op == "stop":
+            raise StatusError(f"no gemini-scheduler runs for {state_dir} (a stale socket): "
+                              "nothing to stop") from None
         raise StatusError(f"no gemini-scheduler answers on {socket_path} (a stale socket: the "
                           "daemon is not running). Start it again.") from None
     except OSError as err:
@@ -48,9 +62,23 @@ def fetch_status(state_dir: str) -> dict[str, Any]:
     except ValueError as err:
         raise StatusError(f"gemini-scheduler on {socket_path} gave no valid answer: {err}") \
             from None
-    if not isinstance(answer, dict) or "error" in answer:
-        raise StatusError(f"gemini-scheduler refused the status request: {answer}")
+    if not isinstance(answer, dict):
+        raise StatusError(f"gemini-scheduler gave no valid answer to {op}: {answer!r}")
+    if "error" in answer:
+        raise StatusError(f"gemini-scheduler refused {op}: {answer['error']}")
     return answer
+
+
+def stop_daemon(state_dir: str, force: bool, timeout: float) -> int:
+    """Ask the daemon to stop, then wait until its lock is free; returns its pid."""
+    answer = ask(state_dir, "stop", force=force)
+    deadline = time.monotonic() + timeout
+    while scheduler_lock.is_held(state_dir):
+        if time.monotonic() > deadline:
+            raise StatusError(f"gemini-scheduler pid {answer.get('pid')} was asked to stop but "
+                              f"still holds {state_dir} after {timeout:g} s")
+        time.sleep(0.05)
+    return int(answer.get("pid", 0))
 
 
 def _container(entry: dict[str, Any] | None) -> str:
@@ -97,6 +125,9 @@ def render(status: dict[str, Any]) -> str:
     lines = [f"gemini-scheduler pid {daemon['pid']} (version {daemon['version']}), state "
              f"{daemon['state_dir']}, limit policy {daemon.get('limit_policy', '?')}, "
              f"share window {settings.get('window', '?')} s"]
+    if daemon.get("idle_exit"):   # started on demand (gemini-run)
+        lines.append(f"exits after {daemon['idle_exit']:g} s without allocations; stop it now "
+                     f"with: gemini-vgpu stop --state-dir {daemon['state_dir']}")
     lines.append("")
     lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, FREE SLICES for "
                  "pods' gemini.ai/vgpu requests):")
@@ -137,10 +168,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"the daemon's state directory (env {paths.ENV_STATE_DIR}; default "
                              f"{paths.default_state_dir()})")
     status.add_argument("--json", action="store_true", help="the daemon's answer as JSON")
+    stop = commands.add_parser("stop", help="stop the node daemon of the state directory (the "
+                               "one gemini-run started); refused while an allocation is live")
+    stop.add_argument("--state-dir", metavar="DIR",
+                      help=f"the daemon's state directory (env {paths.ENV_STATE_DIR}; default "
+                           f"{paths.default_state_dir()})")
+    stop.add_argument("--force", action="store_true",
+                      help="stop it even with live allocations (their processes then gate "
+                           "themselves at their shares)")
+    stop.add_argument("--timeout", type=float, default=STOP_TIMEOUT, metavar="SECONDS",
+                      help=f"how long to wait for it to exit (default {STOP_TIMEOUT:g})")
     args = parser.parse_args(argv)
+    state_dir = args.state_dir or os.environ.get(paths.ENV_STATE_DIR) or paths.default_state_dir()
     try:
-        state_dir = (args.state_dir or os.environ.get(paths.ENV_STATE_DIR)
-                     or paths.default_state_dir())
+        if args.command == "stop":
+            pid = stop_daemon(state_dir, args.force, args.timeout)
+            print(f"gemini-scheduler pid {pid} of {state_dir} stopped")
+            return 0
         answer = fetch_status(state_dir)
     except StatusError as err:
         cli.error(PROG, str(err))

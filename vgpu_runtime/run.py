@@ -65,6 +65,7 @@ ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
 RUN_LOCK_NAME = "run.lock"
 DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
+DAEMON_IDLE_EXIT = 600.0   # seconds the daemon started here outlives the last allocation
 SHARE_EPSILON = 1e-9
 CHILD_POLL_INTERVAL = 1.0
 SI_KERNEL = 0x80  # si_code of a signal the kernel raised itself (e.g. Ctrl-C at a terminal)
@@ -352,19 +353,23 @@ def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Pope
         return subprocess.Popen(
             # No metrics port: a node's own daemon may hold 9401 already.
             [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir),
-             "--metrics-port", "0", *simulate],
+             "--metrics-port", "0", "--idle-exit", f"{DAEMON_IDLE_EXIT:g}", *simulate],
             stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
             preexec_fn=_unblock_signals)
 
 
 def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] | None,
-                     state_dir: Path) -> None:
+                     request: Request) -> None:
+    state_dir = request.state_dir
     socket_path = paths.channel_socket(record.channel_dir)
     deadline = time.monotonic() + DAEMON_START_TIMEOUT
     while not socket_path.exists():
         pending = signal.sigtimedwait(FORWARDED, 0)
         if pending is not None:
             raise Interrupted(pending.si_signo)
+        if daemon is None and not scheduler_lock.is_held(state_dir):
+            # The running daemon exited (idle_exit) before it saw the record: start one.
+            daemon = ensure_daemon(state_dir, request.simulate_gpus)
         if daemon is not None and daemon.poll() is not None and not scheduler_lock.is_held(
                 state_dir):
             raise RunError(f"gemini-scheduler exited with status {daemon.returncode}; see "
@@ -472,7 +477,7 @@ def run(request: Request) -> int:
             Path(record.channel_dir).mkdir(mode=0o700)
             allocation.write_record(request.state_dir, record)
         daemon = ensure_daemon(request.state_dir, request.simulate_gpus)
-        wait_for_channel(record, daemon, request.state_dir)
+        wait_for_channel(record, daemon, request)
         return supervise(request.command, child_environment(record, library))
     except Interrupted as stop:
         return 128 + stop.signo

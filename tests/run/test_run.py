@@ -343,6 +343,32 @@ def test_the_daemon_it_starts_sees_the_simulated_gpus(state_dir: Path,
             if line.lstrip().startswith(("0 ", "1 "))}
     assert rows[simulated_uuid(0)][-5:] == ["0.75", "8", "of", "10", "healthy"]
     assert rows[simulated_uuid(1)][-5:] == ["1.00", "10", "of", "10", "healthy"]
+    # It is seen, goes by itself after 600 s without allocations, and the hint stops it now.
+    assert ("exits after 600 s without allocations; stop it now with: gemini-vgpu stop "
+            f"--state-dir {state_dir}") in status.stdout
+    stop = subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "stop", "--state-dir",
+                           str(state_dir)], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=30)
+    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stderr
+    assert not lock.is_held(state_dir)
+
+
+def test_a_daemon_that_exits_while_it_waits_is_replaced(state_dir: Path,
+                                                       hook_library: Path) -> None:
+    # Stands in for a daemon exiting on idle_exit just before it saw the new record: it holds
+    # the daemon's lock, so gemini-run starts none, and lets go a second later, serving nothing.
+    state_dir.mkdir(parents=True, mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         f"fd = os.open({str(lock.lock_path(state_dir))!r}, os.O_RDWR | os.O_CREAT, 0o644); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1)"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    proc = gemini_run(state_dir, hook_library)
+    seen = probe_started(proc)   # without a new daemon: no channel, 125 after 15 s
+    assert seen["allocation_id"].startswith("r-")
+    assert finish(proc)[0] == 0
+    assert holder.wait(10) == 0
 
 
 def test_missing_hook_library_is_a_clear_error(state_dir: Path, tmp_path: Path) -> None:

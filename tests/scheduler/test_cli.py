@@ -6,6 +6,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from device_plugin.discovery.simulated import SimulatedBackend
@@ -19,6 +20,8 @@ from tests.scheduler.helpers import (
     make_record,
     wait_served,
 )
+from vgpu_runtime import allocation
+from vgpu_runtime.scheduler import lock
 from vgpu_runtime.scheduler.client import ChannelClient
 
 
@@ -26,6 +29,11 @@ def run_status(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status", "--state-dir",
                            str(state_dir), *args], capture_output=True, text=True, timeout=30,
                           cwd=REPO)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", *args], capture_output=True,
+                          text=True, timeout=30, cwd=REPO, env=child_env(**(env or {})))
 
 
 def test_status_without_allocations_lists_the_gpus_and_what_is_free(state_dir: Path) -> None:
@@ -130,3 +138,54 @@ def test_status_after_the_daemon_was_killed_says_so(state_dir: Path) -> None:
     result = run_status(state_dir)
     assert result.returncode == 1
     assert "not running" in result.stderr
+
+
+def test_stop_is_refused_while_an_allocation_is_live_unless_forced(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    try:
+        record = make_record(state_dir)
+        wait_served(record)
+        refused = run_cli("stop", "--state-dir", str(state_dir))
+        assert refused.returncode == 1
+        assert refused.stderr.startswith("gemini-vgpu: error: gemini-scheduler refused stop: "
+                                         f"1 allocation(s) live ({record.id})"), refused.stderr
+        assert daemon.proc.poll() is None and run_status(state_dir).returncode == 0
+        forced = run_cli("stop", "--state-dir", str(state_dir), "--force")
+        assert forced.returncode == 0, forced.stderr
+        assert forced.stdout == f"gemini-scheduler pid {daemon.proc.pid} of {state_dir} stopped\n"
+        assert not lock.is_held(state_dir)   # it waited for the daemon to let go
+        assert daemon.proc.wait(15) == 0, daemon.logs()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
+def test_stop_without_allocations_and_without_a_daemon(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    try:
+        stopped = run_cli("stop", env={"GEMINI_STATE_DIR": str(state_dir)})
+        assert stopped.returncode == 0, stopped.stderr
+        assert daemon.proc.wait(15) == 0, daemon.logs()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+    again = run_cli("stop", "--state-dir", str(state_dir))
+    assert again.returncode == 1, again.stderr
+    assert again.stderr.startswith(f"gemini-vgpu: error: no gemini-scheduler runs for {state_dir}"
+                                   ": nothing to stop"), again.stderr
+
+
+def test_idle_exit_waits_for_the_last_allocation(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    record = make_record(state_dir)   # before the daemon: it must never be idle until removed
+    daemon = DaemonProcess(state_dir, "--idle-exit", "0.5").wait_ready()
+    try:
+        wait_served(record)
+        time.sleep(1.5)   # three idle_exit periods with an allocation: it stays
+        assert daemon.proc.poll() is None, daemon.logs()
+        allocation.remove_record(state_dir, record.id)
+        assert daemon.proc.wait(15) == 0, daemon.logs()
+        assert "no allocation for idle_exit seconds: exiting" in daemon.logs()
+        assert not lock.is_held(state_dir)
+    finally:
+        daemon.stop()

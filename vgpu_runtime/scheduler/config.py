@@ -49,6 +49,10 @@ Pod awareness and telemetry (issue 5):
   the socket's send and receive timeout; `interposer_context_bytes` (0) and
   `interposer_context_max_bytes` (1 GiB): what a context is charged when unmeasured, and at most
   (a context costs about 0.5 GiB on an H200).
+* `idle_exit` (0 = never): a daemon with no allocation (and no unreadable record) this long exits.
+  A node's daemon never does; the one `gemini-run` starts on demand is given 600 s, so it does
+  not outlive its last command by more than ten minutes. A `gemini-run` that finds the daemon
+  gone while it waits starts another.
 * `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
   second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
 """
@@ -85,6 +89,9 @@ class SchedulerConfig:
     default_limit: float = cfg.setting(
         1.0, "cap on an allocation's GPU-time share when its record sets none "
         "(work-conserving policy)", cfg.number(0.000001, 1.0), "FRACTION")
+    idle_exit: float = cfg.setting(
+        0.0, "exit after this long without any allocation (0 = never; the daemon gemini-run "
+        "starts gets 600)", cfg.number(0.0, 86400 * 366), "SECONDS")
     limit_policy: str = cfg.setting(
         "work-conserving", "limit of an allocation whose record sets none: work-conserving "
         "(default_limit) or strict (its request)", cfg.choice(*LIMIT_POLICIES), "POLICY")

@@ -4,7 +4,8 @@ Request: one line of JSON, {"op": "status"}. Answer: one line of JSON, then the 
 `status` returns the daemon, every allocation with its GPUs (share, limits, memory used), its
 connections (peer credentials, what each holds), every GPU's token (holder, and per tenant:
 request, limit, achieved share over the window, token waits p50/p99, revocations, memory) and
-the corrupt records. A bad request gets {"error": "..."}.
+the corrupt records. `stop` ({"op": "stop", "force": false}) stops the daemon, refused while an
+allocation is live unless forced (`gemini-vgpu stop`). A bad request gets {"error": "..."}.
 
 Who may ask: the socket is 0600, owned by the daemon's user. On a node the daemon runs as root
 in /var/lib/gemini, so only root reaches it (it shows every tenant's usage). A non-root user of

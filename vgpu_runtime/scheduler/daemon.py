@@ -56,7 +56,8 @@ class Daemon:
         self.watcher = RecordWatcher(self.state_dir)
         self.corrupt: dict[str, str] = {}
         self.started_at = time.time()
-        self.control = ControlServer(control_socket(self.state_dir), {"status": self.status})
+        self.control = ControlServer(control_socket(self.state_dir),
+                                     {"status": self.status, "stop": self.stop_request})
         self.ready = False
         self.node_gpus: list[NodeGpu] = []
         self.health = HealthFile(self.state_dir)
@@ -77,6 +78,18 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def stop_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`gemini-vgpu stop`: refused while an allocation is live, unless forced (its hooks
+        then gate themselves at their shares until a daemon is back)."""
+        live = sorted(self.channels)
+        if live and request.get("force") is not True:
+            return {"error": f"{len(live)} allocation(s) live ({', '.join(live[:5])}); their "
+                             "processes would gate themselves without the daemon. Stop them "
+                             "first, or force it"}
+        log.info("stopping on request", extra={"live_allocations": live})
+        self.stop()
+        return {"stopping": True, "pid": os.getpid()}
 
     def wake(self) -> None:
         """Scan the records now (a record was rewritten by this daemon)."""
@@ -99,6 +112,7 @@ class Daemon:
         log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name})
+        idle_since = time.monotonic()
         try:
             while not self._stop.is_set():
                 try:
@@ -110,6 +124,13 @@ class Daemon:
                     self._trouble("cannot bring the allocations in line with the records",
                                   "sync", err)
                 self.ready = True
+                now = time.monotonic()
+                if self.channels or self.corrupt or self._troubles:
+                    idle_since = now
+                elif self.config.idle_exit and now - idle_since >= self.config.idle_exit:
+                    log.info("no allocation for idle_exit seconds: exiting",
+                             extra={"idle_exit": self.config.idle_exit})
+                    break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wait_stop_or_wake(), self.config.poll_interval)
                 self._wake.clear()
@@ -366,6 +387,7 @@ class Daemon:
                        "state_dir": str(self.state_dir), "started_at": self.started_at,
                        "default_limit": self.config.default_limit,
                        "limit_policy": self.config.limit_policy,
+                       "idle_exit": self.config.idle_exit,
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
                        "ready": self.ready},
