@@ -135,14 +135,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
         prog=PROG, description="Run COMMAND on a share of a GPU, without Kubernetes.",
         usage="gemini-run [options] -- COMMAND...")
     cli.add_version(parser)
-    parser.add_argument("--gpu", help="GPU index or UUID (default: the first with room)")
-    parser.add_argument("--share", type=_fraction, default=1.0,
-                        help="guaranteed share of GPU time, in (0, 1] (default 1.0)")
-    parser.add_argument("--limit", type=_fraction, default=None,
+    parser.add_argument("--gpu", metavar="INDEX|UUID",
+                        help="GPU index or UUID (default: the first with room)")
+    parser.add_argument("--share", type=_fraction, default=1.0, metavar="F",
+                        help="guaranteed share of GPU time, in (0, 1] (default 1)")
+    parser.add_argument("--limit", type=_fraction, default=None, metavar="F",
                         help="cap on the GPU-time share (default: the node default)")
-    parser.add_argument("--memory", type=_size, default=None,
+    parser.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                         help="memory limit such as 8GiB (default: share x GPU memory)")
-    parser.add_argument("--state-dir", default=None,
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
                         help=f"state directory (env {ENV_STATE_DIR}; default "
                              f"{paths.default_state_dir()})")
     parser.add_argument("--overcommit", action="store_true",
