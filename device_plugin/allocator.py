@@ -205,10 +205,11 @@ class Allocator:
         if k <= per_gpu:
             gpu = next(iter(gpus.values()))
             memory = k * self.per_slice_memory(gpu)
-            shares: tuple[GpuShare, ...] = (GpuShare(gpu.uuid, gpu.index, k / per_gpu, memory),)
+            shares: tuple[GpuShare, ...] = (GpuShare(gpu.uuid, gpu.index, k / per_gpu, memory,
+                                                     memory),)
         else:
-            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.usable_memory(g))
-                           for g in gpus.values())
+            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.usable_memory(g),
+                                    self.usable_memory(g)) for g in gpus.values())
         return AllocationRecord(
             id=allocation_id, origin="kubelet", device_ids=device_ids, gpus=shares,
             channel_dir=self._layout().channel(allocation_id),
@@ -291,7 +292,8 @@ class Allocator:
             record = self.build_record(slices, self.clock(), allocation_id)
         else:
             # Keep what a replay must not change: creation time, the pod binding, and limits
-            # the daemon applied from the pod's annotations.
+            # the daemon applied from the pod's annotations. The same slices given to another
+            # pod are re-bound by the daemon, which follows PodResources (scheduler/pods.py).
             fresh = self.build_record(slices, existing.created_at, allocation_id)
             kept_limits = {g.uuid: g.memory_limit for g in existing.gpus}
             gpus = tuple(dataclasses.replace(g, memory_limit=kept_limits.get(g.uuid,

@@ -14,7 +14,9 @@ Format (JSON, `version` 1):
     id            "k-<16 hex>" from kubelet slice IDs, "r-<16 hex>" for gemini-run
     origin        "kubelet" | "gemini-run"
     device_ids    the slice IDs kubelet gave (empty for gemini-run)
-    gpus          [{uuid, index, share, memory_limit}], share in (0, 1], memory_limit in bytes
+    gpus          [{uuid, index, share, memory_limit, default_memory}], share in (0, 1],
+                  memory_limit in bytes; default_memory (bytes, or null/absent) is what the
+                  slices give before any pod annotation, restored when another pod takes them
     limit         cap on the GPU-time share, or null for the node default
     channel_dir   host path of the channel directory mounted into the container
     hook_library  file name of the interposer version the container was given
@@ -62,6 +64,7 @@ class GpuShare:
     index: int
     share: float
     memory_limit: int
+    default_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,13 @@ def _parse(data: Any) -> AllocationRecord:
         memory_limit = _need(item, "memory_limit", int)
         if not (0 < share <= 1) or not 0 <= memory_limit <= MAX_MEMORY_LIMIT:
             raise RecordError(f"GPU entry out of range: share {share}, memory {memory_limit}")
+        default_memory = item.get("default_memory")
+        if default_memory is not None:
+            default_memory = _need(item, "default_memory", int)
+            if not 0 <= default_memory <= MAX_MEMORY_LIMIT:
+                raise RecordError(f"GPU entry out of range: default memory {default_memory}")
         gpus.append(GpuShare(_need(item, "uuid", str), _need(item, "index", int), share,
-                             memory_limit))
+                             memory_limit, default_memory))
     if not gpus:
         raise RecordError("an allocation record names no GPU")
     limit = data.get("limit")

@@ -36,6 +36,14 @@ def test_round_trip(tmp_path: Path) -> None:
     assert alloc.load_record(tmp_path, record.id) == record
 
 
+def test_default_memory_round_trips_and_may_be_absent(tmp_path: Path) -> None:
+    record = sample(gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 1 << 30, 2 << 30),))
+    assert alloc.AllocationRecord.from_json(record.to_json()) == record
+    older = sample().to_json()     # written before default_memory was kept
+    del older["gpus"][0]["default_memory"]
+    assert alloc.AllocationRecord.from_json(older).gpus[0].default_memory is None
+
+
 def test_id_depends_only_on_the_set_of_slices() -> None:
     assert alloc.id_for_devices(["b", "a"]) == alloc.id_for_devices(["a", "b", "a"])
     assert alloc.id_for_devices(["a"]) != alloc.id_for_devices(["a", "b"])
@@ -92,6 +100,8 @@ def test_failed_rename_keeps_the_old_record(
     (lambda d: d["gpus"][0].update(memory_limit=1 << 64), "out of range"),
     (lambda d: d["gpus"][0].update(memory_limit=-1), "out of range"),
     (lambda d: d.update(limit=0), "limit"),
+    (lambda d: d["gpus"][0].update(default_memory="2GiB"), "wrong type"),
+    (lambda d: d["gpus"][0].update(default_memory=-1), "out of range"),
     (lambda d: d.update(id="../../etc/passwd"), "malformed allocation id"),
     (lambda d: d.pop("channel_dir"), "channel_dir"),
 ])

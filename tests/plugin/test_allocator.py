@@ -220,6 +220,10 @@ def test_replay_keeps_what_the_daemon_applied_from_annotations(make: Make) -> No
     allocation.write_record(state, bound)
     allocator.allocate(ids)
     assert allocation.load_record(state, record.id) == bound
+    # What the slices give before annotations is kept too: the daemon restores it when
+    # another pod takes the slices.
+    assert [g.default_memory for g in bound.gpus] == [allocator.per_slice_memory(
+        table.gpus[0]) * 3]
 
 
 def test_replay_is_allowed_on_an_unhealthy_gpu(make: Make) -> None:

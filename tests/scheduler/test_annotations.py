@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.scheduler.helpers import UUID_A
@@ -67,3 +69,10 @@ def test_labels_are_valid_label_values() -> None:
     assert labels["gemini.ai/gpu.model"] == "NVIDIA-H200"
     assert labels["gemini.ai/gpu.count"] == "2"
     assert labels["gemini.ai/vgpu.slices-per-gpu"] == "10"
+
+
+def test_memory_annotation_is_checked_against_the_slices_default() -> None:
+    # A record an earlier pod's annotation lowered: the slices' default still bounds the next.
+    lowered = dataclasses.replace(_record(), gpus=(GpuShare(UUID_A, 0, 0.3, GiB, 12 * GiB),))
+    applied = apply_annotations(lowered, {"gemini.ai/vgpu-memory": "4GiB"})
+    assert applied.problems == () and applied.record.gpus[0].memory_limit == 4 * GiB

@@ -169,3 +169,55 @@ async def test_not_collected_while_list_fails_or_is_empty(pods: PodNode) -> None
     # The same daemon does collect once the pod is really gone.
     await kubelet.delete_pod("kept")
     await until(lambda: record.id not in pods.records(), 10, "collection")
+
+
+async def test_slices_reused_by_a_new_pod_are_bound_to_it(
+        pods: PodNode, api: FakeApiServer) -> None:
+    # A pod deleted and a new one given the same slices within the collect grace: the same
+    # allocation id, but the binding and the limits are the new pod's.
+    kubelet = pods.node.kubelet
+    first = await kubelet.admit_pod("first", containers=[("app", 3)])
+    api.add_pod("default", "first", "uid-first", {"gemini.ai/vgpu-memory": "1GiB"})
+    api.add_pod("default", "second", "uid-second", {"gemini.ai/vgpu-memory": "2GiB"})
+    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
+    old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
+    assert old.pod == PodRef("default", "first", "app", "uid-first")
+    assert old.gpus[0].memory_limit == GiB
+    await kubelet.delete_pod("first")
+    second = await kubelet.admit_pod("second", containers=[("app", 3)])
+    assert second.admitted
+    assert second.containers["app"].device_ids == first.containers["app"].device_ids
+    def rebound() -> AllocationRecord | None:
+        record = pods.record_of(second, "app")
+        return record if record is not None and record.pod is not None and \
+            record.pod.name == "second" else None
+    record = await until(rebound, 10, "second bound")
+    assert record.id == old.id
+    assert record.pod == PodRef("default", "second", "app", "uid-second")
+    assert record.gpus[0].memory_limit == 2 * GiB
+    _, reply = await asyncio.to_thread(_hello, record)
+    assert reply.gpus[0].memory_limit == 2 * GiB
+    assert api.events == []
+
+
+async def test_a_rebound_pod_without_annotations_gets_the_defaults(pods: PodNode,
+                                                                   api: FakeApiServer) -> None:
+    kubelet = pods.node.kubelet
+    first = await kubelet.admit_pod("first", containers=[("app", 3)])
+    default = pods.record_of(first, "app").gpus[0].memory_limit  # type: ignore[union-attr]
+    api.add_pod("default", "first", "uid-first", {"gemini.ai/vgpu-memory": "1GiB",
+                                                  "gemini.ai/vgpu-limit": "0.5"})
+    api.add_pod("default", "second", "uid-second", {})
+    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
+    old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
+    assert old.gpus[0].memory_limit == GiB and old.limit == 0.5
+    await kubelet.delete_pod("first")
+    second = await kubelet.admit_pod("second", containers=[("app", 3)])
+    def rebound() -> AllocationRecord | None:
+        record = pods.record_of(second, "app")
+        return record if record is not None and record.pod is not None and \
+            record.pod.name == "second" else None
+    record = await until(rebound, 10, "second bound")
+    assert record.gpus[0].memory_limit == default and record.limit is None
+    _, reply = await asyncio.to_thread(_hello, record)
+    assert reply.gpus[0].memory_limit == default and reply.gpus[0].limit_ppm == 1_000_000

@@ -68,7 +68,8 @@ def apply_annotations(record: AllocationRecord, annotations: Mapping[str, str]) 
                 memory = parse_size(raw_memory)
             except ValueError as err:
                 raise ValueError(f"{MEMORY_ANNOTATION}: {err}") from None
-            default = min(g.memory_limit for g in record.gpus)
+            default = min(g.memory_limit if g.default_memory is None else g.default_memory
+                          for g in record.gpus)
             if memory <= 0 or memory > default:
                 raise ValueError(f"{MEMORY_ANNOTATION}={raw_memory!r} must be more than 0 and "
                                  f"at most the slices' default of {format_size(default)} "

@@ -7,6 +7,12 @@ pod and the valid annotations applied (`allocation.write_record`: atomic; every 
 kept as the plugin wrote it). The record watcher then applies the new limits, and the channel's
 hellos, which wait for the pod (`AllocationChannel.wait_bound`), are answered with them.
 
+Re-binding. The binding follows what PodResources says holds the slices now. Slices freed by a
+deleted pod and given to a new one within the collect grace keep their allocation id (it is the
+slice set's), so a bound record whose slices another pod holds is bound again: to the new pod,
+with the slices' default limits and the new pod's annotations. The same pod holding them (an
+init container's slices replayed to an app container, restarts) keeps everything.
+
 An invalid annotation is ignored with a Warning Event on the pod (reason InvalidVgpuAnnotation).
 When the API cannot be reached the pod is bound with the defaults, and the annotations are
 tried again on later passes.
@@ -95,7 +101,8 @@ class PodWatch:
         listing = await self.lister.listing()
         self._log_listing(listing)
         for record in records:
-            if record.pod is None or record.id in self.annotations_pending:
+            if (record.pod is None or record.id in self.annotations_pending
+                    or _taken_over(record, listing)):
                 await self._bind(record, listing)
         await self._collect_ended(records, listing)
 
@@ -113,7 +120,7 @@ class PodWatch:
     async def _bind(self, record: AllocationRecord, listing: PodListing) -> None:
         if not listing.ok:
             return
-        owner = record.pod or listing.owner_of(record.device_ids)
+        owner = listing.owner_of(record.device_ids) or record.pod
         if owner is None:
             return
         annotations: dict[str, str] | None = None
@@ -134,8 +141,15 @@ class PodWatch:
             return
         if latest is None:
             return   # removed meanwhile
-        pod = PodRef(owner.namespace, owner.name, owner.container, uid)
-        updated = dataclasses.replace(latest, pod=pod)
+        previous = latest.pod
+        rebound = previous is not None and not _same_pod(previous, owner)
+        if previous is not None and not rebound:
+            # The pod it is bound to: the container it was bound with, the uid once known.
+            pod = dataclasses.replace(previous, uid=uid or previous.uid)
+            updated = dataclasses.replace(latest, pod=pod)
+        else:
+            pod = PodRef(owner.namespace, owner.name, owner.container, uid)
+            updated = dataclasses.replace(_defaults(latest) if rebound else latest, pod=pod)
         problems: tuple[str, ...] = ()
         if annotations is not None:
             applied = apply_annotations(updated, annotations)
@@ -150,13 +164,16 @@ class PodWatch:
                 log.error("cannot bind: record not written", extra={"allocation": record.id,
                                                                     "error": str(err)})
                 return
-        if latest.pod is None:
+        if previous is None or rebound:
             self.binds += 1
-            log.info("allocation bound to its pod", extra={
-                "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
-                "container": pod.container, "limit": updated.limit,
-                "memory_limits": [g.memory_limit for g in updated.gpus]})
-            self.notify("bound", updated, {})
+            more = {} if previous is None else {"previous_namespace": previous.namespace,
+                                                "previous_pod": previous.name}
+            log.info("allocation re-bound to the pod now holding its slices" if rebound else
+                     "allocation bound to its pod", extra={
+                         "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
+                         "container": pod.container, "limit": updated.limit,
+                         "memory_limits": [g.memory_limit for g in updated.gpus], **more})
+            self.notify("bound", updated, dict(more))
         self.wake_daemon()
         for problem in problems:
             log.warning("ignoring pod annotation", extra={
@@ -203,3 +220,25 @@ class PodWatch:
         for task in list(self._tasks):
             task.cancel()
         await self.lister.close()
+
+
+def _same_pod(bound: PodRef, holder: PodRef) -> bool:
+    """PodResources names pods, not uids: a uid is compared only where both are known."""
+    return ((bound.namespace, bound.name) == (holder.namespace, holder.name)
+            and (not bound.uid or not holder.uid or bound.uid == holder.uid))
+
+
+def _taken_over(record: AllocationRecord, listing: PodListing) -> bool:
+    """A bound record whose slices another pod now holds (a successful List says so)."""
+    if record.pod is None or not listing.ok:
+        return False
+    holder = listing.owner_of(record.device_ids)
+    return holder is not None and not _same_pod(record.pod, holder)
+
+
+def _defaults(record: AllocationRecord) -> AllocationRecord:
+    """The record as the plugin gave it, before any pod's annotations (a record written before
+    default_memory was kept has only its current memory limit)."""
+    gpus = tuple(g if g.default_memory is None else
+                 dataclasses.replace(g, memory_limit=g.default_memory) for g in record.gpus)
+    return dataclasses.replace(record, limit=None, gpus=gpus)
