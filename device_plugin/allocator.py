@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -267,6 +268,7 @@ class Allocator:
     def _allocate(self, slices: list[Slice]) -> tuple[api_pb2.ContainerAllocateResponse, bool]:
         """For validated slices: the response, and whether this call created the record.
         The response may be one kept from an earlier call: callers must not change it."""
+        self._check_interposer()
         allocation_id = allocation.id_for_devices(s.id for s in slices)
         layout = self._layout()
         if not layout.socket_fits:
@@ -310,6 +312,26 @@ class Allocator:
         self._keep(allocation_id, _Kept(payload, answer))
         self._log_allocated(allocation_id, slices, replay=existing is not None)
         return answer, existing is None
+
+    def _check_interposer(self) -> None:
+        """The library the answer names in LD_PRELOAD or the preload file must be in the hook
+        directory: without it the loader skips it and the pod runs ungated."""
+        library = os.path.join(self.config.host_hook_dir, paths.HOOK_LIBRARY_NAME)
+        try:
+            mode = os.lstat(library).st_mode
+        except FileNotFoundError:
+            problem = "does not exist"
+        except OSError as err:
+            problem = f"cannot be read ({err.strerror})"
+        else:
+            if stat.S_ISREG(mode):
+                return
+            problem = "is not a regular file"
+        raise _precondition(
+            f"the interposer library {library} {problem}, so the pod would run without GPU "
+            "sharing enforcement; run gemini-install-hook (the node DaemonSet's install-hook "
+            "step) with this plugin's state dir, or point --hook-dir at where it installed "
+            f"{paths.HOOK_LIBRARY_NAME}, then delete the pod to retry")
 
     def _layout(self) -> _Layout:
         if self._layout_cache.state_dir != self.config.state_dir:    # config replaced

@@ -32,6 +32,7 @@ from device_plugin.health import HealthTracker
 from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
+from tests.hookdir import install_hook
 from vgpu_runtime import allocation, paths
 
 GIB = 1 << 30
@@ -55,6 +56,7 @@ def plugin() -> Iterator[Plugin]:
     config = plugin_config.check(PluginConfig(
         kubelet_dir=str(root / "k"), state_dir=str(root / "s"), simulate_gpus=3,
         simulate_memory=16 * GIB, memory_reserve=GIB, slices_per_gpu=PER_GPU))
+    install_hook(config.host_hook_dir)
     table = SliceTable(SimulatedBackend(3, memory=config.simulate_memory).discover(), PER_GPU)
     tracker = HealthTracker([g.uuid for g in table.gpus], config.ignored_xids, 300)
     loop = asyncio.new_event_loop()

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from tests.childenv import child_env
+from tests.hookdir import install_hook
+from vgpu_runtime import paths
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _event_numbers = itertools.count()
@@ -47,8 +49,19 @@ class PluginProcess:
     def socket_path(self) -> Path:
         return self.kubelet_dir / "gemini-vgpu.sock"
 
+    @property
+    def hook_dir(self) -> Path:
+        """Where this plugin's Allocate looks for the interposer (--hook-dir, or its default)."""
+        for i, arg in enumerate(self.argv):
+            if arg.startswith("--hook-dir="):
+                return Path(arg.split("=", 1)[1])
+            if arg == "--hook-dir":
+                return Path(self.argv[i + 1])
+        return paths.default_hook_dir(self.state_dir)
+
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        install_hook(self.hook_dir)   # as the node's install-hook step does before the plugin
         self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop())
         env = child_env()
         self.process = await asyncio.create_subprocess_exec(

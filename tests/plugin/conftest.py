@@ -14,6 +14,7 @@ from device_plugin import config as plugin_config
 from device_plugin.config import PluginConfig
 from device_plugin.discovery import GpuInfo
 from device_plugin.discovery.simulated import SimulatedBackend
+from tests.hookdir import install_hook
 
 GIB = 1 << 30
 
@@ -39,7 +40,9 @@ def make_config(short_dir: Path) -> Callable[..., PluginConfig]:
             "slices_per_gpu": 10,
         }
         values.update(overrides)
-        return plugin_config.check(PluginConfig(**values))
+        config = plugin_config.check(PluginConfig(**values))
+        install_hook(config.host_hook_dir)   # as the node's install-hook step does
+        return config
     return make
 
 

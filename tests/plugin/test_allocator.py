@@ -15,6 +15,7 @@ from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
+from tests.hookdir import install_hook
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 
@@ -238,7 +239,8 @@ def test_state_dir_too_long_for_channel_socket(make: Make, short_dir: Path) -> N
     allocator, table, _ = make()
     long_state = short_dir / ("s" * 80)
     allocator.config = type(allocator.config)(**{**allocator.config.__dict__,
-                                                 "state_dir": str(long_state)})
+                                                 "state_dir": str(long_state),
+                                                 "hook_dir": str(allocator.config.host_hook_dir)})
     err = rejected(allocator, slice_ids(table, 0, 1))
     assert "longer than 107 bytes" in err.message and "--state-dir" in err.message
     assert not long_state.exists()
@@ -272,9 +274,11 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
+from tests.hookdir import install_hook
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)
+install_hook(config.host_hook_dir)
 table = SliceTable(SimulatedBackend(2).discover(), 10)
 allocator = Allocator(config, table)
 kept_ids = [s.id for s in table.all()[:2]]
@@ -392,3 +396,48 @@ def test_log_line_waits_for_the_answer_and_names_no_slice(
     lines = [r for r in caplog.records if r.msg == "allocated"]
     assert [(r.slices, r.gpus, r.replay) for r in lines] == [  # type: ignore[attr-defined]
         (200, [g.uuid for g in gpus], False), (200, [g.uuid for g in gpus], True)]
+
+
+# ---- the interposer ----
+
+@pytest.mark.parametrize("injection", ["ld-preload", "preload-file", "both"])
+def test_refused_without_the_interposer_and_nothing_is_written(make: Make,
+                                                               injection: str) -> None:
+    """Without the library the answer names, the loader skips it and the pod runs ungated."""
+    allocator, table, _ = make(injection=injection)
+    library = allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME
+    library.unlink()
+    ids = slice_ids(table, 0, 2)
+    err = rejected(allocator, ids)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(library) in err.message and "does not exist" in err.message
+    assert "gemini-install-hook" in err.message
+    state = allocator.config.state_dir
+    assert not paths.allocations_dir(state).exists() or not any(
+        paths.allocations_dir(state).iterdir()), "a refused Allocate writes no record"
+    assert not paths.channel_dir(state, allocation.id_for_devices(ids)).exists()
+    install_hook(allocator.config.host_hook_dir)
+    assert allocator.allocate(ids).envs[paths.ENV_ALLOCATION_ID] == \
+        allocation.id_for_devices(ids)
+
+
+def test_replay_is_refused_once_the_interposer_is_gone(make: Make) -> None:
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 2)
+    allocator.allocate(ids)
+    record_id = allocation.id_for_devices(ids)
+    before = allocation.record_path(allocator.config.state_dir, record_id).read_bytes()
+    (allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME).unlink()
+    err = rejected(allocator, ids)
+    assert "does not exist" in err.message
+    assert allocation.record_path(allocator.config.state_dir, record_id).read_bytes() == before
+
+
+def test_interposer_that_is_a_link_is_refused(make: Make, short_dir: Path) -> None:
+    allocator, table, _ = make(hook_dir=str(short_dir / "hooks"))
+    library = allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME
+    real = short_dir / "elsewhere.so"
+    library.rename(real)
+    library.symlink_to(real)
+    err = rejected(allocator, slice_ids(table, 0, 1))
+    assert "is not a regular file" in err.message and str(library) in err.message

@@ -22,6 +22,7 @@ from device_plugin.discovery.simulated import SimulatedBackend, simulated_uuid
 from device_plugin.health import HealthTracker
 from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.slices import SliceTable
+from tests.hookdir import install_hook
 from tests.plugin.fake_kubelet import FakeKubelet
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.common import atomicfile
@@ -138,6 +139,7 @@ async def test_record_answered_for_survives_sigkill_right_after_the_answer(
     kubelet_dir = short_dir / "kubelet"
     kubelet_dir.mkdir()
     state = short_dir / "state"
+    install_hook(paths.default_hook_dir(state))
     kubelet = FakeKubelet(kubelet_dir)
     await kubelet.start()
     args = [sys.executable, "-m", "device_plugin.main", "--simulate-gpus", "2",
