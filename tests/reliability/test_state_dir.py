@@ -21,8 +21,9 @@ from tests.scheduler.helpers import DaemonProcess
 from vgpu_runtime import allocation
 
 READ_ONLY = 'mount --bind "$S" "$S" && mount -o remount,bind,ro "$S"'
-# A 64 KiB tmpfs holding a copy of the state directory, then filled to the last block.
-FULL = ('cp -a "$S" "$T/copy" && mount -t tmpfs -o size=64k,mode=755 tmpfs "$S" && '
+# A 512 KiB tmpfs holding a copy of the state directory (with the interposer in lib/), then
+# filled to the last block.
+FULL = ('cp -a "$S" "$T/copy" && mount -t tmpfs -o size=512k,mode=755 tmpfs "$S" && '
         'cp -a "$T/copy/." "$S/" && { dd if=/dev/zero of="$S/filler" bs=4k 2>/dev/null; true; }')
 
 

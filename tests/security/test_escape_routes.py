@@ -30,6 +30,7 @@ from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from device_plugin.slices import SliceTable
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
+from tests.hookdir import install_hook
 from tests.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime import paths
 from vgpu_runtime.hook import build
@@ -57,6 +58,7 @@ def _allocate(root: Path, strategy: str, **settings: str) -> tuple[PluginConfig,
         kubelet_dir=str(root / "k"), state_dir=str(root / f"s-{strategy}"), simulate_gpus=2,
         simulate_memory=11 * GIB, memory_reserve=GIB, slices_per_gpu=10,
         device_list_strategy=strategy, **settings))  # type: ignore[arg-type]
+    install_hook(config.host_hook_dir)
     table = SliceTable(SimulatedBackend(2, memory=config.simulate_memory).discover(), 10)
     return config, Allocator(config, table).allocate([f"{table.gpus[0].uuid}::0"])
 

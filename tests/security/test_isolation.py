@@ -29,6 +29,7 @@ from device_plugin.config import PluginConfig
 from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from tests.gpu.replay import need_runtime, replayed
+from tests.hookdir import install_hook
 from tests.kubelet_emulator.runtime import ContainerConfig
 from tests.scheduler.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
@@ -90,6 +91,7 @@ def node() -> Iterator[Node]:
     root = Path(tempfile.mkdtemp(prefix="gs-"))
     root.chmod(0o755)   # as /var/lib/gemini: other users may traverse to what they can reach
     config = _config(root)
+    install_hook(config.host_hook_dir)
     state_dir = Path(config.state_dir)
     allocator = _allocator(config)
     gpu0 = allocator.table.gpus[0].uuid
@@ -268,6 +270,7 @@ def test_a_container_sees_only_its_own_channel(node: Node, tmp_path: Path) -> No
     assert stat.S_IMODE(paths.channels_dir(node.state_dir).stat().st_mode) == 0o700
     lib = node.config.host_hook_dir
     lib.mkdir(parents=True, exist_ok=True)
+    (lib / paths.HOOK_LIBRARY_NAME).unlink()
     (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
     hello = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)
     hello.h.seq = 1
