@@ -18,6 +18,7 @@ from tests.containers.node import SHARE_WINDOW_S, ContainerNode, Tenant
 from tests.kubelet_emulator import Pod
 from tests.scheduler.helpers import wait_for
 from vgpu_runtime import paths
+from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.scheduler.control import control_socket
 
 GiB = 1 << 30
@@ -178,7 +179,13 @@ def test_a_container_restart_keeps_its_allocation_and_library(
         container_node: ContainerNode, pods: list[Pod]) -> None:
     node = container_node
     pod = admit(node, pods, "restarted", 2)
-    record = node.record_of(pod)
+    # Its slices may be an ended pod's (the same allocation id): the record is bound to this
+    # pod, with the slices' defaults, before the container starts.
+    def bound_here() -> AllocationRecord | None:
+        record = node.record_of(pod)
+        return record if record.pod is not None and record.pod.name == "restarted" else None
+    record = wait_for(bound_here, 15, "the allocation bound to this pod")
+    assert record is not None and record.gpus[0].memory_limit == record.gpus[0].default_memory
     first = node.start(pod)
     facts = first.step("facts")
     assert first.step("init")["rc"] == 0 and first.step(f"alloc {256 * MiB}")["rc"] == 0
