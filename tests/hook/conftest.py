@@ -164,3 +164,12 @@ def node() -> Iterator[Node]:
     started = start_node()
     yield started
     stop_node(started)
+
+
+@pytest.fixture
+def pair_node() -> Iterator[Node]:
+    """Two allocations of 0.5 on one GPU: the token passes between them."""
+    started = start_node(0.5)
+    started.allocate(0.5)
+    yield started
+    stop_node(started)

@@ -17,10 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from tests.hook.conftest import PRELUDE, Hooked, MiB, Node, start_node, stop_node
 from tests.hook.tokenkit import Loop
@@ -77,14 +74,6 @@ class TimedLoop:
 def gpu_share(launched: list[int], start: int, end: int) -> float:
     """The GPU time of the launches made in [start, end), as a part of that window."""
     return sum(1 for t in launched if start <= t < end) * KERNEL_NS / (end - start)
-
-
-@pytest.fixture
-def pair_node() -> Iterator[Node]:
-    started = start_node(0.5)
-    started.allocate(0.5)
-    yield started
-    stop_node(started)
 
 
 def test_a_zero_token_timeout_in_the_environment_does_not_ungate_launches(

@@ -15,12 +15,11 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.hook.conftest import PRELUDE, Hooked, Node, start_node, stop_node
+from tests.hook.conftest import PRELUDE, Hooked, Node
 from tests.hook.tokenkit import Loop, in_pod
 from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime.allocation import AllocationRecord
@@ -53,15 +52,6 @@ def run_in_pod(hooked: Hooked, node: Node, code: str, env: dict[str, str],
     result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
     result["stderr"] = proc.stderr
     return result
-
-
-@pytest.fixture
-def pair_node() -> Iterator[Node]:
-    """Two allocations of 0.5 on one GPU: the token passes between them."""
-    started = start_node(0.5)
-    started.allocate(0.5)
-    yield started
-    stop_node(started)
 
 
 def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: Node) -> None:

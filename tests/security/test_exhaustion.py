@@ -243,6 +243,13 @@ def _mount_namespaces_usable() -> bool:
     return probe.returncode == 0
 
 
+def in_mount_namespace_of(daemon: DaemonProcess, script: str, path: str) -> None:
+    """Runs a shell `script` ($1 = `path`) in the daemon's own mount namespace."""
+    done = subprocess.run(["nsenter", "-t", str(daemon.proc.pid), "-m", "sh", "-c", script,
+                           "sh", path], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.skipif(not _mount_namespaces_usable(),
                     reason="needs root, unshare -m and nsenter to make the state dir read-only")
 def test_a_read_only_state_dir_keeps_what_is_served_and_serves_the_rest_once_writable(
@@ -259,9 +266,7 @@ def test_a_read_only_state_dir_keeps_what_is_served_and_serves_the_rest_once_wri
     def in_daemons_namespace(script: str) -> None:
         # A read-only mount on top of channels/ (a remount of one holding files open for
         # writing, as the daemon's pages are, is refused); lazily unmounted to end it.
-        done = subprocess.run(["nsenter", "-t", str(daemon.proc.pid), "-m", "sh", "-c", script,
-                               "sh", channels], capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
+        in_mount_namespace_of(daemon, script, channels)
 
     try:
         kept = connected(wait_served(make_record(state_dir)))
@@ -294,9 +299,7 @@ def test_a_full_pages_directory_keeps_what_is_served_and_serves_the_rest_once_fr
     channels = str(pages_dir(state_dir))
 
     def in_daemons_namespace(script: str) -> None:
-        done = subprocess.run(["nsenter", "-t", str(daemon.proc.pid), "-m", "sh", "-c", script,
-                               "sh", channels], capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
+        in_mount_namespace_of(daemon, script, channels)
 
     try:
         kept = connected(wait_served(make_record(state_dir)))

@@ -17,7 +17,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vgpu_runtime import wire
 from vgpu_runtime.scheduler.control import control_socket
@@ -245,6 +245,9 @@ class ChannelClient:
                                            burst_end_ns=burst_end_ns)))
 
 
+_Page = TypeVar("_Page", bound="_PageMap")
+
+
 class _PageMap:
     """A page mapped from a descriptor (which stays the caller's)."""
 
@@ -256,6 +259,16 @@ class _PageMap:
         self._map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, prot)
         self._buffer = wire.ffi.from_buffer(self._map)   # read-only maps are fine to read
         self.page: Any = wire.ffi.cast(self.STRUCT + " *", self._buffer)
+
+    @classmethod
+    def _opened(cls: type[_Page], path: Path) -> _Page:
+        """Opened by path: for an observer that may enter the state directory."""
+        flags = os.O_RDWR if cls.WRITABLE else os.O_RDONLY
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            return cls(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         del self.page
@@ -271,13 +284,7 @@ class TokenPageReader(_PageMap):
     @classmethod
     def of_allocation(cls, state_dir: str | Path, allocation_id: str,
                       gpu: int) -> TokenPageReader:
-        """Opened by path: for an observer that may enter the state directory."""
-        fd = os.open(token_page_path(pages_dir(state_dir), allocation_id, gpu),
-                     os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return cls(fd)
-        finally:
-            os.close(fd)
+        return cls._opened(token_page_path(pages_dir(state_dir), allocation_id, gpu))
 
     @property
     def gate(self) -> int:
@@ -305,13 +312,7 @@ class ActivityPageWriter(_PageMap):
     @classmethod
     def of_allocation(cls, state_dir: str | Path, allocation_id: str,
                       gpu: int) -> ActivityPageWriter:
-        """Opened by path: for an observer that may enter the state directory."""
-        fd = os.open(activity_page_path(pages_dir(state_dir), allocation_id, gpu),
-                     os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            return cls(fd)
-        finally:
-            os.close(fd)
+        return cls._opened(activity_page_path(pages_dir(state_dir), allocation_id, gpu))
 
     def launched(self, now_ns: int | None = None) -> None:
         self.page.last_launch_ns = time.monotonic_ns() if now_ns is None else now_ns
