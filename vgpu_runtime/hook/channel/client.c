@@ -6,9 +6,9 @@
  * device check), with SOCK_CLOEXEC so an exec'd program does not inherit it. Requests from
  * all threads are serialised on one mutex: one request, one reply.
  *
- * Fork: a child never talks over its parent's connection. pthread_atfork resets the child's
- * state (and a pid check catches forks that skip atfork handlers); the child holds no
- * memory (its parent's context is not usable there) and connects on its first need.
+ * Fork: a child never talks over its parent's connection. The lifecycle's after-fork resets
+ * the child's state (and a pid check catches forks that skip atfork handlers); the child holds
+ * no memory (its parent's context is not usable there) and connects on its first need.
  *
  * Daemon away (policy). The first need waits for the daemon with backoff (10 ms doubling to
  * 500 ms) for GEMINI_HOOK_DAEMON_WAIT seconds (default 30; the daemon may create the socket
@@ -29,7 +29,10 @@
  * page only where the channel is writable), and the hook's own default settings, which the
  * environment may still only make safer.
  *
- * Tokens (launch/token.c). Every hello hands the allocation's pages to token.c. TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
+ * Every answered hello goes to the lifecycle (core/lifecycle.c) with the allocation's shares
+ * and pages, for the families that registered for it; the channel closes the descriptors after.
+ *
+ * Tokens. TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
  * connection, one request at a time, so a memory call made by another thread while this
  * process waits for the token waits too (a known cost of one connection per process). A grant
  * that arrives after its waiter gave up is skipped wherever it is read. USAGE_REPORT has no
@@ -302,6 +305,21 @@ static int hello_exchange(int sock, uint16_t version, struct gm_hello_reply *rep
     return 0;
 }
 
+/* A version-1 daemon's pages, opened from the channel in the order a hello passes them: per
+ * GPU the token page, then the activity page (writable, so only where the channel is; -1 in a
+ * pod's read-only channel). Their count. */
+static int open_legacy_pages(const char *dir, int count, int *fds) {
+    int n = 0;
+    for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/token.%d", dir, i);
+        fds[n++] = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+        snprintf(path, sizeof path, "%s/activity.%d", dir, i);
+        fds[n++] = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    }
+    return n;
+}
+
 static int connect_and_hello(void) {
     const char *dir = gm_channel_dir();
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
@@ -340,8 +358,11 @@ static int connect_and_hello(void) {
     }
     grant_count = (int)reply.gpu_count;
     GM_COUNT(daemon_connects, 1);
-    if (spoken == 1) nfds = gm_token_open_legacy_pages(dir, grant_count, fds);
-    gm_token_map_pages(fds, nfds, grant_count, shares);
+    if (spoken == 1) nfds = open_legacy_pages(dir, grant_count, fds);
+    struct gm_hello_view hello = {grant_count, shares, fds, nfds};
+    gm_lifecycle_hello(&hello);
+    for (int i = 0; i < nfds; i++)
+        if (fds[i] >= 0) close(fds[i]);
     return sock;
 }
 
@@ -371,7 +392,7 @@ static void drop_connection(void) {
 static int ensure_connected(int may_wait, int *fresh) {
     if (fd >= 0 && owner != getpid()) {   /* a fork that skipped the atfork handler */
         drop_connection();
-        gm_ledger_reset();
+        gm_held_reset();
     }
     if (fd >= 0) return 0;
     double wait = (may_wait && !gave_up) ? env_seconds("GEMINI_HOOK_DAEMON_WAIT", 30.0) : 0;
@@ -520,18 +541,12 @@ int gm_channel_notify(void *frame) {
     return rc;
 }
 
-void gm_channel_after_fork_child(void) {
+/* A forked child never talks over its parent's connection, and holds nothing yet. */
+static void channel_after_fork(void) {
     pthread_mutex_init(&lock, NULL);   /* another parent thread may have held it at fork */
     if (fd >= 0) close(fd);            /* our copy only: the parent's stays open */
     fd = -1;
     gave_up = 0;
-    gm_ledger_reset();
-    gm_contexts_after_fork_child();
-    gm_token_after_fork_child();
+    gm_held_reset();
 }
-
-static void atfork_child(void) { gm_channel_after_fork_child(); }
-
-__attribute__((constructor)) static void register_fork_handler(void) {
-    pthread_atfork(NULL, NULL, atfork_child);
-}
+GM_AFTER_FORK(channel_after_fork);

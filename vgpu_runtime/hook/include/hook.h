@@ -13,6 +13,7 @@
 #include "cuda_types.h"
 #include "gemini_hook.h"
 #include "gemini_wire.h"
+#include "lifecycle.h"
 
 #define GM_EXPORT __attribute__((visibility("default")))
 #define GM_HIDDEN __attribute__((visibility("hidden")))
@@ -83,7 +84,6 @@ GM_HIDDEN int gm_channel_grants(struct gm_grant_view *out, int max, int may_wait
 /* A memory request; returns 0 with *reply filled, or -1 when the daemon cannot be reached. */
 GM_HIDDEN int gm_channel_mem(uint16_t type, uint32_t gpu, uint32_t kind, uint64_t bytes,
                              struct gm_mem_reply *reply, int may_wait);
-GM_HIDDEN void gm_channel_after_fork_child(void);
 /* Connected (hello answered, pages mapped)? The allocation's GPU count, or -1. */
 GM_HIDDEN int gm_channel_ensure(int may_wait);
 /* TOKEN_REQUEST (flags: enum gm_token_flags), then block (no busy wait) for its grant:
@@ -99,27 +99,20 @@ GM_HIDDEN uint64_t gm_setting_context_max_bytes(void);
 /* A frame without reply (header type and length set), sent only if that costs no wait. */
 GM_HIDDEN int gm_channel_notify(void *frame);
 
-/* launch/token.c */
-/* A hello's pages (fds: per GPU token then activity page, -1 for an activity page that could
- * not be opened; all closed here) and shares. */
-GM_HIDDEN void gm_token_map_pages(const int *fds, int nfds, int gpu_count,
-                                  const uint32_t *share_ppm);
-/* A version-1 daemon's pages, opened from the channel into fds as gm_token_map_pages takes them
- * (the activity page only where the channel is writable); their count. */
-GM_HIDDEN int gm_token_open_legacy_pages(const char *channel_dir, int gpu_count, int *fds);
-GM_HIDDEN void gm_token_after_fork_child(void);
-GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
-GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */
-
-/* memory/ledger.c: what this process holds (the daemon's view is rebuilt from it) */
+/* channel/held.c: what this process holds, re-declared on every (re)connection */
 GM_HIDDEN void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta);
 GM_HIDDEN void gm_held_set(uint32_t gpu, uint32_t kind, uint64_t bytes);
 GM_HIDDEN uint64_t gm_held_get(uint32_t gpu, uint32_t kind);
 GM_HIDDEN uint64_t gm_held_total(void);
+GM_HIDDEN void gm_held_reset(void);
+
+/* launch/token.c */
+GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
+GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */
+
+/* memory/ledger.c: what each allocation booked, so its free releases exactly that */
 GM_HIDDEN void gm_ledger_put(uint64_t key, uint64_t bytes, uint32_t kind, uint32_t gpu);
 GM_HIDDEN int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu);
-GM_HIDDEN void gm_ledger_reset(void);
-GM_HIDDEN void gm_contexts_after_fork_child(void);   /* memory/context.c */
 
 /* memory/devices.c: CUdevice <-> index into the hello reply's GPUs */
 #define GM_NO_GPU (-1)

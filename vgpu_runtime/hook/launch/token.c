@@ -160,19 +160,11 @@ static void *map_fd(int fd, int writable) {
     return page == MAP_FAILED ? NULL : page;
 }
 
-int gm_token_open_legacy_pages(const char *dir, int count, int *fds) {
-    int n = 0;
-    for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
-        char path[4096];
-        snprintf(path, sizeof path, "%s/token.%d", dir, i);
-        fds[n++] = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
-        snprintf(path, sizeof path, "%s/activity.%d", dir, i);
-        fds[n++] = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);   /* EROFS in a pod */
-    }
-    return n;
-}
-
-void gm_token_map_pages(const int *fds, int nfds, int count, const uint32_t *share_ppm) {
+/* Every hello: its shares, and its pages mapped (the channel closes the descriptors). */
+static void token_hello(const struct gm_hello_view *hello) {
+    const int *fds = hello->page_fds;
+    const uint32_t *share_ppm = hello->share_ppm;
+    int nfds = hello->page_fd_count, count = hello->gpu_count;
     for (int i = 0; i < count && i < GM_MAX_GPUS; i++) {
         struct gpu_token *g = &gpus[i];
         atomic_store(&g->share_ppm, share_ppm[i] > UNKNOWN_SHARE_PPM ? share_ppm[i]
@@ -202,12 +194,12 @@ void gm_token_map_pages(const int *fds, int nfds, int count, const uint32_t *sha
         __atomic_store_n(&g->activity, activity, __ATOMIC_RELEASE);
         __atomic_store_n(&g->page, page, __ATOMIC_RELEASE);
     }
-    for (int i = 0; i < nfds; i++)
-        if (fds[i] >= 0) close(fds[i]);
     atomic_store(&gpu_count, count);
 }
+GM_ON_HELLO(token_hello);
 
-void gm_token_after_fork_child(void) {
+/* A forked child drops its parent's mappings and maps its own after its own hello. */
+static void token_after_fork(void) {
     for (int i = 0; i < GM_MAX_GPUS; i++) {
         struct gpu_token *g = &gpus[i];
         if (g->page != NULL) munmap((void *)g->page, GM_PAGE_BYTES);
@@ -235,6 +227,7 @@ void gm_token_after_fork_child(void) {
     atomic_store(&gpu_count, -1);
     atomic_store(&no_daemon_until, 0);
 }
+GM_AFTER_FORK(token_after_fork);
 
 /* ---- settling the last grant's work ---- */
 

@@ -226,7 +226,8 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 }
 
 /* In a forked child: the parent's contexts are not the child's. */
-GM_HIDDEN void gm_contexts_after_fork_child(void) {
+static void contexts_after_fork(void) {
     pthread_mutex_init(&primary_lock, NULL);
     for (int i = 0; i < MAX_DEVICES; i++) primary_refs[i] = 0;
 }
+GM_AFTER_FORK(contexts_after_fork);

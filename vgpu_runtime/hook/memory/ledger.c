@@ -1,10 +1,9 @@
 /*
- * ledger.c: what this process holds, which is what it re-declares to a restarted daemon.
- *
- * - held[gpu][kind]: bytes per GPU (index into the hello reply) per gm_mem_kind;
- * - a small open-addressing table: allocation key -> (bytes, kind, gpu), so a free knows
- *   what to release. Keys are device pointers, VMM handles or array handles; the kind is
- *   part of the key, so a pointer and a handle with the same value never collide.
+ * ledger.c: what each allocation booked, so its free releases exactly that: a small
+ * open-addressing table, allocation key -> (bytes, kind, gpu). Keys are device pointers, VMM
+ * handles or array handles; the kind is part of the key, so a pointer and a handle with the
+ * same value never collide. (The bytes held per GPU, which the channel re-declares, are in
+ * channel/held.c.)
  */
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +18,6 @@ struct slot {
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t held[GM_MAX_GPUS][GM_MEM_KIND_COUNT];
 static struct slot *table;
 static size_t capacity, used;   /* capacity: a power of two, or 0 */
 
@@ -93,42 +91,10 @@ int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu)
     return found;
 }
 
-void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta) {
-    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return;
-    pthread_mutex_lock(&lock);
-    if (delta < 0 && (uint64_t)(-delta) > held[gpu][kind]) held[gpu][kind] = 0;
-    else held[gpu][kind] += (uint64_t)delta;
-    pthread_mutex_unlock(&lock);
-}
-
-void gm_held_set(uint32_t gpu, uint32_t kind, uint64_t bytes) {
-    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return;
-    pthread_mutex_lock(&lock);
-    held[gpu][kind] = bytes;
-    pthread_mutex_unlock(&lock);
-}
-
-uint64_t gm_held_get(uint32_t gpu, uint32_t kind) {
-    if (gpu >= GM_MAX_GPUS || kind >= GM_MEM_KIND_COUNT) return 0;
-    pthread_mutex_lock(&lock);
-    uint64_t bytes = held[gpu][kind];
-    pthread_mutex_unlock(&lock);
-    return bytes;
-}
-
-uint64_t gm_held_total(void) {
-    uint64_t total = 0;
-    pthread_mutex_lock(&lock);
-    for (int g = 0; g < GM_MAX_GPUS; g++)
-        for (int k = 0; k < GM_MEM_KIND_COUNT; k++) total += held[g][k];
-    pthread_mutex_unlock(&lock);
-    return total;
-}
-
-/* In a forked child: nothing is held (the parent's context is not usable there). */
-void gm_ledger_reset(void) {
+/* In a forked child: the parent's allocations are not the child's. */
+static void ledger_after_fork(void) {
     pthread_mutex_init(&lock, NULL);
-    memset(held, 0, sizeof held);
     if (table != NULL) memset(table, 0, capacity * sizeof *table);
     used = 0;
 }
+GM_AFTER_FORK(ledger_after_fork);
