@@ -10,6 +10,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.hook.conftest import LIMIT, OTHER_UUID, PRELUDE, UUID, GiB, Hooked, MiB, Node
 from tests.scheduler.helpers import DaemonProcess, wait_for
 
@@ -315,6 +317,29 @@ def test_daemon_away_fails_allocations_closed_without_crashing(
     assert result["rcs"] == [2, 2]
     assert result["info"] == [4 * GiB, 4 * GiB]                # no limit known: real figures
     assert time.monotonic() - started < 10                     # waited once, not per call
+
+
+@pytest.mark.slow
+def test_a_daemon_wait_that_is_not_a_number_waits_the_default_then_fails_closed(
+        hooked: Hooked, tmp_path: Path) -> None:
+    """GEMINI_HOOK_DAEMON_WAIT=inf once waited forever for an absent daemon (nan too). A value
+    that is not a number in range is ignored with a warning, as for every setting the hook reads:
+    the default wait (30 s), then allocations fail closed."""
+    code = PRELUDE + textwrap.dedent("""
+        lib = cuda()
+        context(lib)
+        print(json.dumps({"rc": alloc(lib, 2**20)[0]}))
+    """)
+    started = time.monotonic()
+    proc = hooked.run([sys.executable, "-c", code],
+                      {"GEMINI_CHANNEL_DIR": str(tmp_path), "GEMINI_HOOK_DAEMON_WAIT": "inf"},
+                      timeout=60)
+    waited = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"rc": 2}
+    assert "GEMINI_HOOK_DAEMON_WAIT=inf is not a number" in proc.stderr, proc.stderr
+    assert "after 30.0 s" in proc.stderr, proc.stderr
+    assert waited > 29                                          # the default, not 0
 
 
 def test_stopped_daemon_does_not_crash_the_holder(hooked: Hooked, node: Node) -> None:

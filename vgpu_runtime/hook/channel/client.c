@@ -39,6 +39,7 @@
  * reply and is sent only when the lock is free and the connection open: never a wait for it.
  */
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -73,21 +74,8 @@ static int64_t setting(int which) {
     return value > 0 ? value : default_setting[which];
 }
 
-/* An environment number (seconds scaled to ns, or bytes); -1 when unset or not a number. */
-static int64_t env_number(const char *name, double scale) {
-    const char *text = getenv(name);
-    if (text == NULL || text[0] == '\0') return -1;
-    char *end;
-    double value = strtod(text, &end);
-    if (*end != '\0' || !(value >= 0) || value * scale > 9e18) {
-        gm_warn("%s=%s is not a number; ignored", name, text);
-        return -1;
-    }
-    return (int64_t)(value * scale);
-}
-
 static int64_t at_least(int which, const char *name, double scale) {
-    int64_t base = setting(which), asked = env_number(name, scale);
+    int64_t base = setting(which), asked = gm_env_number(name, scale);
     return asked > base ? asked : base;
 }
 
@@ -96,7 +84,8 @@ int64_t gm_setting_token_timeout_ns(void) {
 }
 
 int64_t gm_setting_fallback_retry_ns(void) {
-    int64_t base = setting(FALLBACK_RETRY), asked = env_number("GEMINI_HOOK_FALLBACK_RETRY", 1e9);
+    int64_t base = setting(FALLBACK_RETRY);
+    int64_t asked = gm_env_number("GEMINI_HOOK_FALLBACK_RETRY", 1e9);
     return asked > 0 && asked < base ? asked : base;
 }
 
@@ -115,22 +104,22 @@ static void set_io_timeout(int sock) {
     setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
-static double env_seconds(const char *name, double fallback) {
-    const char *text = getenv(name);
-    if (text == NULL || text[0] == '\0') return fallback;
-    char *end;
-    double value = strtod(text, &end);
-    if (*end != '\0' || value < 0) {
-        gm_warn("%s=%s is not a number of seconds; using %.1f", name, text, fallback);
-        return fallback;
-    }
-    return value;
+/* How long a first need waits for an absent daemon (GEMINI_HOOK_DAEMON_WAIT seconds). */
+static int64_t daemon_wait_ns(void) {
+    int64_t asked = gm_env_number("GEMINI_HOOK_DAEMON_WAIT", 1e9);
+    return asked >= 0 ? asked : 30000000000LL;
 }
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+/* A poll timeout covering ns (rounded up a millisecond, as poll's unit is). */
+static int poll_ms(int64_t ns) {
+    int64_t ms = ns / 1000000 + 1;
+    return ms < INT_MAX ? (int)ms : INT_MAX;
+}
+
+/* now + ns, saturated (an env setting may be up to 9e18 ns). */
+static int64_t deadline_after(int64_t ns) {
+    int64_t now = gm_now_ns();
+    return ns > INT64_MAX - now ? INT64_MAX : now + ns;
 }
 
 static int send_all(int sock, const void *data, size_t len) {
@@ -395,8 +384,8 @@ static int ensure_connected(int may_wait, int *fresh) {
         gm_held_reset();
     }
     if (fd >= 0) return 0;
-    double wait = (may_wait && !gave_up) ? env_seconds("GEMINI_HOOK_DAEMON_WAIT", 30.0) : 0;
-    double deadline = now_s() + wait;
+    int64_t wait = (may_wait && !gave_up) ? daemon_wait_ns() : 0;
+    int64_t deadline = deadline_after(wait);
     long backoff_ms = 10;
     for (;;) {
         int sock = connect_and_hello();
@@ -411,14 +400,14 @@ static int ensure_connected(int may_wait, int *fresh) {
             }
             close(sock);
         }
-        if (now_s() >= deadline) break;
+        if (gm_now_ns() >= deadline) break;
         struct timespec pause = {backoff_ms / 1000, (backoff_ms % 1000) * 1000000L};
         nanosleep(&pause, NULL);
         if (backoff_ms < 500) backoff_ms *= 2;
     }
     if (may_wait && !gave_up) {
         gm_warn("no answer from the node daemon at %s/sched.sock after %.1f s: allocations "
-                "fail closed until it answers", gm_channel_dir(), wait);
+                "fail closed until it answers", gm_channel_dir(), (double)wait / 1e9);
         gave_up = 1;
     }
     return -1;
@@ -471,7 +460,7 @@ int gm_channel_ensure(int may_wait) {
 
 int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t work_end_ns,
                      struct gm_token_grant *out) {
-    double timeout_s = (double)gm_setting_token_timeout_ns() / 1e9;
+    int64_t timeout = gm_setting_token_timeout_ns();
     pthread_mutex_lock(&lock);
     int rc = -1;
     for (int attempt = 0; attempt < 2 && rc == -1; attempt++) {
@@ -485,11 +474,11 @@ int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t wor
             drop_connection();
             continue;
         }
-        double deadline = now_s() + timeout_s;
+        int64_t deadline = deadline_after(timeout);
         for (;;) {
-            double left = deadline - now_s();
+            int64_t left = deadline - gm_now_ns();
             struct pollfd p = {.fd = fd, .events = POLLIN};
-            int ready = left > 0 ? poll(&p, 1, (int)(left * 1000) + 1) : 0;
+            int ready = left > 0 ? poll(&p, 1, poll_ms(left)) : 0;
             if (ready < 0 && errno == EINTR) continue;
             if (ready == 0) {   /* the connection stays: a late grant is skipped when read */
                 rc = -2;

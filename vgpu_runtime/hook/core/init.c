@@ -75,6 +75,18 @@ int gm_active(void) {
     return value;
 }
 
+int64_t gm_env_number(const char *name, double scale) {
+    const char *text = getenv(name);
+    if (text == NULL || text[0] == '\0') return -1;
+    char *end;
+    double value = strtod(text, &end);
+    if (*end != '\0' || !(value >= 0) || value * scale > 9e18) {
+        gm_warn("%s=%s is not a number in [0, %g]; ignored", name, text, 9e18 / scale);
+        return -1;
+    }
+    return (int64_t)(value * scale);
+}
+
 static void vlog(const char *level, const char *fmt, va_list ap) {
     char line[512];
     int n = snprintf(line, sizeof line, "gemini-hook[%d] %s: ", (int)getpid(), level);

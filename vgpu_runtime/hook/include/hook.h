@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_types.h"
@@ -55,6 +56,13 @@ static inline int gm_lstat(const char *path, struct stat *st) {
     return (int)syscall(SYS_newfstatat, AT_FDCWD, path, st, AT_SYMLINK_NOFOLLOW);
 }
 
+/* CLOCK_MONOTONIC in ns: a vDSO read, no system call (the launch path reads it). */
+static inline int64_t gm_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
 /* core/init.c */
 /* In a pod the channel is mounted here (= vgpu_runtime.paths.CONTAINER_CHANNEL_DIR); a socket
  * there wins over GEMINI_CHANNEL_DIR, which only gemini-run needs. */
@@ -63,6 +71,10 @@ GM_HIDDEN const char *gm_channel_dir(void);  /* the channel, or NULL: no channel
 GM_HIDDEN int gm_active(void);               /* a channel exists */
 GM_HIDDEN void gm_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 GM_HIDDEN void gm_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* An environment number scaled to an integer (seconds to ns: 1e9; bytes: 1); -1 when unset.
+ * Anything but a finite number >= 0 that stays within 9e18 scaled is ignored (-1) with a
+ * warning, so a typo never turns into an endless or negative setting. */
+GM_HIDDEN int64_t gm_env_number(const char *name, double scale);
 GM_HIDDEN extern __thread int gm_in_loader;  /* this thread is resolving real symbols */
 GM_HIDDEN void *gm_real_dlsym(void *handle, const char *name);
 

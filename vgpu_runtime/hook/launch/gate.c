@@ -12,8 +12,6 @@
  * (counted by the cuStreamBeginCapture* / cuStreamEndCapture* wrappers); with no capture
  * open no stream can be capturing.
  */
-#include <time.h>
-
 #include "gate.h"
 
 static _Atomic long captures_open;
@@ -68,12 +66,6 @@ static CUresult call_real(const struct gm_launch *l) {
     return CUDA_ERROR_INVALID_VALUE;
 }
 
-static inline uint64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
 /* Timing every launch would cost two clock reads per launch (a system call where the
  * clock source has no vDSO path, as in some VMs); one launch in TIME_EVERY is timed and
  * gate_ns is scaled up to estimate the total. */
@@ -88,11 +80,11 @@ CUresult gm_gate(const struct gm_launch *launch) {
     uint64_t seen = launch->kind == GM_LAUNCH_GRAPH ? GM_COUNT(graph_launches, 1)
                                                     : GM_COUNT(kernel_launches, 1);
     int timed = seen % TIME_EVERY == 0;
-    uint64_t start = timed ? now_ns() : 0;
+    int64_t start = timed ? gm_now_ns() : 0;
     int64_t at = 0;
     int gpu = gm_token_gate(&at);   /* blocks while another container holds the token */
     CUresult result = call_real(launch);
     if (gpu >= 0) gm_token_launched(gpu, launch, at);
-    if (timed) GM_COUNT(gate_ns, (now_ns() - start) * TIME_EVERY);
+    if (timed) GM_COUNT(gate_ns, (uint64_t)(gm_now_ns() - start) * TIME_EVERY);
     return result;
 }

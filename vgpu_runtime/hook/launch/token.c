@@ -124,12 +124,6 @@ static _Atomic int64_t no_daemon_until;   /* no hello at all: self-gated until t
 static _Atomic int warned;
 static __thread int fallback_launch;      /* this thread's launch is self-gated */
 
-static inline int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 static int drain_by_sync(void) {
     static int mode = -1;
     if (mode < 0) {
@@ -241,7 +235,7 @@ static int take_streams(struct gpu_token *g, CUstream out[MAX_STREAMS]) {
 }
 
 /* Work still queued on any of them (the legacy stream too, when `legacy`). */
-static int streams_busy(CUstream *streams, int n, int legacy) {
+static int streams_busy(const CUstream *streams, int n, int legacy) {
     int busy = legacy && GM_REAL(cuStreamQuery)(NULL) == CUDA_ERROR_NOT_READY;
     for (int i = 0; i < n && !busy; i++)
         busy = GM_REAL(cuStreamQuery)(streams[i]) == CUDA_ERROR_NOT_READY;
@@ -267,74 +261,76 @@ static void record_pending(struct gpu_token *g, CUstream stream) {
     g->pending[g->pending_count++] = event;
 }
 
+/* The last grant's work, as the asker finds it. */
+struct grant_work {
+    CUstream streams[MAX_STREAMS];   /* own streams launched into since the last ask */
+    int count;
+    int legacy;                      /* a launch went to the legacy default stream */
+    int overflowed;                  /* a launch went to a stream past the table */
+    int64_t asked;                   /* when the asker started settling */
+    int64_t done_by;                 /* a sync returned after the last launch: then; else -1 */
+};
+
+static void take_work(struct gpu_token *g, struct grant_work *w) {
+    w->count = take_streams(g, w->streams);
+    w->legacy = atomic_exchange(&g->legacy_used, 0);
+    w->overflowed = atomic_exchange(&g->streams_overflowed, 0);
+    w->asked = gm_now_ns();
+    int64_t synced = atomic_load(&g->last_sync);
+    w->done_by = synced > 0 && atomic_load(&g->burst_start) < 0 ? synced : -1;
+}
+
 /* Launches went to more streams than the table holds: the streams past it are unknown, so the
  * whole context is waited for, in either drain mode (report mode's events need their stream).
  * Its work ended now if the wait blocked, else by the ask (unknown: nothing past the release is
  * charged, as for known streams found done), or at the last sync if quiet since. */
 #define CONTEXT_IDLE_WAIT_NS 50000LL   /* a context synchronisation with nothing to wait for */
-static int64_t settle_context(struct gpu_token *g, int64_t started, int64_t synced, int quiet) {
+static int64_t settle_context(struct gpu_token *g, const struct grant_work *w) {
     GM_REAL(cuCtxSynchronize)();
-    int64_t end = now_ns();
+    int64_t end = gm_now_ns();
     for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
     g->pending_count = 0;   /* all done by now */
-    if (end - started < CONTEXT_IDLE_WAIT_NS) return quiet ? synced : -1;
-    GM_COUNT(drain_ns, (uint64_t)(end - started));
-    return quiet ? synced : end;
+    if (end - w->asked < CONTEXT_IDLE_WAIT_NS) return w->done_by;
+    GM_COUNT(drain_ns, (uint64_t)(end - w->asked));
+    return w->done_by >= 0 ? w->done_by : end;
 }
 
-/* When the last grant's work ended, -1 when unknown; *running: work queued before the previous
- * ask is still running (report mode only). */
-static int64_t settle(struct gpu_token *g, int *running) {
-    *running = 0;
-    if (gm_capture_open()) return -1;
-    CUstream streams[MAX_STREAMS];
-    int n = take_streams(g, streams);
-    int legacy = atomic_exchange(&g->legacy_used, 0);
-    int overflowed = atomic_exchange(&g->streams_overflowed, 0);
-    int64_t started = now_ns();
-    /* A synchronisation returned after the last launch: the work was done by then. */
-    int64_t synced = atomic_load(&g->last_sync);
-    int quiet = synced > 0 && atomic_load(&g->burst_start) < 0;
-    if (overflowed) return settle_context(g, started, synced, quiet);
-    if (drain_by_sync()) {
-        if (n == 0 && !legacy) return -1;
-        /* Work still queued is waited for, and ended now. Work already done ended before this
-         * ask, at the last synchronisation if one returned after the last launch, else at a
-         * time unknown: "now" would charge the idle time since the grant ended (an idle
-         * release, a revocation) as overuse. Measured in the model before this rule: the
-         * smallest tenant charged seconds of start-up idling, an inference loop its think
-         * time after every request. */
-        /* cuStreamQuery enqueues nothing, so it says whether the work itself is done (an event
-         * recorded just now may not have been reached yet even on an idle stream). */
-        if (!streams_busy(streams, n, legacy)) return quiet ? synced : -1;
-        /* Busy, though quiet: what runs was queued after that synchronisation without the
-         * token (a copy, a memset, an event record), not the last grant's work, which was done
-         * by then. It is waited for all the same (the next holder's time is its own); "now"
-         * charged the idle time since the grant's release (issue 10: 8 s on the H200, from
-         * 0.14 ms of such work at a start instant). */
-        for (int i = 0; i < n; i++) {
-            CUevent event;
-            if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
-                CUDA_SUCCESS)
-                continue;
-            if (GM_REAL(cuEventRecord)(event, streams[i]) == CUDA_SUCCESS)
-                GM_REAL(cuEventSynchronize)(event);
-            GM_REAL(cuEventDestroy_v2)(event);
-        }
-        if (legacy) GM_REAL(cuStreamSynchronize)(NULL);
-        int64_t end = now_ns();
-        GM_COUNT(drain_ns, (uint64_t)(end - started));
-        return quiet ? synced : end;
+/* Sync mode: what is still queued is waited for and ended now. Work found done ended at the
+ * last synchronisation if one returned after the last launch, else at a time unknown: "now"
+ * would charge the idle time since the grant ended (an idle release, a revocation) as overuse.
+ * Work queued after that synchronisation ran without the token (a copy, an event record): it
+ * is waited for all the same (the next holder's time is its own) but ended at that return. */
+static int64_t settle_by_sync(const struct grant_work *w) {
+    if (w->count == 0 && !w->legacy) return -1;
+    /* cuStreamQuery enqueues nothing, so it says whether the work itself is done (an event
+     * recorded just now may not have been reached yet even on an idle stream). */
+    if (!streams_busy(w->streams, w->count, w->legacy)) return w->done_by;
+    for (int i = 0; i < w->count; i++) {
+        CUevent event;
+        if (GM_REAL(cuEventCreate)(&event, CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) !=
+            CUDA_SUCCESS)
+            continue;
+        if (GM_REAL(cuEventRecord)(event, w->streams[i]) == CUDA_SUCCESS)
+            GM_REAL(cuEventSynchronize)(event);
+        GM_REAL(cuEventDestroy_v2)(event);
     }
-    /* report: what was recorded last time, if done by now, ended by now (an upper bound), or
-     * by the last synchronisation if the process has been quiet since (not its idle time) */
+    if (w->legacy) GM_REAL(cuStreamSynchronize)(NULL);
+    int64_t end = gm_now_ns();
+    GM_COUNT(drain_ns, (uint64_t)(end - w->asked));
+    return w->done_by >= 0 ? w->done_by : end;
+}
+
+/* Report mode: nothing waits. The events recorded at the previous ask, if done by now, ended
+ * by now (an upper bound) or at the last synchronisation if quiet since; if not, *running says
+ * so and they are kept. This grant's streams get events for the next ask. */
+static int64_t settle_by_report(struct gpu_token *g, const struct grant_work *w, int *running) {
     int64_t work_end = -1;
     if (g->pending_count > 0) {
         int done = 1;
         for (int i = 0; i < g->pending_count; i++)
             done &= GM_REAL(cuEventQuery)(g->pending[i]) != CUDA_ERROR_NOT_READY;
         if (done) {
-            work_end = quiet ? synced : now_ns();
+            work_end = w->done_by >= 0 ? w->done_by : gm_now_ns();
             for (int i = 0; i < g->pending_count; i++) GM_REAL(cuEventDestroy_v2)(g->pending[i]);
             g->pending_count = 0;
         } else {
@@ -342,14 +338,25 @@ static int64_t settle(struct gpu_token *g, int *running) {
         }
     }
     int outstanding = g->pending_count;
-    for (int i = 0; i < n; i++) record_pending(g, streams[i]);
-    /* Nothing older outstanding, the last grant's work already done, and a synchronisation
+    for (int i = 0; i < w->count; i++) record_pending(g, w->streams[i]);
+    /* Nothing older outstanding, this grant's work already done, and a synchronisation
      * returned after its last launch: the work ended by that return (exact for a host that
      * waited on it; no later than what the idle release assumes). */
-    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && quiet &&
-        !streams_busy(streams, n, 0))
-        work_end = synced;
+    if (work_end < 0 && outstanding == 0 && g->pending_count > 0 && w->done_by >= 0 &&
+        !streams_busy(w->streams, w->count, 0))
+        work_end = w->done_by;
     return work_end;
+}
+
+/* When the last grant's work ended, -1 when unknown; *running: work queued before the previous
+ * ask is still running (report mode only). Nothing is settled while a capture is open. */
+static int64_t settle(struct gpu_token *g, int *running) {
+    *running = 0;
+    if (gm_capture_open()) return -1;
+    struct grant_work work;
+    take_work(g, &work);
+    if (work.overflowed) return settle_context(g, &work);
+    return drain_by_sync() ? settle_by_sync(&work) : settle_by_report(g, &work, running);
 }
 
 /* ---- bursts ---- */
@@ -378,7 +385,7 @@ void gm_sync_observed(void) {
     struct gpu_token *g = &gpus[gpu];
     struct gm_activity_page *activity = __atomic_load_n(&g->activity, __ATOMIC_ACQUIRE);
     if (activity == NULL) return;
-    int64_t end = now_ns();
+    int64_t end = gm_now_ns();
     __atomic_store_n(&activity->last_sync_ns, end, __ATOMIC_RELAXED);
     atomic_store_explicit(&g->last_sync, end, memory_order_relaxed);
     int64_t start = atomic_exchange(&g->burst_start, -1);
@@ -429,7 +436,7 @@ static void warn_fallback(const char *why) {
 }
 
 static void enter_fallback(_Atomic int64_t *until) {
-    atomic_store(until, now_ns() + gm_setting_fallback_retry_ns());
+    atomic_store(until, gm_now_ns() + gm_setting_fallback_retry_ns());
 }
 
 /* The self-gating clock: the container's, on its activity page, else this process's own. */
@@ -442,7 +449,7 @@ static _Atomic int64_t *fallback_clock(struct gpu_token *g) {
  * gpu), or until `retry_at`, when the daemon is to be asked again first (returns -3). */
 static int fallback_gate(int gpu, int64_t retry_at, int64_t *at) {
     struct gpu_token *g = &gpus[gpu];
-    int64_t now = now_ns();
+    int64_t now = gm_now_ns();
     int64_t wait = atomic_load_explicit(fallback_clock(g), memory_order_relaxed) -
                    FALLBACK_AHEAD_NS - now;
     if (wait > 0) {   /* the container is ahead of its share: wait until it is not */
@@ -455,7 +462,7 @@ static int fallback_gate(int gpu, int64_t retry_at, int64_t *at) {
     }
     GM_COUNT(ungated_launches, 1);
     fallback_launch = 1;
-    *at = now_ns();
+    *at = gm_now_ns();
     return gpu;
 }
 
@@ -467,7 +474,7 @@ static void fallback_launched(struct gpu_token *g, const struct gm_launch *launc
         if (stream == NULL && launch->per_thread) stream = CU_STREAM_PER_THREAD;
         GM_REAL(cuStreamSynchronize)(stream);
     }
-    int64_t now = now_ns();
+    int64_t now = gm_now_ns();
     int64_t share = atomic_load(&g->share_ppm);
     int64_t cost = (now - at) * GM_PPM / share;
     _Atomic int64_t *clock = fallback_clock(g);
@@ -483,11 +490,11 @@ static void fallback_launched(struct gpu_token *g, const struct gm_launch *launc
 /* The GPU index when granted, -1 when the gate is open, -2 when no grant is to be had. */
 static int slow_path(int gpu) {
     struct gpu_token *g = &gpus[gpu];
-    int64_t entered = now_ns();
+    int64_t entered = gm_now_ns();
     int result = -1;
     pthread_mutex_lock(&g->lock);
     for (;;) {
-        int64_t now = now_ns();
+        int64_t now = gm_now_ns();
         const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
         if (page != NULL && __atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) break;
         if (page != NULL && now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
@@ -524,7 +531,7 @@ static int slow_path(int gpu) {
         break;
     }
     pthread_mutex_unlock(&g->lock);
-    uint64_t waited = (uint64_t)(now_ns() - entered);
+    uint64_t waited = (uint64_t)(gm_now_ns() - entered);
     GM_COUNT(token_wait_ns, waited);
     uint64_t longest = atomic_load_explicit(&gm_counters.token_wait_max_ns, memory_order_relaxed);
     while (waited > longest &&
@@ -539,7 +546,7 @@ int gm_token_gate(int64_t *at) {
         int n = atomic_load_explicit(&gpu_count, memory_order_relaxed);
         if (n < 0) {
             int64_t until = atomic_load_explicit(&no_daemon_until, memory_order_relaxed);
-            if (now_ns() >= until) {
+            if (gm_now_ns() >= until) {
                 if (gm_channel_ensure(1) >= 0) continue;
                 enter_fallback(&no_daemon_until);
                 warn_fallback("the node daemon is away");
@@ -556,19 +563,19 @@ int gm_token_gate(int64_t *at) {
         int64_t until = atomic_load_explicit(&g->fallback_until, memory_order_relaxed);
         if (page != NULL) {
             if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
-            int64_t now = now_ns();
+            int64_t now = gm_now_ns();
             if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
                 *at = now;
                 return gpu;
             }
         }
-        int result = now_ns() < until ? -2 : slow_path(gpu);
+        int result = gm_now_ns() < until ? -2 : slow_path(gpu);
         if (result == -2) {
             result = fallback_gate(gpu, atomic_load(&g->fallback_until), at);
             if (result == -3) continue;   /* time to ask the daemon again */
             return result;
         }
-        *at = now_ns();
+        *at = gm_now_ns();
         return result;
     }
 }
