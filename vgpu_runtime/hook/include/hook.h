@@ -122,6 +122,12 @@ GM_HIDDEN void gm_held_reset(void);
 GM_HIDDEN void gm_sync_observed(void);   /* a host synchronisation returned */
 GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is capturing */
 
+/* memory/: what the other families tell the pools and ask of the memory accounts */
+GM_HIDDEN void gm_pools_changed(void);   /* a call that may change what pools hold returned */
+GM_HIDDEN void gm_account_graph_memory(CUstream stream, int per_thread);   /* a graph launched */
+/* Container-wide use and limit on `gpu`; 0 when known from the daemon, -1 for a local guess. */
+GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit);
+
 /* memory/ledger.c: what each allocation booked, so its free releases exactly that */
 GM_HIDDEN void gm_ledger_put(uint64_t key, uint64_t bytes, uint32_t kind, uint32_t gpu);
 GM_HIDDEN int gm_ledger_take(uint64_t key, uint64_t *bytes, uint32_t *kind, uint32_t *gpu);

@@ -1,8 +1,6 @@
 /* launch.c: the launch entry points of hooks.def, each a thin shell around gm_gate(). */
 #include "gate.h"
 
-GM_HIDDEN void gm_account_graph_memory(CUstream stream, int per_thread);  /* memory/pools.c */
-
 #define KERNEL_ARGS(fn) \
     {.f = f, .grid = {gridDimX, gridDimY, gridDimZ}, .block = {blockDimX, blockDimY, blockDimZ}, \
      .shared_mem = sharedMemBytes, .params = kernelParams, .extra = fn}

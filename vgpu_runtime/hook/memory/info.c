@@ -15,8 +15,7 @@ static uint64_t limit_of(int gpu) {
     return gpu < count ? grants[gpu].memory_limit : 0;
 }
 
-/* Container-wide use and limit on `gpu`; 0 when known from the daemon, -1 for a local guess. */
-GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit) {
+int gm_usage(int gpu, uint64_t *used, uint64_t *limit) {
     struct gm_mem_reply reply;
     /* A refused zero-byte reservation still answers with use and limit (use > limit). */
     if (gm_channel_mem(GM_MSG_MEM_RESERVE, (uint32_t)gpu, GM_MEM_DEVICE, 0, &reply, 1) == 0) {

@@ -5,7 +5,8 @@
  *
  * Both are accounted as an absolute amount per GPU (GM_MSG_MEM_SET of GM_MEM_POOL /
  * GM_MEM_GRAPH), measured after every call that can change it: allocations and frees from
- * pools, trims, and synchronisations (where pools release memory above their threshold).
+ * pools, trims, and synchronisations (launch/sync.c: pools release memory above their
+ * threshold there).
  * A message goes out only when the amount changed.
  *
  * A pool allocation whose growth turns out to pass the limit is undone: freed, the stream
@@ -153,8 +154,12 @@ CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemo
     return pool_alloc(dptr, bytesize, pool, hStream, 1);
 }
 
+void gm_pools_changed(void) {
+    if (gm_active()) gm_account_pools(-1, 0);
+}
+
 static CUresult after_pool_change(CUresult result) {
-    if (result == CUDA_SUCCESS && gm_active()) gm_account_pools(-1, 0);
+    if (result == CUDA_SUCCESS) gm_pools_changed();
     return result;
 }
 
@@ -169,22 +174,6 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) {
 CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep) {
     return after_pool_change(GM_REAL(cuMemPoolTrimTo)(pool, minBytesToKeep));
 }
-/* Synchronisations also end kernel bursts (launch/token.c). */
-static CUresult after_sync(CUresult result) {
-    if (result == CUDA_SUCCESS) gm_sync_observed();
-    return after_pool_change(result);
-}
-CUresult cuStreamSynchronize(CUstream hStream) {
-    return after_sync(GM_REAL(cuStreamSynchronize)(hStream));
-}
-CUresult cuStreamSynchronize_ptsz(CUstream hStream) {
-    return after_sync(GM_REAL(cuStreamSynchronize_ptsz)(hStream));
-}
-CUresult cuCtxSynchronize(void) { return after_sync(GM_REAL(cuCtxSynchronize)()); }
-CUresult cuCtxSynchronize_v2(CUcontext ctx) {
-    return after_sync(GM_REAL(cuCtxSynchronize_v2)(ctx));
-}
-
 /* ---- graph memory ---- */
 
 static void account_graph_memory(CUdevice dev) {
@@ -204,7 +193,7 @@ static void account_graph_memory(CUdevice dev) {
                 (unsigned long long)reserved);
 }
 
-GM_HIDDEN void gm_account_graph_memory(CUstream stream, int per_thread) {
+void gm_account_graph_memory(CUstream stream, int per_thread) {
     (void)stream;
     (void)per_thread;
     if (!gm_active()) return;

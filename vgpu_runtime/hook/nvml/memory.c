@@ -9,8 +9,6 @@
 
 #include "hook.h"
 
-GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit);   /* memory/info.c */
-
 static int hex_value(char c) {
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
