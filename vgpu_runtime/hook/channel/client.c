@@ -1,42 +1,12 @@
 /*
- * client.c: the hook's one connection to the node daemon, <channel>/sched.sock, where the
- * channel is /run/gemini in a pod (its mount point wins) and GEMINI_CHANNEL_DIR elsewhere.
+ * client.c: the hook's one connection to the node daemon, <channel>/sched.sock (README.md,
+ * "The channel"): opened lazily with SOCK_CLOEXEC, one per process; requests from all threads
+ * take one mutex, one request and one reply at a time.
  *
- * Opened lazily, when something first needs the daemon (an allocation, a memory query, a
- * device check), with SOCK_CLOEXEC so an exec'd program does not inherit it. Requests from
- * all threads are serialised on one mutex: one request, one reply.
- *
- * Fork: a child never talks over its parent's connection. The lifecycle's after-fork resets
- * the child's state (and a pid check catches forks that skip atfork handlers); the child holds
- * no memory (its parent's context is not usable there) and connects on its first need.
- *
- * Daemon away (policy). The first need waits for the daemon with backoff (10 ms doubling to
- * 500 ms) for GEMINI_HOOK_DAEMON_WAIT seconds (default 30; the daemon may create the socket
- * just after the container starts). If it is still away, the request fails CLOSED:
- * allocations return CUDA_ERROR_OUT_OF_MEMORY, memory queries fall back to the last known
- * limit and this process's own use. Later needs try once without waiting, until the daemon
- * answers again; nothing ever crashes the application. Frees never wait: they update the
- * hook's own bookkeeping, and every (re)connection re-declares from it what this process
- * holds (MEM_SET per GPU per kind), so a restarted daemon loses nothing.
- *
- * Hello (wire version 2). The reply carries the node's enforcement settings (gm_setting_*
- * below: the environment may only make them safer) and, with SCM_RIGHTS on its first byte, the
- * allocation's pages: per GPU the token page read-only and the activity page writable. The
- * container needs no write access to its channel. A daemon that speaks only version 1 (a
- * rollback) answers with a version-1 error: the hook then says so once and speaks version 1 on
- * that connection (every new connection tries version 2 first): the version-1 reply, the pages
- * opened from the channel as that daemon keeps them (the token page read-only; the activity
- * page only where the channel is writable), and the hook's own default settings, which the
- * environment may still only make safer.
- *
- * Every answered hello goes to the lifecycle (core/lifecycle.c) with the allocation's shares
- * and pages, for the families that registered for it; the channel closes the descriptors after.
- *
- * Tokens. TOKEN_REQUEST blocks on the socket for its TOKEN_GRANT, holding the lock: one
- * connection, one request at a time, so a memory call made by another thread while this
- * process waits for the token waits too (a known cost of one connection per process). A grant
- * that arrives after its waiter gave up is skipped wherever it is read. USAGE_REPORT has no
- * reply and is sent only when the lock is free and the connection open: never a wait for it.
+ * Rules: a first need waits GEMINI_HOOK_DAEMON_WAIT for an absent daemon, then allocations fail
+ * closed and nothing crashes the application; every (re)connection re-declares what this
+ * process holds, so a restarted daemon loses nothing; each answered hello goes to the lifecycle,
+ * which hands its pages to the families; a forked child never uses its parent's connection.
  */
 #include <errno.h>
 #include <limits.h>

@@ -1,19 +1,10 @@
 /*
- * init.c: switches, diagnostics, the real dlsym, and the dlsym override.
+ * init.c: switches, diagnostics, the real dlsym, and the dlsym override (README.md,
+ * "Activation" and "Symbol resolution").
  *
- * The hook is active only where a channel exists: /run/gemini/sched.sock (a pod's mount
- * point, which wins: the pod's environment cannot point the hook elsewhere or switch it off),
- * else GEMINI_CHANNEL_DIR (gemini-run). Otherwise every wrapper calls straight through (said
- * once on stderr when GEMINI_HOOK_DEBUG is set).
- *
- * dlsym override. dlsym(handle, name) on any handle: the real answer, swapped for our
- * wrapper when it is exactly the libcuda/libnvidia-ml symbol a table row hooks.
- * dlsym(RTLD_NEXT, name) means "the next object after the CALLER", and the caller is not
- * us: we take the caller's return address, find its object in the link map
- * (dl_iterate_phdr), and search the objects after it in load order, accepting a symbol
- * only if it lies inside that very object (dlsym on a handle also searches its
- * dependencies, which RTLD_NEXT does not). The real dlsym is found with dlvsym, which we
- * do not override, so nothing recurses.
+ * Rules: the hook is active only where a channel exists, and a pod's mount point wins over the
+ * environment; dlsym hands out a wrapper only for exactly the real symbol a table row hooks, and
+ * RTLD_NEXT is resolved relative to the real caller, not to the hook.
  */
 #include <dlfcn.h>
 #include <link.h>

@@ -54,7 +54,7 @@ enum gm_msg_type {
     GM_MSG_MEM_SET = 5,       /* hook -> daemon: absolute amount held of one kind (pools, graphs,
                                  context, and re-declaration after reconnect); answered by MEM_REPLY */
     GM_MSG_MEM_REPLY = 6,
-    /* 16..31: GPU-time tokens (issue 4). */
+    /* 16..31: GPU-time tokens. */
     GM_MSG_TOKEN_REQUEST = 16,
     GM_MSG_TOKEN_GRANT = 17,
     GM_MSG_TOKEN_RELEASE = 18,
@@ -70,7 +70,7 @@ enum gm_status {
     GM_ERR_MALFORMED = 4,
     GM_ERR_NO_ALLOCATION = 5,  /* the allocation behind this channel is gone */
     GM_ERR_NOT_READY = 6,      /* hello not yet exchanged */
-    GM_ERR_UNSUPPORTED = 7     /* a known type this daemon does not serve yet (tokens before issue 4) */
+    GM_ERR_UNSUPPORTED = 7     /* a known type this daemon does not serve */
 };
 
 /* What the memory is, so the daemon can report it; every kind counts against one limit. */
@@ -162,7 +162,7 @@ struct gm_error {
     char reason[96];          /* GM_REASON_BYTES, NUL-terminated */
 };
 /*
- * GPU-time tokens (issue 4). One token per GPU; the holder is a container (all its
+ * GPU-time tokens. One token per GPU; the holder is a container (all its
  * processes). The daemon publishes the grant in a shared page per allocation and GPU (the
  * token page, passed to the hook read-only with the hello reply): a launch checks
  * `now < valid_until_ns` (CLOCK_MONOTONIC) with one atomic load and a vDSO clock read.

@@ -1,76 +1,12 @@
 /*
- * token.c: the hook's side of GPU-time tokens (issue 4). See gemini_wire.h, above
- * struct gm_token_page, for the contract with the daemon.
+ * token.c: the hook's side of GPU-time tokens: the pages, the gate's fast and slow paths,
+ * settling the last grant's work, bursts and the bounded fallback. The contract is in
+ * gemini_wire.h (above struct gm_token_page), the design in README.md ("The launch gate").
  *
- * Pages. Every hello passes, for each GPU i of the allocation, the token page as a read-only
- * descriptor (mapped PROT_READ: the container cannot forge a grant) and the activity page
- * writable. A page already mapped (same file: a restarted daemon keeps the files' inodes) is
- * kept; another file replaces it, and the old mapping is left in place, never unmapped, since
- * a launch may be reading it without a lock. A forked child drops its parent's mappings and
- * maps its own after its own hello. Without pages (none passed, or unmappable) every launch
- * asks the daemon.
- *
- * Fast path (gm_token_gate): gate OPEN -> launch. Else one acquire load of valid_until_ns and
- * a vDSO clock_gettime(CLOCK_MONOTONIC); while now < valid_until_ns the launch goes, followed
- * by relaxed stores into the activity page (last_launch_ns, launches) and a look at this
- * GPU's small set of streams launched into. No system call, no lock. All processes of the
- * container share the grant through the page.
- *
- * Slow path (token expired, revoked (valid_until_ns = 0) or never held): one thread per GPU
- * per process asks; the others wait on a condition variable, not with requests of their own.
- * The asking thread first settles the work of its last grant (below), then sends
- * TOKEN_REQUEST {gpu, burst_ns, work_end_ns} and blocks on the socket for TOKEN_GRANT.
- *
- * Settling (GEMINI_HOOK_DRAIN):
- * - `sync` (default): record an event (blocking-sync, no timing) on every stream this process
- *   launched into since it last asked, and wait for them; work_end = the moment they are all
- *   done. The previous quota's work never spills into the next holder's time, and the wait
- *   yields the CPU. Work found done already (cuStreamQuery first) ended at the last
- *   synchronisation if one returned after the last launch, else work_end is unknown (-1):
- *   never the idle time since. A synchronisation after the last launch also bounds busy
- *   streams: their work was queued after it, without the token, so work_end is that return. Cost: the GPU runs dry for this process between its quota's last kernel
- *   and its next grant (one daemon round trip when it is granted again at once).
- * - `report`: record the events and do not wait; they are queried when the process next asks,
- *   and work_end = that moment if they are done by then (an upper bound, so it can only
- *   lengthen the charge). Queued work may run into the next holder's quota, charged to this
- *   process as overuse; no bubble for this process. Events not done by then are kept (one per
- *   stream, re-recorded behind the newer work) and the request says GM_TOKEN_WORK_RUNNING: the
- *   daemon charges the time since the release before the previous ask, through the grants of
- *   others, and the request that finds them done reports the end against the same point.
- *   Without that, a process that kept launching through a long kernel without synchronising
- *   was charged only its own grants. With nothing outstanding, events that are
- *   complete as soon as recorded, in a process that synchronised after its last launch, give
- *   work_end = that synchronisation's return: a host stuck in a sync on a long kernel past
- *   its revoked grant reports the kernel's end at once (else that overuse went uncharged).
- * Events go on the launch's own streams. A launch into the legacy default stream is drained
- * with cuStreamSynchronize on it (sync) or left unmeasured (report); no event is ever recorded
- * on it. A per-thread default stream is drained from the asking thread. Nothing is settled
- * while any stream of the process captures (events would break a global-mode capture).
- *
- * Bursts: the first launch after a host synchronisation opens a burst, the next
- * synchronisation that returns closes it (it also writes last_sync_ns to the activity page).
- * Bursts less than 2 ms apart are merged; merged bursts go to the daemon as USAGE_REPORT at
- * most every 100 ms (and the one in progress with them), never from the launch path. The
- * burst_ns of a request is the longest UNMERGED burst (first launch -> the synchronisation
- * that ended it) since the previous request, else the previous figure: how long this process
- * needs the GPU before it waits for its work, which is what a quota should fit. Merged bursts
- * of a saturating process span its whole grant and say nothing about that. A workload that
- * syncs after every launch is gated like any other: every launch checks the token.
- *
- * Fallback (bounded): the request waits for the daemon as memory calls do (backoff, up to
- * GEMINI_HOOK_DAEMON_WAIT seconds, default 30, once). If it stays away, or no grant comes within
- * the token timeout (the node's setting), the hook gates that GPU's launches ITSELF at the share
- * the last hello gave it (before any hello it knows nothing it can trust: 4%) for the fallback
- * retry (the node's setting, 1 s), then the next launch asks the daemon again (once, without
- * waiting), so gating by the daemon resumes within about a second of its return. Self-gating:
- * each launch waits for its own work (it is charged exactly what it ran: d), and moves a clock
- * V to max(V, now - 100 ms) + d / share; a launch waits while V is more than 100 ms ahead of
- * now. Over any window T the container runs at most share x (T + 200 ms) plus a kernel per
- * launching thread. V lives in the activity page, so all processes of the container share it
- * (before any hello there is no page: each process keeps its own, at 0.04). No setting of the
- * environment can widen this (it may only make the settings safer), so neither an environment
- * nor an outage takes a tenant past its share. A warning is logged once. The gate never
- * deadlocks the application; memory fails closed.
+ * Rules: the fast path costs no system call and no lock; a token page is mapped read-only, so
+ * the container cannot forge a grant; a grant's work is charged up to its end, never the idle
+ * time after it; without a daemon the hook gates itself at its last known share, which no
+ * environment setting can widen; the gate never deadlocks the application.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -427,7 +363,7 @@ void gm_sync_observed(void) {
     }
 }
 
-/* ---- the fallback: self-gating at the known share (see the header) ---- */
+/* ---- the fallback: self-gating at the known share (README.md, "Fallback") ---- */
 
 static void warn_fallback(const char *why) {
     if (!atomic_exchange(&warned, 1))

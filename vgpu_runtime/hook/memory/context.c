@@ -79,11 +79,8 @@ static int read_free(struct reading *r, CUdevice dev, uint64_t *free) {
 
 static uint64_t configured_cost(void) { return gm_setting_context_bytes(); }
 
-/* The most one context is charged. Readings are device-wide, so processes that start at
- * the same time see each other's contexts in their difference (100 concurrent starts on an
- * H200 measured several GiB each and starved their own 1 MiB allocations). A context there
- * costs about 0.5 GiB; 1 GiB bounds the error until the daemon charges NVML's per-process
- * figure instead. The node's context_max_bytes setting sets it. */
+/* The most one context is charged (the node's context_max_bytes): readings are device-wide,
+ * so processes that start at the same time see each other's contexts in their difference. */
 static uint64_t cost_cap(void) { return gm_setting_context_max_bytes(); }
 
 static uint64_t measured_cost(uint64_t before, uint64_t after) {
