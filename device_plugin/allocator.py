@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import grpc
 
 from device_plugin.config import PluginConfig
-from device_plugin.discovery import GpuInfo
 from device_plugin.health import HealthTracker
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from device_plugin.slices import Slice, SliceTable, brief_ids
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
+from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from device_plugin.discovery import Backend, GpuInfo
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
+from vgpu_runtime.gpus import Backend, GpuInfo
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
 from device_plugin.config import ConfigError, PluginConfig
-from device_plugin.discovery import Backend, DiscoveryError
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, recheck_forever
 from device_plugin.healthfile import publish_health
@@ -28,6 +26,8 @@ from device_plugin.slices import SliceTable
 from device_plugin.statedir import prepare as prepare_state_dir
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common.atomicfile import DirectorySyncer
+from vgpu_runtime.gpus import Backend, DiscoveryError
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 log = logging.getLogger("device_plugin")
 PROG = "gemini-device-plugin"
@@ -37,7 +37,7 @@ def make_backend(config: PluginConfig) -> Backend:
     if config.simulate_gpus:
         return SimulatedBackend(config.simulate_gpus, config.simulate_model,
                                 config.simulate_memory)
-    from device_plugin.discovery.nvml import NvmlBackend
+    from vgpu_runtime.gpus.nvml import NvmlBackend
 
     return NvmlBackend()
 

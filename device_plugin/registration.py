@@ -16,8 +16,8 @@ from pathlib import Path
 
 import grpc
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.server import PluginServer, options
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import grpc
 from device_plugin import placement
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.slices import SliceTable, brief_ids
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
 

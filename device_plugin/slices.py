@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from device_plugin.discovery import GpuInfo
+from vgpu_runtime.gpus import GpuInfo
 
 SEPARATOR = "::"
 MAX_ID_LENGTH = 63

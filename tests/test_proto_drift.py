@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STUBS = REPO / "device_plugin" / "kubeletapi"
+STUBS = REPO / "vgpu_runtime" / "kubeletapi"
 PINNED = "1.62.3"
 
 
@@ -26,7 +26,7 @@ def test_stubs_match_fresh_generation(tmp_path: Path) -> None:
     del grpc_tools
     env = dict(os.environ, PYTHON=sys.executable)
     subprocess.run([str(REPO / "scripts" / "gen-protos"), str(tmp_path)], check=True, env=env)
-    fresh = tmp_path / "device_plugin" / "kubeletapi"
+    fresh = tmp_path / "vgpu_runtime" / "kubeletapi"
     generated = sorted(p.relative_to(fresh) for p in fresh.rglob("*") if p.is_file())
     committed = sorted(p.relative_to(STUBS) for p in STUBS.rglob("*")
                        if p.is_file() and "__pycache__" not in p.parts)
@@ -37,8 +37,8 @@ def test_stubs_match_fresh_generation(tmp_path: Path) -> None:
 
 def test_service_names_match_kubelet() -> None:
     """kubelet calls /v1beta1.Registration/Register and /v1.PodResourcesLister/List."""
-    from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
-    from device_plugin.kubeletapi.podresources.v1 import api_pb2 as pr
+    from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
+    from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2 as pr
 
     assert dp.DESCRIPTOR.package == "v1beta1"
     assert set(dp.DESCRIPTOR.services_by_name) == {"Registration", "DevicePlugin"}
@@ -46,7 +46,7 @@ def test_service_names_match_kubelet() -> None:
 
 
 def test_field_numbers_match_the_published_api() -> None:
-    from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
+    from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
 
     def numbers(message: type) -> dict[str, int]:
         return {f.name: f.number for f in message.DESCRIPTOR.fields}  # type: ignore[attr-defined]

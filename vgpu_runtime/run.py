@@ -49,13 +49,13 @@ from pathlib import Path
 from typing import NoReturn
 
 import vgpu_runtime
-from device_plugin.discovery import DiscoveryError, GpuInfo
-from device_plugin.discovery.nvml import NvmlBackend
-from device_plugin.discovery.simulated import SimulatedBackend
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.gpus import DiscoveryError, GpuInfo
+from vgpu_runtime.gpus.nvml import NvmlBackend
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.scheduler import lock as scheduler_lock
 
 PROG = "gemini-run"

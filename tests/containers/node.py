@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.childenv import child_env
 from tests.fakecuda.builder import build_fake_driver
 from tests.hook.cudaprobe import COUNTERS
@@ -41,6 +40,7 @@ from tests.kubelet_emulator.runtime import (
 from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.hook import build
 
 T = TypeVar("T")

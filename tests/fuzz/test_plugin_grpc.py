@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
 from tests.hookdir import install_hook
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 GIB = 1 << 30
 PER_GPU = 4

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.childenv import python_path
 from tests.fakecuda.builder import build_fake_driver
 from tests.scheduler.helpers import DaemonProcess, make_record, wait_served
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.hook import build
 
 MiB = 1 << 20

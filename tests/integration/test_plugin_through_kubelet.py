@@ -11,11 +11,11 @@ from typing import Any
 
 import grpc
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.integration.conftest import Node
 from tests.kubelet_emulator import Pod
 from tests.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
 GiB = 1 << 30

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2_grpc as _dp_grpc
-from device_plugin.kubeletapi.podresources.v1 import api_pb2 as pr
-from device_plugin.kubeletapi.podresources.v1 import api_pb2_grpc as _pr_grpc
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2 as dp
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2_grpc as _dp_grpc
+from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2 as pr
+from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2_grpc as _pr_grpc
 
 # The generated service modules carry no type hints; seen as Any so strict mypy accepts them.
 dp_grpc: Any = _dp_grpc

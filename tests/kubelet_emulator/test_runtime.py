@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from tests.kubelet_emulator.runtime import (
     ContainerConfig,
     ContainerRuntime,
@@ -21,6 +20,7 @@ from tests.kubelet_emulator.runtime import (
     oci_spec,
     runc_refusal,
 )
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = ContainerConfig(args=("true",))

@@ -12,9 +12,9 @@ import pytest
 
 from device_plugin import config as plugin_config
 from device_plugin.config import PluginConfig
-from device_plugin.discovery import GpuInfo
-from device_plugin.discovery.simulated import SimulatedBackend
 from tests.hookdir import install_hook
+from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 GIB = 1 << 30
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 
 class FakeKubelet(api_pb2_grpc.RegistrationServicer):

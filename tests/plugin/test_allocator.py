@@ -12,12 +12,12 @@ import pytest
 
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.hookdir import install_hook
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -272,7 +272,7 @@ def test_full_state_dir_fails_clearly_and_damages_nothing(short_dir: Path) -> No
 import os, resource, signal, json
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
-from device_plugin.discovery.simulated import SimulatedBackend
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from tests.hookdir import install_hook
 from tests.readonly import read_only_call

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
 from device_plugin.health_events import ControlError, SimulatedControl, parse_event
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 
 class Clock:

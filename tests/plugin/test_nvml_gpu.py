@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from device_plugin.discovery.nvml import NvmlBackend
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from tests.plugin.fake_kubelet import FakeKubelet
 from vgpu_runtime import paths
+from vgpu_runtime.gpus.nvml import NvmlBackend
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu

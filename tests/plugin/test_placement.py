@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.placement import PlacementError, preferred
 from device_plugin.slices import SliceTable
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 N = 10
 TABLE = SliceTable(SimulatedBackend(4).discover(), N)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from tests.plugin.fake_kubelet import FakeKubelet, wait_for
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,11 +11,11 @@ import pytest
 
 from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health import HealthTracker
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
+from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 Plugin = tuple[api_pb2_grpc.DevicePluginStub, HealthTracker, SliceTable, PluginConfig]
 

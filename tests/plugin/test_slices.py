@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from device_plugin.discovery import GpuInfo
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import MAX_ID_LENGTH, SliceIdError, SliceTable, parse_slice_id, slice_id
+from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 
 def test_ids_name_their_gpu_and_are_stable(gpus: list[GpuInfo]) -> None:

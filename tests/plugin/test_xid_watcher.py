@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.health_events import NvmlXidWatcher
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 
 class NVMLError(Exception):

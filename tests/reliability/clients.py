@@ -9,9 +9,9 @@ import sys
 import textwrap
 from typing import Any
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.hook.conftest import PRELUDE, Hooked
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GiB = 1 << 30
 MiB = 1 << 20

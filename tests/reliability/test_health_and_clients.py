@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.hook.conftest import Hooked
 from tests.hook.tokenkit import Rival, read_token_page
 from tests.integration.conftest import Node
@@ -19,6 +18,7 @@ from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records
 from tests.reliability.test_plugin_faults import hello
 from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime import allocation
+from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
 # Long quotas: "at once" and "at the quota's end" are seconds apart (as in the token tests).

@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 
-from device_plugin.discovery.simulated import simulated_uuid
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import Node
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
@@ -21,6 +20,7 @@ from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, 
 from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.scheduler.client import ChannelClient
 
 ADMISSION_ERROR = "UnexpectedAdmissionError"

@@ -22,12 +22,12 @@ import yaml
 from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.config import check as check_plugin_config
-from device_plugin.discovery.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from tests.childenv import REPO
 from tests.rollout import manifests as m
 from vgpu_runtime import __version__, paths
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
 from vgpu_runtime.scheduler import annotations as pod_annotations
 from vgpu_runtime.scheduler.config import PROCESS_MEMORY_SOURCES, SchedulerConfig

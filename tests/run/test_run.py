@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from device_plugin.discovery.simulated import DEFAULT_MEMORY, simulated_uuid
 from tests.childenv import as_user, child_env
 from tests.run.conftest import stop_daemon
 from tests.scheduler.helpers import make_record, wait_for
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid
 from vgpu_runtime.scheduler import client, lock
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,8 +8,9 @@ import pytest
 
 from tests.scheduler.helpers import UUID_A
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.scheduler.annotations import apply_annotations, parse_limit
-from vgpu_runtime.scheduler.node import NodeGpu, label_value, node_labels
+from vgpu_runtime.scheduler.node import label_value, node_labels
 
 GiB = 1 << 30
 
@@ -64,8 +65,9 @@ def test_one_bad_annotation_does_not_stop_the_other() -> None:
 def test_labels_are_valid_label_values() -> None:
     assert label_value("NVIDIA H200 NVL (141GB)") == "NVIDIA-H200-NVL-141GB"
     assert len(label_value("x" * 100)) == 63
-    labels = node_labels([NodeGpu("GPU-a", 0, "NVIDIA H200", 1), NodeGpu("GPU-b", 1,
-                                                                        "NVIDIA H200", 1)], 10)
+    gpus = [GpuInfo(index=i, uuid=f"GPU-{i}", model="NVIDIA H200", memory_total=1, minor=i,
+                    numa_node=None) for i in range(2)]
+    labels = node_labels(gpus, 10)
     assert labels["gemini.ai/gpu.model"] == "NVIDIA-H200"
     assert labels["gemini.ai/gpu.count"] == "2"
     assert labels["gemini.ai/vgpu.slices-per-gpu"] == "10"

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from device_plugin.discovery.simulated import SimulatedBackend
 from tests.childenv import child_env
 from tests.scheduler.helpers import (
     REPO,
@@ -21,6 +20,7 @@ from tests.scheduler.helpers import (
     wait_served,
 )
 from vgpu_runtime import allocation
+from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.scheduler import lock
 from vgpu_runtime.scheduler.client import ChannelClient
 

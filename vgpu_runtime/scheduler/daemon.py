@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
 from vgpu_runtime.common import securedir
+from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.scheduler.channel import AllocationChannel, ChannelUnavailable, needs_binding
 from vgpu_runtime.scheduler.config import SchedulerConfig
 from vgpu_runtime.scheduler.control import ControlServer, control_socket
 from vgpu_runtime.scheduler.grants import grants_of
-from vgpu_runtime.scheduler.node import HealthFile, NodeGpu, discover_gpus, node_labels
+from vgpu_runtime.scheduler.node import HealthFile, discover_gpus, node_labels
 from vgpu_runtime.scheduler.podresources import PodResourcesLister
 from vgpu_runtime.scheduler.pods import PodWatch
 from vgpu_runtime.scheduler.records import RecordWatcher
@@ -59,7 +60,7 @@ class Daemon:
         self.control = ControlServer(control_socket(self.state_dir),
                                      {"status": self.status, "stop": self.stop_request})
         self.ready = False
-        self.node_gpus: list[NodeGpu] = []
+        self.node_gpus: list[GpuInfo] = []
         self.health = HealthFile(self.state_dir)
         self.kube: KubeApi | None = None
         self.metrics: MetricsServer | None = None

@@ -1,4 +1,4 @@
-"""What this node has: its GPUs (NVML or simulated, through device_plugin.discovery), their
+"""What this node has: its GPUs (NVML or simulated, through vgpu_runtime.gpus), their
 health as the plugin last wrote it (<state-dir>/health.json), and the node labels they give.
 
 Labels, as GPU feature discovery sets them (values sanitized to valid label values):
@@ -14,10 +14,10 @@ import json
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_runtime import __version__
+from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 
 log = logging.getLogger(__name__)
 
@@ -29,32 +29,22 @@ LABEL_VERSION = "gemini.ai/version"
 MAX_LABEL_VALUE = 63
 
 
-@dataclass(frozen=True)
-class NodeGpu:
-    uuid: str
-    index: int
-    model: str
-    memory_total: int
-
-
-def discover_gpus(simulate: int, model: str) -> list[NodeGpu]:
+def discover_gpus(simulate: int, model: str) -> list[GpuInfo]:
     """The node's GPUs; an empty list (logged) where NVML is missing, as on a laptop."""
-    from device_plugin.discovery import DiscoveryError
-
     try:
         if simulate:
-            from device_plugin.discovery.simulated import SimulatedBackend
+            from vgpu_runtime.gpus.simulated import SimulatedBackend
 
             found = SimulatedBackend(simulate, model).discover()
         else:
-            from device_plugin.discovery.nvml import NvmlBackend
+            from vgpu_runtime.gpus.nvml import NvmlBackend
 
             found = NvmlBackend().discover()
     except (DiscoveryError, ImportError, OSError) as err:
         log.info("no GPU discovered: labels and metrics show allocations only",
                  extra={"error": str(err)})
         return []
-    return [NodeGpu(g.uuid, g.index, g.model, g.memory_total) for g in found]
+    return found
 
 
 def label_value(text: str) -> str:
@@ -63,7 +53,7 @@ def label_value(text: str) -> str:
     return value.strip("-._")
 
 
-def node_labels(gpus: list[NodeGpu], slices_per_gpu: int) -> dict[str, str]:
+def node_labels(gpus: list[GpuInfo], slices_per_gpu: int) -> dict[str, str]:
     models = sorted({g.model for g in gpus})
     labels = {LABEL_COUNT: str(len(gpus)), LABEL_SLICES: str(slices_per_gpu),
               LABEL_VERSION: label_value(__version__)}

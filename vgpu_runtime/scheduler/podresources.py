@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
-from device_plugin.kubeletapi.podresources.v1 import api_pb2 as pr
-from device_plugin.kubeletapi.podresources.v1 import api_pb2_grpc as _pr_grpc
 from vgpu_runtime.allocation import PodRef
+from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2 as pr
+from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2_grpc as _pr_grpc
 
 log = logging.getLogger(__name__)
 

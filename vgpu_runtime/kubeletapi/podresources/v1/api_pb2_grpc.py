@@ -2,7 +2,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 import grpc
 
-from device_plugin.kubeletapi.podresources.v1 import api_pb2 as device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2
+from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2 as vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2
 
 
 class PodResourcesListerStub(object):
@@ -17,18 +17,18 @@ class PodResourcesListerStub(object):
         """
         self.List = channel.unary_unary(
                 '/v1.PodResourcesLister/List',
-                request_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.FromString,
                 )
         self.GetAllocatableResources = channel.unary_unary(
                 '/v1.PodResourcesLister/GetAllocatableResources',
-                request_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.FromString,
                 )
         self.Get = channel.unary_unary(
                 '/v1.PodResourcesLister/Get',
-                request_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.FromString,
                 )
 
 
@@ -59,18 +59,18 @@ def add_PodResourcesListerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'List': grpc.unary_unary_rpc_method_handler(
                     servicer.List,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.SerializeToString,
             ),
             'GetAllocatableResources': grpc.unary_unary_rpc_method_handler(
                     servicer.GetAllocatableResources,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.SerializeToString,
             ),
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -95,8 +95,8 @@ class PodResourcesLister(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1.PodResourcesLister/List',
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.ListPodResourcesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -112,8 +112,8 @@ class PodResourcesLister(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1.PodResourcesLister/GetAllocatableResources',
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.AllocatableResourcesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -129,7 +129,7 @@ class PodResourcesLister(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1.PodResourcesLister/Get',
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_podresources_dot_v1_dot_api__pb2.GetPodResourcesResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from device_plugin.discovery import DiscoveryError, GpuInfo
+from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 import grpc
 
-from device_plugin.kubeletapi.deviceplugin.v1beta1 import api_pb2 as device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2
+from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2 as vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2
 
 
 class RegistrationStub(object):
@@ -17,8 +17,8 @@ class RegistrationStub(object):
         """
         self.Register = channel.unary_unary(
                 '/v1beta1.Registration/Register',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
                 )
 
 
@@ -37,8 +37,8 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -63,8 +63,8 @@ class Registration(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1beta1.Registration/Register',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.RegisterRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -81,28 +81,28 @@ class DevicePluginStub(object):
         """
         self.GetDevicePluginOptions = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.FromString,
                 )
         self.ListAndWatch = channel.unary_stream(
                 '/v1beta1.DevicePlugin/ListAndWatch',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.FromString,
                 )
         self.GetPreferredAllocation = channel.unary_unary(
                 '/v1beta1.DevicePlugin/GetPreferredAllocation',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.FromString,
                 )
         self.Allocate = channel.unary_unary(
                 '/v1beta1.DevicePlugin/Allocate',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.FromString,
                 )
         self.PreStartContainer = channel.unary_unary(
                 '/v1beta1.DevicePlugin/PreStartContainer',
-                request_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.SerializeToString,
-                response_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.FromString,
+                request_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.SerializeToString,
+                response_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.FromString,
                 )
 
 
@@ -146,28 +146,28 @@ def add_DevicePluginServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetDevicePluginOptions': grpc.unary_unary_rpc_method_handler(
                     servicer.GetDevicePluginOptions,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.SerializeToString,
             ),
             'ListAndWatch': grpc.unary_stream_rpc_method_handler(
                     servicer.ListAndWatch,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.SerializeToString,
             ),
             'GetPreferredAllocation': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPreferredAllocation,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.SerializeToString,
             ),
             'PreStartContainer': grpc.unary_unary_rpc_method_handler(
                     servicer.PreStartContainer,
-                    request_deserializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.FromString,
-                    response_serializer=device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.SerializeToString,
+                    request_deserializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.FromString,
+                    response_serializer=vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -192,8 +192,8 @@ class DevicePlugin(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1beta1.DevicePlugin/GetDevicePluginOptions',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.DevicePluginOptions.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -209,8 +209,8 @@ class DevicePlugin(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_stream(request, target, '/v1beta1.DevicePlugin/ListAndWatch',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.Empty.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.ListAndWatchResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -226,8 +226,8 @@ class DevicePlugin(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1beta1.DevicePlugin/GetPreferredAllocation',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreferredAllocationResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -243,8 +243,8 @@ class DevicePlugin(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1beta1.DevicePlugin/Allocate',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.AllocateResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
@@ -260,7 +260,7 @@ class DevicePlugin(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/v1beta1.DevicePlugin/PreStartContainer',
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.SerializeToString,
-            device__plugin_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.FromString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerRequest.SerializeToString,
+            vgpu__runtime_dot_kubeletapi_dot_deviceplugin_dot_v1beta1_dot_api__pb2.PreStartContainerResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

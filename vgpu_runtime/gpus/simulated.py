@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid as uuidlib
 
-from device_plugin.discovery import GpuInfo
+from vgpu_runtime.gpus import GpuInfo
 
 # Fixed namespace: the same index always yields the same UUID, across restarts and machines.
 _NAMESPACE = uuidlib.UUID("6f1c2d0e-5b7a-4c39-9e8d-2a4b6c8d0e1f")
