@@ -1,0 +1,140 @@
+"""Packages depend one way: kubelet → plugin → record → daemon ↔ hook, never back.
+
+Every import in the product (vgpu_runtime, device_plugin) and in scripts/ is read with ast, lazy
+ones inside functions and importlib.import_module("...") literals included, and checked against
+the layers below. A new package under vgpu_runtime must be given a layer here.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A unit of vgpu_runtime (its first two name parts) may import units of its own layer or lower.
+LAYERS: dict[str, int] = {
+    # The base: the package's version, paths, shared helpers and the interposer's build recipe.
+    "vgpu_runtime": 0,
+    "vgpu_runtime.common": 0,
+    "vgpu_runtime.paths": 0,
+    "vgpu_runtime.hook": 0,
+    # What the node has and the contracts between its programs.
+    "vgpu_runtime.gpus": 1,
+    "vgpu_runtime.kubeletapi": 1,
+    "vgpu_runtime.wire": 1,
+    "vgpu_runtime.allocation": 1,
+    "vgpu_runtime.hooklib": 1,
+    # The time-sharing algorithm, pure.
+    "vgpu_runtime.burst": 2,
+    # The node daemon.
+    "vgpu_runtime.scheduler": 3,
+    # Programs built on the daemon.
+    "vgpu_runtime.run": 4,
+    "vgpu_runtime.cli": 4,
+    "vgpu_runtime.install": 4,
+}
+# The plugin sits beside the daemon, joined to it only by the allocation record: it may import
+# the base and the contracts, nothing above them.
+PLUGIN_MAY_IMPORT_UP_TO = 1
+PRODUCT = ("vgpu_runtime", "device_plugin")
+NOT_PRODUCT = ("tests", "scripts")
+
+
+def python_files(folder: Path) -> Iterator[Path]:
+    """The .py files, and the extensionless programs whose first line names python."""
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts or "kubeletapi" in path.parts:
+            continue
+        first_line = path.read_bytes()[:64].split(b"\n")[0]
+        if path.suffix == ".py" or (not path.suffix and b"python" in first_line):
+            yield path
+
+
+def imported_modules(source: str) -> Iterator[str]:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            yield node.args[0].value
+
+
+def unit(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer(module: str) -> int | None:
+    """The layer of a vgpu_runtime module; None for a name not in the package (an attribute)."""
+    name = unit(module)
+    if name in LAYERS:
+        return LAYERS[name]
+    if (REPO / name.replace(".", "/")).exists() or (REPO / f"{name.replace('.', '/')}.py").exists():
+        raise AssertionError(f"{name} has no layer in tests/test_layering.py: give it one")
+    return None
+
+
+def violations(rel: Path, source: str) -> Iterator[str]:
+    """The imports of the file at rel (relative to the repository) that go the wrong way."""
+    own = ".".join(rel.with_suffix("").parts) if rel.suffix == ".py" else str(rel)
+    top = rel.parts[0]
+    seen: set[str] = set()
+    for module in sorted(set(imported_modules(source)), key=len):
+        # One line per imported unit: "from a.b import c" also yields a.b.c.
+        if unit(module) in seen:
+            continue
+        seen.add(unit(module))
+        target = module.split(".")[0]
+        if target in NOT_PRODUCT and top in PRODUCT:
+            yield f"{rel} imports {module}: the product never imports {target}/"
+        elif target == "device_plugin" and top == "vgpu_runtime":
+            yield f"{rel} imports {module}: vgpu_runtime never imports the device plugin"
+        elif target == "vgpu_runtime" and top == "vgpu_runtime":
+            mine, theirs = layer(own), layer(module)
+            if mine is not None and theirs is not None and theirs > mine:
+                yield (f"{rel} imports {module}: layer {theirs} ({unit(module)}) is above "
+                       f"layer {mine} ({unit(own)})")
+        elif target == "vgpu_runtime" and top == "device_plugin":
+            theirs = layer(module)
+            if theirs is not None and theirs > PLUGIN_MAY_IMPORT_UP_TO:
+                yield (f"{rel} imports {module}: the plugin reaches the daemon only through the "
+                       "allocation record")
+
+
+def checked_files() -> list[Path]:
+    return [p for folder in PRODUCT for p in python_files(REPO / folder)]
+
+
+def test_every_layer_names_a_real_unit() -> None:
+    for name in LAYERS:
+        path = REPO / name.replace(".", "/")
+        assert path.is_dir() or path.with_suffix(".py").is_file(), f"{name} does not exist"
+
+
+@pytest.mark.parametrize("path", checked_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_imports_go_one_way(path: Path) -> None:
+    found = list(violations(path.relative_to(REPO), path.read_text()))
+    assert not found, "\n".join(found)
+
+
+def test_the_check_sees_a_planted_bad_import() -> None:
+    """The checker itself: each kind of bad import, planted in a real module's text."""
+    planted = {
+        "vgpu_runtime/allocation.py": "from vgpu_runtime.scheduler import daemon\n",
+        "vgpu_runtime/burst/window.py": "import device_plugin.server\n",
+        "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
+        "device_plugin/slices.py": ("import importlib\n"
+                                    "importlib.import_module('vgpu_runtime.scheduler.main')\n"),
+    }
+    for rel, line in planted.items():
+        source = (REPO / rel).read_text()
+        assert not list(violations(Path(rel), source)), rel
+        assert list(violations(Path(rel), source + "\n" + line)), (
+            f"a planted {line.strip()!r} in {rel} went unseen")
