@@ -1,22 +1,15 @@
-"""Environment for the real processes the tests start (daemons, plugins, gemini-run)."""
+"""Environment for the real processes the tests start (daemons, plugins, gemini-run): the kit's
+child_env and python_path, and what only tests need (another uid, a private mount namespace)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from pathlib import Path
 
+from vgpu_runtime.devkit.childenv import child_env, python_path
+
+__all__ = ["REPO", "as_user", "child_env", "in_mount_namespace", "python_path"]
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def python_path(base: Mapping[str, str] | None = None) -> str:
-    """The repository first, then whatever was there (the GPU machine carries cffi in it)."""
-    inherited = (os.environ if base is None else base).get("PYTHONPATH")
-    return os.pathsep.join(filter(None, [str(REPO), inherited]))
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": python_path(), **extra}
 
 
 def as_user(uid: int, argv: list[str]) -> list[str]:

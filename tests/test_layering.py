@@ -1,4 +1,5 @@
-"""Packages depend one way: kubelet → plugin → record → daemon ↔ hook, never back.
+"""Packages depend one way: kubelet → plugin → record → daemon ↔ hook, never back; the kit
+(vgpu_runtime/devkit) serves scripts/ and tests/, and scripts/ never import tests/.
 
 Every import in the product (vgpu_runtime, device_plugin) and in scripts/ is read with ast, lazy
 ones inside functions and importlib.import_module("...") literals included, and checked against
@@ -8,6 +9,7 @@ the layers below. A new package under vgpu_runtime must be given a layer here.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,8 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.run": 4,
     "vgpu_runtime.cli": 4,
     "vgpu_runtime.install": 4,
+    # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
+    "vgpu_runtime.devkit": 5,
 }
 # The plugin sits beside the daemon, joined to it only by the allocation record: it may import
 # the base and the contracts, nothing above them.
@@ -94,6 +98,8 @@ def violations(rel: Path, source: str) -> Iterator[str]:
         target = module.split(".")[0]
         if target in NOT_PRODUCT and top in PRODUCT:
             yield f"{rel} imports {module}: the product never imports {target}/"
+        elif target == "tests" and top == "scripts":
+            yield f"{rel} imports {module}: scripts use the kit (vgpu_runtime/devkit), not tests/"
         elif target == "device_plugin" and top == "vgpu_runtime":
             yield f"{rel} imports {module}: vgpu_runtime never imports the device plugin"
         elif target == "vgpu_runtime" and top == "vgpu_runtime":
@@ -109,7 +115,7 @@ def violations(rel: Path, source: str) -> Iterator[str]:
 
 
 def checked_files() -> list[Path]:
-    return [p for folder in PRODUCT for p in python_files(REPO / folder)]
+    return [p for folder in (*PRODUCT, "scripts") for p in python_files(REPO / folder)]
 
 
 def test_every_layer_names_a_real_unit() -> None:
@@ -132,9 +138,19 @@ def test_the_check_sees_a_planted_bad_import() -> None:
         "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
         "device_plugin/slices.py": ("import importlib\n"
                                     "importlib.import_module('vgpu_runtime.scheduler.main')\n"),
+        "vgpu_runtime/run.py": "from vgpu_runtime.devkit.fakecuda import builder\n",
+        "scripts/bench-gate": "from tests.hook.conftest import compile_program\n",
     }
     for rel, line in planted.items():
         source = (REPO / rel).read_text()
         assert not list(violations(Path(rel), source)), rel
         assert list(violations(Path(rel), source + "\n" + line)), (
             f"a planted {line.strip()!r} in {rel} went unseen")
+
+
+def test_shell_scripts_run_no_test_module() -> None:
+    python = set(python_files(REPO / "scripts"))
+    for path in sorted((REPO / "scripts").iterdir()):
+        if path.is_file() and path not in python and path.read_bytes().startswith(b"#!"):
+            assert not re.search(r"-m\s+tests\.", path.read_text()), (
+                f"{path.relative_to(REPO)} runs a module of tests/")

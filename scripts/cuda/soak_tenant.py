@@ -12,8 +12,8 @@ status, which is what the soak counts as an application error.
 Backends:
   torch   bf16 SIZE x SIZE matmuls on "cuda" (as scripts/cuda/tenant.py): a real tenant.
   driver  ctypes on libcuda.so.1: cuLaunchKernel K times, then cuStreamSynchronize. Only for the
-          tests' fake libcuda (tests/fakecuda), whose kernels take no time: --step-sleep stands
-          in for the kernel, between the launches and the synchronisation.
+          tests' fake libcuda (vgpu_runtime/devkit/fakecuda), whose kernels take no time:
+          --step-sleep stands in for the kernel, between the launches and the synchronisation.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ Usage: tenant.py loop KERNEL_NS SYNC_EVERY START_AT DURATION OUT
            its grace: revoked) and a sync; idle until START_AT; a short copy the hook does not
            gate (PyTorch queues such work, e.g. an event record or a memset); then the loop
            from the first instant, no ramp. ALLOC=1: a 64 MiB cuMemAlloc/cuMemFree every step
-The fake driver (tests/fakecuda/fake_cuda.c) gives every launch KERNEL_NS of modelled GPU time
-on its stream; a sync sleeps until the stream's work is done. The process reaches the driver
-through ctypes (dlopen + dlsym), so under LD_PRELOAD every call goes through the interposer.
+The fake driver (vgpu_runtime/devkit/fakecuda/fake_cuda.c) gives every launch KERNEL_NS of
+modelled GPU time on its stream; a sync sleeps until the stream's work is done. The process
+reaches the driver through ctypes (dlopen + dlsym), so under LD_PRELOAD every call goes through
+the interposer.
 
 Like scripts/cuda/tenant.py, a tenant idles until RAMP seconds before START_AT and then loads
 the GPU, so every tenant of a case starts together; it counts what completes inside

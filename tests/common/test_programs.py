@@ -12,7 +12,7 @@ import pytest
 from vgpu_runtime import __version__, paths
 
 PROGRAMS = ("gemini-device-plugin", "gemini-scheduler", "gemini-run", "gemini-vgpu",
-            "gemini-install-hook")
+            "gemini-install-hook", "gemini-demo")
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.containers.node import ContainerNode, start_node, stop_node
-from tests.kubelet_emulator.runtime import runc_refusal
+from vgpu_runtime.devkit.kubelet_emulator.runtime import runc_refusal
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def container_node() -> Iterator[ContainerNode]:
     if reason:
         pytest.skip(reason)
     pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
-    from tests.fakeapi import FakeApiServer
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
     with FakeApiServer() as api:
         api.add_node("node-1")

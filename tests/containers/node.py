@@ -25,11 +25,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.childenv import child_env
-from tests.fakecuda.builder import build_fake_driver
 from tests.hook.cudaprobe import COUNTERS
-from tests.kubelet_emulator import KubeletEmulator, Pod
-from tests.kubelet_emulator.plugin_process import PluginProcess
-from tests.kubelet_emulator.runtime import (
+from tests.scheduler.helpers import DaemonProcess, wait_for
+from vgpu_runtime import allocation, hooklib, paths
+from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
+from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod
+from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
+from vgpu_runtime.devkit.kubelet_emulator.runtime import (
     SYSTEM_ROOTFS,
     Container,
     ContainerConfig,
@@ -37,9 +40,6 @@ from tests.kubelet_emulator.runtime import (
     Rootfs,
     Volume,
 )
-from tests.scheduler.helpers import DaemonProcess, wait_for
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.hook import build
 

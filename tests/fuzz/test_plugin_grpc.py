@@ -30,8 +30,8 @@ from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
-from tests.hookdir import install_hook
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 

@@ -1,7 +1,7 @@
 """Replays a kubelet ContainerAllocateResponse in a real container, for tests that hold a response
 rather than a whole node: a thin use of the kubelet emulator's runtime stage
-(tests/kubelet_emulator/runtime.py says what the container gets), so there is one replay
-mechanism.
+(vgpu_runtime/devkit/kubelet_emulator/runtime.py says what the container gets), so there is one
+replay mechanism.
 
 `gpu_cdi_spec` writes the CDI spec of this machine's real GPUs (what the NVIDIA toolkit writes on
 a node), so the plugin's default CDI names resolve; the container's root is then the host's,
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.kubelet_emulator.runtime import (
+from vgpu_runtime.devkit.kubelet_emulator.runtime import (
     Container,
     ContainerConfig,
     ContainerRuntime,

@@ -4,33 +4,36 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.childenv import python_path
-from tests.fakecuda.builder import build_fake_driver
-from tests.scheduler.helpers import DaemonProcess, make_record, wait_served
-from vgpu_runtime.allocation import AllocationRecord
-from vgpu_runtime.gpus.simulated import simulated_uuid
+from vgpu_runtime.devkit.daemon_node import (
+    LIMIT,
+    OTHER_UUID,
+    UUID,
+    DaemonNode,
+    GiB,
+    MiB,
+    compile_program,
+    start_node,
+    stop_node,
+)
+from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.hook import build
-
-MiB = 1 << 20
-GiB = 1 << 30
-LIMIT = 1 * GiB
-UUID = simulated_uuid(0)
-OTHER_UUID = simulated_uuid(1)
 
 REPO = Path(__file__).resolve().parents[2]
 PRELUDE = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n"
+
+__all__ = ["LIMIT", "OTHER_UUID", "PRELUDE", "UUID", "DaemonNode", "GiB", "Hooked", "MiB",
+           "compile_program", "fake_dir", "hook_lib", "hooked", "node", "pair_node", "start_node",
+           "stop_node"]
 
 
 @pytest.fixture(scope="session")
@@ -99,75 +102,15 @@ def hooked(hook_lib: Path, fake_dir: Path) -> Hooked:
     return Hooked(hook_lib, fake_dir)
 
 
-def compile_program(source: str, out: Path, fake: Path, *flags: str) -> Path:
-    src = out.with_suffix(".c")
-    src.write_text(textwrap.dedent(source))
-    cmd = ["gcc", "-std=gnu11", "-O1", "-Wall", "-Werror", "-Wno-unused-parameter",
-           f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(src), "-o", str(out), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    return out
-
-
-@dataclass
-class Node:
-    """A REAL gemini-scheduler on a temporary state directory, with allocations on UUID."""
-    root: Path
-    state_dir: Path
-    daemon: DaemonProcess
-    record: AllocationRecord
-    daemon_args: tuple[str, ...] = ()
-    others: list[AllocationRecord] = field(default_factory=list)
-
-    def env(self, **extra: str) -> dict[str, str]:
-        return self.env_of(self.record, **extra)
-
-    def env_of(self, record: AllocationRecord, **extra: str) -> dict[str, str]:
-        return {"GEMINI_CHANNEL_DIR": record.channel_dir, "FAKE_CUDA_UUIDS": UUID,
-                "FAKE_CUDA_TOTAL_MEM": str(16 * GiB), "GEMINI_HOOK_DAEMON_WAIT": "5", **extra}
-
-    def used(self, record: AllocationRecord | None = None) -> int:
-        entry = self.daemon.allocation((record or self.record).id)
-        return int(entry["gpus"][0]["memory_used"]) if entry else -1
-
-    def allocate(self, share: float, memory: int = LIMIT) -> AllocationRecord:
-        """Another allocation (another container) on the same GPU."""
-        record = make_record(self.state_dir, gpus=((UUID, memory, share),))
-        wait_served(record)
-        self.others.append(record)
-        return record
-
-    def restart_daemon(self) -> None:
-        assert self.daemon.stop() == 0, self.daemon.logs()
-        self.daemon = DaemonProcess(self.state_dir, *self.daemon_args).wait_ready()
-        for record in (self.record, *self.others):
-            wait_served(record)
-
-
-def start_node(share: float = 0.5, *daemon_args: str) -> Node:
-    root = Path(tempfile.mkdtemp(prefix="gmh-"))   # short: socket paths must fit 107 bytes
-    state_dir = root / "state"
-    state_dir.mkdir()
-    daemon = DaemonProcess(state_dir, *daemon_args).wait_ready()
-    record = make_record(state_dir, gpus=((UUID, LIMIT, share),))
-    wait_served(record)
-    return Node(root, state_dir, daemon, record, daemon_args)
-
-
-def stop_node(node: Node) -> None:
-    node.daemon.stop()
-    shutil.rmtree(node.root, ignore_errors=True)
-
-
 @pytest.fixture
-def node() -> Iterator[Node]:
+def node() -> Iterator[DaemonNode]:
     started = start_node()
     yield started
     stop_node(started)
 
 
 @pytest.fixture
-def pair_node() -> Iterator[Node]:
+def pair_node() -> Iterator[DaemonNode]:
     """Two allocations of 0.5 on one GPU: the token passes between them."""
     started = start_node(0.5)
     started.allocate(0.5)

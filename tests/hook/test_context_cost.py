@@ -7,14 +7,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.hook.conftest import LIMIT, PRELUDE, Hooked, MiB, Node
+from tests.hook.conftest import LIMIT, PRELUDE, DaemonNode, Hooked, MiB
 from tests.scheduler.helpers import wait_for
 
 CONTEXT = 300 * MiB
 
 
 def test_primary_context_cost_is_measured_through_nvml_and_charged(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         assert lib.cuInit(0) == 0
@@ -43,7 +43,7 @@ def test_primary_context_cost_is_measured_through_nvml_and_charged(
 
 
 def test_created_contexts_are_charged_each_and_uncharged_on_destroy(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         first = context(lib)       # no context current: measured through NVML
@@ -59,7 +59,7 @@ def test_created_contexts_are_charged_each_and_uncharged_on_destroy(
 
 
 def test_the_daemon_charges_the_context_while_the_process_lives(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     source = PRELUDE + textwrap.dedent("""
         import sys
         lib = cuda()
@@ -82,7 +82,7 @@ def test_the_daemon_charges_the_context_while_the_process_lives(
 
 
 def test_without_a_measurement_the_configured_cost_is_charged(
-        hooked: Hooked, node: Node, tmp_path: Path) -> None:
+        hooked: Hooked, node: DaemonNode, tmp_path: Path) -> None:
     no_nvml = tmp_path / "lib"                 # the fake driver without libnvidia-ml next to it
     no_nvml.mkdir()
     (no_nvml / "libcuda.so.1").symlink_to(hooked.fake / "libcuda.so.1")

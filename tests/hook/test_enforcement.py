@@ -19,7 +19,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.hook.conftest import PRELUDE, Hooked, MiB, Node, start_node, stop_node
+from tests.hook.conftest import PRELUDE, DaemonNode, Hooked, MiB, start_node, stop_node
 from tests.hook.tokenkit import Loop
 from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 
@@ -77,7 +77,7 @@ def gpu_share(launched: list[int], start: int, end: int) -> float:
 
 
 def test_a_zero_token_timeout_in_the_environment_does_not_ungate_launches(
-        hooked: Hooked, pair_node: Node) -> None:
+        hooked: Hooked, pair_node: DaemonNode) -> None:
     """S5: GEMINI_HOOK_TOKEN_TIMEOUT=0 with a huge retry gave 33,590 ungated launches."""
     node = pair_node
     attack = {"GEMINI_HOOK_TOKEN_TIMEOUT": "0", "GEMINI_HOOK_UNGATED_RETRY": "1e6",
@@ -95,7 +95,7 @@ def test_a_zero_token_timeout_in_the_environment_does_not_ungate_launches(
 
 
 def test_a_zero_context_cap_in_the_environment_does_not_escape_the_context_charge(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """S5: GEMINI_HOOK_CONTEXT_MAX_BYTES=0 made every context free."""
     result = hooked.python("""
         lib = cuda()

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.hook.conftest import LIMIT, OTHER_UUID, PRELUDE, UUID, GiB, Hooked, MiB, Node
+from tests.hook.conftest import LIMIT, OTHER_UUID, PRELUDE, UUID, DaemonNode, GiB, Hooked, MiB
 from tests.scheduler.helpers import DaemonProcess, wait_for
 
 
-def test_limit_oom_and_free(hooked: Hooked, node: Node) -> None:
+def test_limit_oom_and_free(hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         context(lib)
@@ -58,7 +58,8 @@ HOLDER = """
 """
 
 
-def start_holder(hooked: Hooked, node: Node, *sizes: int, **env: str) -> subprocess.Popen[str]:
+def start_holder(hooked: Hooked, node: DaemonNode, *sizes: int,
+                 **env: str) -> subprocess.Popen[str]:
     source = PRELUDE + textwrap.dedent(HOLDER)
     proc = subprocess.Popen([sys.executable, "-c", source, *map(str, sizes)],
                             env=hooked.env(node.env(**env)), stdin=subprocess.PIPE,
@@ -78,7 +79,7 @@ def step(proc: subprocess.Popen[str]) -> dict[str, object]:
     return result
 
 
-def one_alloc(hooked: Hooked, node: Node, size: int) -> int:
+def one_alloc(hooked: Hooked, node: DaemonNode, size: int) -> int:
     result = hooked.python(f"""
         lib = cuda()
         context(lib)
@@ -90,7 +91,7 @@ def one_alloc(hooked: Hooked, node: Node, size: int) -> int:
 
 
 def test_processes_share_one_limit_and_a_killed_holder_is_released(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     holder = start_holder(hooked, node, 700 * MiB)
     try:
         assert node.used() == 700 * MiB
@@ -105,7 +106,7 @@ def test_processes_share_one_limit_and_a_killed_holder_is_released(
         holder.wait()
 
 
-def test_daemon_restart_redeclares_what_the_process_holds(hooked: Hooked, node: Node) -> None:
+def test_daemon_restart_redeclares_what_the_process_holds(hooked: Hooked, node: DaemonNode) -> None:
     holder = start_holder(hooked, node, 600 * MiB, 600 * MiB)
     try:
         node.restart_daemon()
@@ -120,7 +121,7 @@ def test_daemon_restart_redeclares_what_the_process_holds(hooked: Hooked, node: 
         holder.wait()
 
 
-def test_fork_child_opens_its_own_connection(hooked: Hooked, node: Node) -> None:
+def test_fork_child_opens_its_own_connection(hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         context(lib)
@@ -150,7 +151,7 @@ def test_fork_child_opens_its_own_connection(hooked: Hooked, node: Node) -> None
 
 
 def test_pool_growth_and_trim_are_declared_and_overflow_is_undone(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     holder_code = """
         lib = cuda()
         context(lib)
@@ -186,7 +187,7 @@ def test_pool_growth_and_trim_are_declared_and_overflow_is_undone(
         proc.wait()
 
 
-def test_every_pool_is_measured_however_many(hooked: Hooked, node: Node) -> None:
+def test_every_pool_is_measured_however_many(hooked: Hooked, node: DaemonNode) -> None:
     """S4: the hook tracked 64 pools; allocations from the 65th on were never measured (4 GiB
     each went through against a 1 GiB limit). Pass: pool 66 and 67 are refused like the first."""
     result = hooked.python("""
@@ -207,7 +208,7 @@ def test_every_pool_is_measured_however_many(hooked: Hooked, node: Node) -> None
     assert isinstance(stats, dict) and stats["bytes_held"] == 66 * 2 * MiB   # 2 MiB chunks
 
 
-def test_vmm_managed_pitch_and_arrays_count_and_free(hooked: Hooked, node: Node) -> None:
+def test_vmm_managed_pitch_and_arrays_count_and_free(hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         class Prop(ctypes.Structure):
             _fields_ = [("type", ctypes.c_int), ("handles", ctypes.c_int),
@@ -248,7 +249,7 @@ def test_vmm_managed_pitch_and_arrays_count_and_free(hooked: Hooked, node: Node)
     assert result["frees"] == [0, 0, 0, 0] and result["held_after"] == 0
 
 
-def test_nvml_reports_the_slice_without_underflow(hooked: Hooked, node: Node) -> None:
+def test_nvml_reports_the_slice_without_underflow(hooked: Hooked, node: DaemonNode) -> None:
     code = """
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
         nvml.nvmlInit_v2()
@@ -274,7 +275,7 @@ def test_nvml_reports_the_slice_without_underflow(hooked: Hooked, node: Node) ->
 
 
 def test_graph_memory_is_declared_and_use_past_the_limit_does_not_underflow(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         context(lib)
@@ -291,7 +292,7 @@ def test_graph_memory_is_declared_and_use_past_the_limit_does_not_underflow(
     assert isinstance(stats, dict) and stats["graph_launches"] == 1
 
 
-def test_devices_outside_the_allocation_are_refused(hooked: Hooked, node: Node) -> None:
+def test_devices_outside_the_allocation_are_refused(hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         lib.cuInit(0)
@@ -342,7 +343,7 @@ def test_a_daemon_wait_that_is_not_a_number_waits_the_default_then_fails_closed(
     assert waited > 29                                          # the default, not 0
 
 
-def test_stopped_daemon_does_not_crash_the_holder(hooked: Hooked, node: Node) -> None:
+def test_stopped_daemon_does_not_crash_the_holder(hooked: Hooked, node: DaemonNode) -> None:
     holder = start_holder(hooked, node, 100 * MiB, 100 * MiB, GEMINI_HOOK_DAEMON_WAIT="0.3")
     try:
         node.daemon.stop(signal.SIGKILL)

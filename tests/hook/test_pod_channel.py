@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hook.conftest import PRELUDE, Hooked, Node
+from tests.hook.conftest import PRELUDE, DaemonNode, Hooked
 from tests.hook.tokenkit import Loop, in_pod
 from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime.allocation import AllocationRecord
@@ -27,7 +27,8 @@ from vgpu_runtime.allocation import AllocationRecord
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
 
 
-def pod_env(node: Node, record: AllocationRecord | None = None, **extra: str) -> dict[str, str]:
+def pod_env(node: DaemonNode, record: AllocationRecord | None = None,
+            **extra: str) -> dict[str, str]:
     """What Allocate gives a pod: the channel at its mount point (the host path is not used)."""
     env = node.env_of(record or node.record, **extra)
     env["GEMINI_CHANNEL_DIR"] = "/run/gemini"
@@ -35,12 +36,12 @@ def pod_env(node: Node, record: AllocationRecord | None = None, **extra: str) ->
     return env
 
 
-def gpu_status(node: Node) -> dict[str, object]:
+def gpu_status(node: DaemonNode) -> dict[str, object]:
     (gpu,) = node.daemon.status()["gpus"]
     return gpu  # type: ignore[no-any-return]
 
 
-def run_in_pod(hooked: Hooked, node: Node, code: str, env: dict[str, str],
+def run_in_pod(hooked: Hooked, node: DaemonNode, code: str, env: dict[str, str],
                record: AllocationRecord | None = None, uid: int | None = None
                ) -> dict[str, object]:
     argv = [sys.executable, "-c", PRELUDE + textwrap.dedent(code)]
@@ -54,7 +55,7 @@ def run_in_pod(hooked: Hooked, node: Node, code: str, env: dict[str, str],
     return result
 
 
-def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: Node) -> None:
+def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: DaemonNode) -> None:
     """S3 / issue 11: on the old hook a read-only channel cost a token request per launch."""
     loop = Loop(hooked, pod_env(node), 0.5, pod_channel=node.record.channel_dir)
     loop.go()
@@ -67,7 +68,7 @@ def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: Nod
 
 
 def test_two_pods_take_turns_on_their_pages_without_idle_releases(
-        hooked: Hooked, pair_node: Node) -> None:
+        hooked: Hooked, pair_node: DaemonNode) -> None:
     """The daemon sees each pod's launches on its activity page: it does not take the token
     back 2 ms into every grant (on the old hook: 1,004 idle releases in 1,005 grants)."""
     node = pair_node
@@ -89,7 +90,7 @@ def test_two_pods_take_turns_on_their_pages_without_idle_releases(
 
 
 def test_an_empty_channel_variable_does_not_switch_the_hook_off_in_a_pod(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """S5: GEMINI_CHANNEL_DIR="" made the old hook pass every call through, and a 3 GiB
     allocation went through against a 1 GiB limit. /run/gemini/sched.sock wins."""
     code = """
@@ -107,7 +108,7 @@ def test_an_empty_channel_variable_does_not_switch_the_hook_off_in_a_pod(
 
 
 def test_a_pod_of_a_non_root_user_keeps_the_fast_path_and_its_memory_limit(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """Nothing the hook needs from its channel is more than connecting to the socket: a pod
     running as uid 65534 is gated on its pages and held to its limit."""
     if shutil.which("setpriv") is None:
@@ -137,7 +138,7 @@ def test_a_pod_of_a_non_root_user_keeps_the_fast_path_and_its_memory_limit(
 
 
 def test_the_token_page_is_mapped_read_only_and_cannot_be_made_writable(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """A writable token page would let a container forge valid_until_ns."""
     result = run_in_pod(hooked, node, """
         import errno
@@ -178,7 +179,7 @@ def test_the_token_page_is_mapped_read_only_and_cannot_be_made_writable(
     assert not list((node.state_dir / "channels").glob("*/token.*"))
 
 
-def test_the_token_page_descriptor_is_read_only(node: Node) -> None:
+def test_the_token_page_descriptor_is_read_only(node: DaemonNode) -> None:
     """What the daemon passes, seen from the receiving process: O_RDONLY, writes refused."""
     import errno
     import mmap
@@ -210,7 +211,7 @@ def test_the_token_page_descriptor_is_read_only(node: Node) -> None:
 
 
 def test_a_daemon_restart_under_a_running_pod_keeps_it_gated_on_the_fast_path(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     loop = Loop(hooked, pod_env(node), 3.0, pod_channel=node.record.channel_dir)
     loop.go()
     time.sleep(1.0)
@@ -226,7 +227,7 @@ def test_a_daemon_restart_under_a_running_pod_keeps_it_gated_on_the_fast_path(
 
 
 def test_pages_made_anew_by_a_restarted_daemon_are_mapped_on_the_next_hello(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """Pages lost with the state directory's pages/ (a new node image, a wiped tmpfs): the
     hook's re-hello brings the new files and the fast path goes on from them."""
     loop = Loop(hooked, pod_env(node), 3.0, pod_channel=node.record.channel_dir)
@@ -245,7 +246,7 @@ def test_pages_made_anew_by_a_restarted_daemon_are_mapped_on_the_next_hello(
 
 
 def test_gemini_run_style_writable_channel_needs_no_page_files_in_it(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     """Outside a pod (GEMINI_CHANNEL_DIR, gemini-run) the pages come the same way."""
     result = hooked.python("""
         lib = cuda()

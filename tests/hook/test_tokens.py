@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hook.conftest import Hooked, Node, compile_program, start_node, stop_node
+from tests.hook.conftest import DaemonNode, Hooked, compile_program, start_node, stop_node
 from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
 from vgpu_runtime.scheduler import client
 
@@ -20,13 +20,13 @@ GATE_OPEN, GATE_TOKEN = 0, 1
 
 
 @pytest.fixture
-def whole_gpu_node() -> Iterator[Node]:
+def whole_gpu_node() -> Iterator[DaemonNode]:
     started = start_node(1.0)
     yield started
     stop_node(started)
 
 
-def test_gate_is_open_for_a_whole_gpu_alone(hooked: Hooked, whole_gpu_node: Node) -> None:
+def test_gate_is_open_for_a_whole_gpu_alone(hooked: Hooked, whole_gpu_node: DaemonNode) -> None:
     node = whole_gpu_node
     assert read_token_page(node.record)[0] == GATE_OPEN
     result = hooked.python("""
@@ -42,7 +42,7 @@ def test_gate_is_open_for_a_whole_gpu_alone(hooked: Hooked, whole_gpu_node: Node
     assert read_activity_page(node.record)[2] == 0          # no activity written either
 
 
-def test_fast_path_sends_nothing_while_the_grant_is_valid(hooked: Hooked, node: Node) -> None:
+def test_fast_path_sends_nothing_while_the_grant_is_valid(hooked: Hooked, node: DaemonNode) -> None:
     result = hooked.python("""
         lib = cuda()
         context(lib)
@@ -84,7 +84,7 @@ FAST_PATH_PROGRAM = r"""
 
 
 def test_fast_path_makes_no_system_call_under_strace(
-        hooked: Hooked, node: Node, tmp_path: Path) -> None:
+        hooked: Hooked, node: DaemonNode, tmp_path: Path) -> None:
     if shutil.which("strace") is None:
         pytest.skip("strace is not installed")
     program = compile_program(FAST_PATH_PROGRAM, tmp_path / "fast", hooked.fake,
@@ -102,7 +102,7 @@ def test_fast_path_makes_no_system_call_under_strace(
 
 
 def test_a_contending_container_blocks_launches_until_it_releases(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     rival_record = node.allocate(0.5)
     rival = Rival(rival_record)
     loop = Loop(hooked, node.env(), 0.05)
@@ -131,7 +131,7 @@ def switches(a: list[int], b: list[int]) -> int:
 
 
 @pytest.fixture
-def patient_node() -> Iterator[Node]:
+def patient_node() -> Iterator[DaemonNode]:
     """A node whose daemon takes the token from an idle holder after 50 ms, not 2 ms: on a
     starved box (two busy loops on two cores) a holder descheduled for a few ms looked idle,
     and the handoffs that followed were the idle release's, not the quota's (measured: 62-100
@@ -142,7 +142,8 @@ def patient_node() -> Iterator[Node]:
 
 
 @pytest.mark.parametrize("sync_each", [False, True], ids=["stream", "sync-each"])
-def test_two_containers_take_turns(hooked: Hooked, patient_node: Node, sync_each: bool) -> None:
+def test_two_containers_take_turns(hooked: Hooked, patient_node: DaemonNode,
+                                   sync_each: bool) -> None:
     node = patient_node
     other = node.allocate(0.5)
     first = Loop(hooked, node.env(), 0.8, sync_each)
@@ -199,7 +200,7 @@ def test_a_waking_tenant_cuts_a_hooked_holders_quota_short(hooked: Hooked) -> No
         stop_node(node)
 
 
-def test_requests_carry_the_longest_unmerged_burst(hooked: Hooked, node: Node) -> None:
+def test_requests_carry_the_longest_unmerged_burst(hooked: Hooked, node: DaemonNode) -> None:
     # 5 ms bursts back to back (gaps far below the 2 ms merge gap) merge into one long run in
     # the usage reports; the figure quota sizing gets is the burst from launch to sync.
     hooked.python(f"""
@@ -221,7 +222,7 @@ def test_requests_carry_the_longest_unmerged_burst(hooked: Hooked, node: Node) -
 
 
 def test_every_synchronisation_ends_a_burst_however_it_was_resolved(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     # CUDA 13's runtime resolves cuCtxSynchronize to cuCtxSynchronize_v2 (a context argument):
     # cudaDeviceSynchronize and torch.cuda.synchronize reach the driver only through it.
     result = hooked.python("""
@@ -254,7 +255,7 @@ def test_every_synchronisation_ends_a_burst_however_it_was_resolved(
     assert result == {name: 1 for name in result} and len(result) == 4, result
 
 
-def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: Node) -> None:
+def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: DaemonNode) -> None:
     rival = Rival(node.allocate(0.5))
     proc = hooked.start(f"""
         import sys
@@ -282,7 +283,7 @@ def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: Node) -> No
         rival.close()
 
 
-def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: Node) -> None:
+def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: DaemonNode) -> None:
     node.allocate(0.5)                                      # contended: quotas, not gate open
     first = hooked.start(f"""
         import sys
@@ -309,7 +310,7 @@ def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: Node) 
         first.wait()
 
 
-def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: Node) -> None:
+def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: DaemonNode) -> None:
     rival = Rival(node.allocate(0.5))
     try:
         rival.hold()
@@ -334,7 +335,7 @@ def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: No
 
 
 def test_a_killed_daemon_leaves_the_program_running_self_gated(hooked: Hooked,
-                                                               node: Node) -> None:
+                                                               node: DaemonNode) -> None:
     loop = Loop(hooked, node.env(GEMINI_HOOK_DAEMON_WAIT="0.3"), 1.0)
     try:
         loop.go()
@@ -349,7 +350,7 @@ def test_a_killed_daemon_leaves_the_program_running_self_gated(hooked: Hooked,
 
 
 def test_a_forked_child_maps_its_own_pages_and_shares_the_grant(
-        hooked: Hooked, node: Node) -> None:
+        hooked: Hooked, node: DaemonNode) -> None:
     node.allocate(0.5)
     result = hooked.python(f"""
         lib = cuda()
@@ -376,7 +377,7 @@ def test_a_forked_child_maps_its_own_pages_and_shares_the_grant(
 
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
-        hooked: Hooked, node: Node, drain: str) -> None:
+        hooked: Hooked, node: DaemonNode, drain: str) -> None:
     # Kernels of 1 s: the work is still queued when the process asks again (its grant was
     # revoked after quota + grace), so the sync drain has something to wait for.
     rival = Rival(node.allocate(0.5))

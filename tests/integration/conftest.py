@@ -1,66 +1,18 @@
-"""A node for each test: the kubelet emulator and the real plugin process, in a temp dir."""
+"""A node for each test: the kubelet emulator and the real plugin process (the kit's
+PluginNode), in a temporary directory."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.kubelet_emulator import KubeletEmulator
-from tests.kubelet_emulator.plugin_process import PluginProcess
+from vgpu_runtime.devkit.plugin_node import FAST_HEALTH, START_TIMEOUT, PluginNode, plugin_node
 
-# Short health timings keep the tests fast; the plugin's defaults are 10 s and 300 s.
-FAST_HEALTH = ("--health-recheck-interval", "0.1", "--recovery-quiet-period", "0.5")
-START_TIMEOUT = 15.0  # a cold interpreter on two busy cores
-
-
-@dataclass
-class Node:
-    root: Path
-    kubelet: KubeletEmulator
-    plugins: list[PluginProcess] = field(default_factory=list)
-
-    @property
-    def kubelet_dir(self) -> Path:
-        return self.root / "dp"
-
-    @property
-    def state_dir(self) -> Path:
-        return self.root / "state"
-
-    async def start_plugin(self, gpus: int = 2, slices: int = 10, args: Sequence[str] = (),
-                           wait: bool = True) -> PluginProcess:
-        plugin = PluginProcess(self.kubelet_dir, self.state_dir, gpus=gpus, slices=slices,
-                               args=[*FAST_HEALTH, "--log-format", "text", *args],
-                               log_path=self.root / "plugin.log")
-        await plugin.start()
-        self.plugins.append(plugin)
-        if wait:
-            await self.wait_registered(gpus * slices)
-        return plugin
-
-    async def wait_registered(self, capacity: int, timeout: float = START_TIMEOUT) -> None:
-        await self.kubelet.wait_until(
-            lambda: self.kubelet.allocatable() == capacity == self.kubelet.capacity(), timeout)
+__all__ = ["FAST_HEALTH", "START_TIMEOUT", "PluginNode", "node"]
 
 
 @pytest.fixture
-async def node() -> AsyncIterator[Node]:
-    root = Path(tempfile.mkdtemp(prefix="gv-", dir="/tmp"))  # short: socket paths <= 107 bytes
-    kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
-    await kubelet.start()
-    node = Node(root, kubelet)
-    try:
-        yield node
-    finally:
-        for plugin in node.plugins:
-            await plugin.stop()
-        await kubelet.stop()
-        log = (root / "plugin.log")
-        if log.exists():
-            print("---- plugin log ----\n" + log.read_text(errors="replace")[-6000:])
-        shutil.rmtree(root, ignore_errors=True)
+async def node() -> AsyncIterator[PluginNode]:
+    async with plugin_node() as started:
+        yield started

@@ -11,10 +11,10 @@ from typing import Any
 
 import grpc
 
-from tests.integration.conftest import Node
-from tests.kubelet_emulator import Pod
-from tests.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
+from tests.integration.conftest import PluginNode
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.devkit.kubelet_emulator import Pod
+from vgpu_runtime.devkit.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
@@ -29,7 +29,7 @@ def record_files(state_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in paths.allocations_dir(state_dir).glob("*.json")}
 
 
-async def direct_allocate(node: Node, ids: list[str]) -> Any:
+async def direct_allocate(node: PluginNode, ids: list[str]) -> Any:
     """Allocate straight on the plugin's socket, as a misbehaving client could."""
     async with grpc.aio.insecure_channel(f"unix://{node.kubelet_dir}/gemini-vgpu.sock") as ch:
         response = await dp_grpc.DevicePluginStub(ch).Allocate(dp.AllocateRequest(
@@ -37,7 +37,7 @@ async def direct_allocate(node: Node, ids: list[str]) -> Any:
         return response.container_responses[0]
 
 
-async def test_registers_two_gpus_of_ten_slices(node: Node) -> None:
+async def test_registers_two_gpus_of_ten_slices(node: PluginNode) -> None:
     await node.start_plugin(gpus=2, slices=10)
     assert node.kubelet.capacity() == 20 and node.kubelet.allocatable() == 20
     devices = node.kubelet.devices[paths.RESOURCE_NAME]
@@ -48,7 +48,7 @@ async def test_registers_two_gpus_of_ten_slices(node: Node) -> None:
     assert options.get_preferred_allocation_available
 
 
-async def test_best_fit_packs_3_and_5_on_one_gpu_and_4_on_the_other(node: Node) -> None:
+async def test_best_fit_packs_3_and_5_on_one_gpu_and_4_on_the_other(node: PluginNode) -> None:
     await node.start_plugin()
     a, b, c = [await node.kubelet.admit_pod(n, containers=[("main", k)])
                for n, k in (("a", 3), ("b", 5), ("c", 4))]
@@ -58,7 +58,7 @@ async def test_best_fit_packs_3_and_5_on_one_gpu_and_4_on_the_other(node: Node) 
     assert [len(p.device_ids()) for p in (a, b, c)] == [3, 5, 4]
 
 
-async def test_spread_places_each_pod_on_the_gpu_with_most_free(node: Node) -> None:
+async def test_spread_places_each_pod_on_the_gpu_with_most_free(node: PluginNode) -> None:
     await node.start_plugin(args=["--placement", "spread"])
     a, b, c = [await node.kubelet.admit_pod(n, containers=[("main", k)])
                for n, k in (("a", 3), ("b", 5), ("c", 4))]
@@ -67,7 +67,7 @@ async def test_spread_places_each_pod_on_the_gpu_with_most_free(node: Node) -> N
     assert gpus_of(a) != gpus_of(b) and gpus_of(c) == gpus_of(a)
 
 
-async def test_whole_gpu_request_takes_two_full_gpus(node: Node) -> None:
+async def test_whole_gpu_request_takes_two_full_gpus(node: PluginNode) -> None:
     await node.start_plugin(gpus=3)
     pod = await node.kubelet.admit_pod("big", containers=[("main", 20)])
     assert pod.admitted, pod.message
@@ -78,7 +78,7 @@ async def test_whole_gpu_request_takes_two_full_gpus(node: Node) -> None:
     assert odd.admitted and gpus_of(odd).isdisjoint(gpus_of(pod))
 
 
-async def test_pod_fitting_the_node_but_no_single_gpu_is_refused(node: Node) -> None:
+async def test_pod_fitting_the_node_but_no_single_gpu_is_refused(node: PluginNode) -> None:
     await node.start_plugin()
     for name, k in (("a", 3), ("b", 5), ("c", 4)):
         assert (await node.kubelet.admit_pod(name, containers=[("main", k)])).admitted
@@ -93,7 +93,7 @@ async def test_pod_fitting_the_node_but_no_single_gpu_is_refused(node: Node) -> 
     assert not rest.admitted and "15" in rest.message
 
 
-async def test_allocate_rejects_unknown_duplicate_and_split_ids(node: Node) -> None:
+async def test_allocate_rejects_unknown_duplicate_and_split_ids(node: PluginNode) -> None:
     await node.start_plugin()
     cases = [
         ([f"{GPU0}::0", "GPU-nope::1"], "GPU-nope::1"),
@@ -112,7 +112,7 @@ async def test_allocate_rejects_unknown_duplicate_and_split_ids(node: Node) -> N
     assert record_files(node.state_dir) == {}
 
 
-async def test_records_hold_share_memory_and_channel(node: Node) -> None:
+async def test_records_hold_share_memory_and_channel(node: PluginNode) -> None:
     # 22 GiB GPUs with a 2 GiB reserve: exactly 2 GiB per slice.
     await node.start_plugin(args=["--simulate-memory", "22GiB", "--memory-reserve", "2GiB",
                                   "--device-list-strategy", "envvar"])
@@ -133,7 +133,7 @@ async def test_records_hold_share_memory_and_channel(node: Node) -> None:
     assert paths.fits_unix_socket(paths.channel_socket(record.channel_dir))
 
 
-async def test_init_container_slices_reused_by_app_give_one_record(node: Node) -> None:
+async def test_init_container_slices_reused_by_app_give_one_record(node: PluginNode) -> None:
     await node.start_plugin()
     pod = await node.kubelet.admit_pod("p", init_containers=[("init", 4)],
                                        containers=[("app", 4)])
@@ -144,7 +144,7 @@ async def test_init_container_slices_reused_by_app_give_one_record(node: Node) -
     assert len(record_files(node.state_dir)) == 1
 
 
-async def test_xid_makes_a_gpu_unhealthy_then_it_recovers(node: Node) -> None:
+async def test_xid_makes_a_gpu_unhealthy_then_it_recovers(node: PluginNode) -> None:
     plugin = await node.start_plugin()
     plugin.inject({"gpu": 0, "xid": 79})
     await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 10)
@@ -154,7 +154,7 @@ async def test_xid_makes_a_gpu_unhealthy_then_it_recovers(node: Node) -> None:
     await node.kubelet.wait_until(lambda: node.kubelet.allocatable() == 20, timeout=5)
 
 
-async def test_ignored_xid_changes_nothing(node: Node) -> None:
+async def test_ignored_xid_changes_nothing(node: PluginNode) -> None:
     plugin = await node.start_plugin()
     updates: list[float] = []
     node.kubelet.device_listeners.append(lambda resource, at: updates.append(at))
@@ -167,7 +167,7 @@ async def test_ignored_xid_changes_nothing(node: Node) -> None:
     assert node.kubelet.allocatable() == 20 and updates == []
 
 
-async def test_kubelet_restart_brings_the_plugin_back_within_a_second(node: Node) -> None:
+async def test_kubelet_restart_brings_the_plugin_back_within_a_second(node: PluginNode) -> None:
     plugin = await node.start_plugin()
     pod = await node.kubelet.admit_pod("p", containers=[("main", 3)])
     records = record_files(node.state_dir)
@@ -185,7 +185,7 @@ async def test_kubelet_restart_brings_the_plugin_back_within_a_second(node: Node
     assert other.admitted and other.device_ids().isdisjoint(pod.device_ids())
 
 
-async def test_plugin_restart_keeps_records_and_allocate_is_idempotent(node: Node) -> None:
+async def test_plugin_restart_keeps_records_and_allocate_is_idempotent(node: PluginNode) -> None:
     plugin = await node.start_plugin()
     pod = await node.kubelet.admit_pod("p", containers=[("main", 3)])
     records = record_files(node.state_dir)
@@ -202,7 +202,7 @@ async def test_plugin_restart_keeps_records_and_allocate_is_idempotent(node: Nod
     assert record_files(node.state_dir) == records
 
 
-async def test_pod_resources_lists_what_was_allocated(node: Node) -> None:
+async def test_pod_resources_lists_what_was_allocated(node: PluginNode) -> None:
     await node.start_plugin()
     a = await node.kubelet.admit_pod("a", namespace="ml", containers=[("main", 3)])
     b = await node.kubelet.admit_pod("b", namespace="ml", containers=[("main", 5)])

@@ -12,7 +12,7 @@ import pytest
 
 from device_plugin import config as plugin_config
 from device_plugin.config import PluginConfig
-from tests.hookdir import install_hook
+from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 

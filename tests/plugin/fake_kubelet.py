@@ -2,7 +2,7 @@
 
 Like kubelet, it dials the plugin back inside Register and calls GetDevicePluginOptions, so a
 plugin that registers before serving fails here as it would on a node. (The faithful device
-manager emulator lives in tests/kubelet_emulator/.)
+manager emulator lives in vgpu_runtime/devkit/kubelet_emulator/.)
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
-from tests.hookdir import install_hook
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 GIB = 1 << 30
@@ -274,7 +274,7 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.config import PluginConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
-from tests.hookdir import install_hook
+from vgpu_runtime.devkit.hookdir import install_hook
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)

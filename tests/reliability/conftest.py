@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import pytest
 
 from tests.hook.conftest import fake_dir, hook_lib, hooked  # noqa: F401 (fixtures)
-from tests.integration.conftest import Node, node  # noqa: F401 (fixture)
+from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 from tests.scheduler.helpers import DaemonProcess
 
 
 @pytest.fixture
-def daemon(node: Node) -> Iterator[DaemonProcess]:  # noqa: F811
+def daemon(node: PluginNode) -> Iterator[DaemonProcess]:  # noqa: F811
     """gemini-scheduler serving the records the plugin writes (no PodResources binding)."""
     node.state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(node.state_dir).wait_ready()

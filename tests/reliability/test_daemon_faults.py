@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from tests.hook.conftest import Hooked
-from tests.integration.conftest import Node
+from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, MiB
 from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation
@@ -21,7 +21,7 @@ from vgpu_runtime.allocation import AllocationRecord
 ONE_GIB_SLICES = ("--simulate-memory", "12GiB", "--memory-reserve", "2GiB")
 
 
-async def admit_records(node: Node, sizes: tuple[int, ...]) -> list[AllocationRecord]:
+async def admit_records(node: PluginNode, sizes: tuple[int, ...]) -> list[AllocationRecord]:
     """Pods admitted through the emulator; their records, as the plugin wrote them."""
     records = []
     for n, size in enumerate(sizes):
@@ -55,7 +55,7 @@ def tenants_on_gpu(daemon: DaemonProcess) -> list[Any]:
 
 
 async def test_daemon_sigkill_with_three_containers_rebuilds_accounting(
-        node: Node, hooked: Hooked) -> None:
+        node: PluginNode, hooked: Hooked) -> None:
     """Pass: every container keeps launching after the restart, its memory is counted once
     (daemon total == sum of what the processes hold), each allocation has one connection, and
     full service (every holding re-declared) returns within 10 s of the SIGKILL (measured)."""

@@ -11,7 +11,7 @@ import pytest
 
 from tests.hook.conftest import Hooked
 from tests.hook.tokenkit import Rival, read_token_page
-from tests.integration.conftest import Node
+from tests.integration.conftest import PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records
@@ -26,7 +26,7 @@ LONG_QUOTAS = ("--max-quota", "2", "--cycle", "4")
 
 
 @pytest.fixture
-def long_daemon(node: Node) -> Iterator[DaemonProcess]:
+def long_daemon(node: PluginNode) -> Iterator[DaemonProcess]:
     node.state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(node.state_dir, *LONG_QUOTAS).wait_ready()
     yield proc
@@ -34,7 +34,7 @@ def long_daemon(node: Node) -> Iterator[DaemonProcess]:
 
 
 async def test_xid_on_one_gpu_leaves_the_other_and_running_containers_alone(
-        node: Node, daemon: DaemonProcess, hooked: Hooked) -> None:
+        node: PluginNode, daemon: DaemonProcess, hooked: Hooked) -> None:
     """Pass: XID 79 on GPU 0 turns its 10 slices Unhealthy (capacity stays 20) and GPU 1's stay
     Healthy; the container running on GPU 0 keeps its connection, memory and launches; a new
     pod lands on GPU 1; a replayed Allocate on GPU 0 still answers; GPU 0 is Healthy again once
@@ -66,7 +66,7 @@ async def test_xid_on_one_gpu_leaves_the_other_and_running_containers_alone(
 
 
 async def test_sigkill_of_a_hooked_holder_hands_the_token_on_at_once(
-        node: Node, long_daemon: DaemonProcess, hooked: Hooked) -> None:
+        node: PluginNode, long_daemon: DaemonProcess, hooked: Hooked) -> None:
     """Pass: a hooked container killed while its grant is valid loses it at once (the rival is
     granted within 0.5 s, long before the 2 s quota the holder had), and the rival goes on."""
     await node.start_plugin(args=ONE_GIB_SLICES)

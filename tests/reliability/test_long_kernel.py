@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.hook.conftest import Hooked, Node, start_node, stop_node
+from tests.hook.conftest import DaemonNode, Hooked, start_node, stop_node
 from tests.hook.tokenkit import Rival
 
 KERNEL_S = 1.5          # the long kernel
@@ -94,7 +94,7 @@ class Client:
 class Charges:
     """GPU seconds the daemon has charged each tenant, from `achieved` x the window's span."""
 
-    def __init__(self, node: Node, joined_after: float, joined_before: float) -> None:
+    def __init__(self, node: DaemonNode, joined_after: float, joined_before: float) -> None:
         self.node = node
         self.joined_after, self.joined_before = joined_after, joined_before
 
@@ -110,7 +110,7 @@ class Charges:
 
 
 @pytest.fixture
-def hooked_node() -> Iterator[tuple[Node, Charges]]:
+def hooked_node() -> Iterator[tuple[DaemonNode, Charges]]:
     joined_before = time.monotonic()
     node = start_node(0.5, "--cycle", "0.1", "--window", "60")
     joined_after = time.monotonic()
@@ -126,7 +126,7 @@ def gaps(returns: list[int], start: int) -> list[float]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_a_long_kernels_overuse_is_charged_and_paid_back(
-        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges], drain: str) -> None:
     node, charges = hooked_node
     other = node.allocate(0.5)
     stuck = Client(hooked, node.env(GEMINI_HOOK_DRAIN=drain), KERNEL_S)
@@ -193,7 +193,7 @@ IDLER = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
-        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges], drain: str) -> None:
     # A tenant does 1 ms of work, synchronises and idles; a rival's request makes the daemon
     # release it (idle release). Asking again 1 s later, its hook must not report "now" as the
     # end of its last grant's work: that charged the idle second as overuse (found with
@@ -237,7 +237,7 @@ COPY_THEN_LAUNCH = ONE_MS_KERNELS + """
 
 @pytest.mark.timeout(60)
 def test_ungated_work_queued_after_idling_does_not_charge_the_idle_time(
-        hooked: Hooked, hooked_node: tuple[Node, Charges]) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges]) -> None:
     # Root cause of the H200 starvation (issue 10): each starved tenant's ask at the start
     # instant drained ~0.14 ms of stream work and its hook reported "now" as the end of its
     # warm-up grant's work, so the daemon charged the 8 s idle gap since that grant's release.
@@ -276,7 +276,7 @@ REPORTER = ONE_MS_KERNELS + """
 
 @pytest.mark.timeout(60)
 def test_report_mode_does_not_charge_idle_time_for_an_event_found_done_later(
-        hooked: Hooked, hooked_node: tuple[Node, Charges]) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges]) -> None:
     # Report mode keeps the events it records when it asks and queries them at its next ask.
     # Found done then, they ended at the process's last synchronisation if it has been quiet
     # since, not "now" (which charged the idle second before that ask as overuse).
@@ -322,7 +322,7 @@ NO_SYNC = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_a_long_kernel_launched_through_without_a_sync_is_charged_whole(
-        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges], drain: str) -> None:
     # L's 1.5 s kernel runs on while S holds the token between L's grants. In report mode L's
     # hook does not wait for it: each ask finds the events it recorded at the previous one
     # still running and says so, and the daemon charges L from the release before that ask
@@ -331,8 +331,8 @@ def test_a_long_kernel_launched_through_without_a_sync_is_charged_whole(
     _long_kernel_is_charged_whole(hooked, hooked_node, drain, NO_SYNC)
 
 
-def _long_kernel_is_charged_whole(hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str,
-                                  program: str) -> None:
+def _long_kernel_is_charged_whole(hooked: Hooked, hooked_node: tuple[DaemonNode, Charges],
+                                  drain: str, program: str) -> None:
     """L runs `program` (a 1.5 s kernel, then 2 s of launches without a sync) beside S."""
     node, charges = hooked_node
     other = node.allocate(0.5)
@@ -430,7 +430,7 @@ MANY_STREAMS = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("drain", ["sync", "report"])
 def test_a_long_kernel_on_a_stream_past_the_hooks_table_is_charged_whole(
-        hooked: Hooked, hooked_node: tuple[Node, Charges], drain: str) -> None:
+        hooked: Hooked, hooked_node: tuple[DaemonNode, Charges], drain: str) -> None:
     # The hook follows 16 streams per quota; a kernel on a 17th went unmeasured, so its time
     # past the holder's release was never charged (the table failed open). Past the table the
     # ask now waits for the whole context.

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from tests.hook.conftest import Hooked
-from tests.integration.conftest import Node
+from tests.integration.conftest import PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
@@ -58,7 +58,7 @@ def whole_records(state_dir: Path) -> dict[str, AllocationRecord]:
 
 
 async def test_kubelet_restart_leaves_running_containers_undisturbed(
-        node: Node, daemon: DaemonProcess, hooked: Hooked) -> None:
+        node: PluginNode, daemon: DaemonProcess, hooked: Hooked) -> None:
     """Pass: the plugin registers again within 1 s of the new kubelet.sock, capacity returns to
     20, and the running containers keep their one connection, memory and launches."""
     await node.start_plugin(args=ONE_GIB_SLICES)
@@ -88,7 +88,7 @@ async def test_kubelet_restart_leaves_running_containers_undisturbed(
             c.stop()
 
 
-async def hammer(node: Node, rng: random.Random, acknowledged: dict[str, list[str]],
+async def hammer(node: PluginNode, rng: random.Random, acknowledged: dict[str, list[str]],
                  failures: list[grpc.StatusCode]) -> None:
     """Allocate random new slice sets of GPU 1 back to back until the plugin dies."""
     while True:
@@ -101,7 +101,7 @@ async def hammer(node: Node, rng: random.Random, acknowledged: dict[str, list[st
         acknowledged[allocation.id_for_devices(ids)] = ids
 
 
-async def admissions(node: Node, rng: random.Random, prefix: str) -> Any:
+async def admissions(node: PluginNode, rng: random.Random, prefix: str) -> Any:
     """Admit pods back to back, as kubelet would, until one fails; returns the failed pod.
     Each admitted pod is deleted again so the node never runs out of slices."""
     for n in range(10_000):
@@ -114,7 +114,7 @@ async def admissions(node: Node, rng: random.Random, prefix: str) -> Any:
 
 
 async def test_plugin_sigkill_at_random_moments_of_allocate_leaves_whole_records(
-        node: Node, daemon: DaemonProcess) -> None:
+        node: PluginNode, daemon: DaemonProcess) -> None:
     """Pass, after each of several SIGKILLs at random moments of a stream of Allocates: every
     record file is whole, every acknowledged Allocate has its record, the daemon serves exactly
     the whole records, a pod admitted while the plugin is down fails with
@@ -154,7 +154,7 @@ async def test_plugin_sigkill_at_random_moments_of_allocate_leaves_whole_records
 
 
 async def test_plugin_sigkill_then_restart_restores_every_allocation(
-        node: Node, daemon: DaemonProcess) -> None:
+        node: PluginNode, daemon: DaemonProcess) -> None:
     """Pass: after SIGKILL and restart the records are byte-for-byte the same, the daemon
     served them throughout, every replayed Allocate returns the same response and writes
     nothing, and a new pod avoids the running pods' slices."""

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.hook.conftest import Hooked, Node, start_node, stop_node
+from tests.hook.conftest import DaemonNode, Hooked, start_node, stop_node
 from vgpu_runtime.burst.scheduler import SchedulerConfig
 
 RUN_S = 2.5
@@ -63,7 +63,7 @@ CLIENT = """
 
 
 @pytest.fixture(params=["no-limit", "limit=request", "two-processes-allocating"])
-def started(request: pytest.FixtureRequest) -> Iterator[tuple[Node, str]]:
+def started(request: pytest.FixtureRequest) -> Iterator[tuple[DaemonNode, str]]:
     flags = ("--limit-policy", "strict") if request.param == "limit=request" else ()
     node = start_node(0.3, *flags)
     yield node, request.param
@@ -76,7 +76,7 @@ def client(alloc: bool, exit_after: int = 1 << 60) -> str:
 
 @pytest.mark.timeout(60)
 def test_tenants_starting_together_after_a_long_warm_up_get_their_shares(
-        hooked: Hooked, started: tuple[Node, str]) -> None:
+        hooked: Hooked, started: tuple[DaemonNode, str]) -> None:
     # two-processes-allocating: the 0.7 container runs two such processes, and all of them
     # allocate every step (a memory round trip to the daemon while holding the token).
     node, case = started

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import FAST_HEALTH, Node
+from tests.integration.conftest import FAST_HEALTH, PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
-from tests.kubelet_emulator.plugin_process import PluginProcess
 from tests.reliability.test_plugin_faults import ADMISSION_ERROR, hello, whole_records
 from tests.scheduler.helpers import DaemonProcess
 from vgpu_runtime import allocation
+from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 
 READ_ONLY = 'mount --bind "$S" "$S" && mount -o remount,bind,ro "$S"'
 # A 512 KiB tmpfs holding a copy of the state directory (with the interposer in lib/), then
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.skipif(not namespaces_usable(),
                                 reason="needs root and unshare -m to mount in a namespace")
 
 
-async def start_confined_plugin(node: Node, setup: str, scratch: Path) -> PluginProcess:
+async def start_confined_plugin(node: PluginNode, setup: str, scratch: Path) -> PluginProcess:
     plugin = PluginProcess(node.kubelet_dir, node.state_dir,
                            args=[*FAST_HEALTH, "--log-format", "text"],
                            log_path=node.root / "plugin.log")
@@ -59,7 +59,7 @@ async def start_confined_plugin(node: Node, setup: str, scratch: Path) -> Plugin
     ("full", FULL, "No space left on device"),
 ], ids=["read_only", "full"])
 async def test_allocate_fails_clearly_and_damages_nothing(
-        node: Node, daemon: DaemonProcess, tmp_path: Path, fault: str, setup: str,
+        node: PluginNode, daemon: DaemonProcess, tmp_path: Path, fault: str, setup: str,
         errno_text: str) -> None:
     """Pass: a new pod fails admission with a message naming the state directory, the errno
     and what to do; the kept allocation's record is byte-for-byte the same (in the plugin's view

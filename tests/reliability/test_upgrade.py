@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tests.childenv import child_env
 from tests.hook.conftest import Hooked
-from tests.integration.conftest import Node
+from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
 from tests.scheduler.helpers import REPO, DaemonProcess, wait_for
@@ -40,7 +40,7 @@ def share_ppm(daemon: DaemonProcess, allocation_id: str) -> int:
 
 
 async def test_rolling_upgrade_keeps_the_running_containers_library_and_quota(
-        node: Node, hooked: Hooked, tmp_path: Path) -> None:
+        node: PluginNode, hooked: Hooked, tmp_path: Path) -> None:
     """Pass: the library file the container mapped is never replaced (same path, inode and
     bytes; a rebuilt file under the same version is refused), an unused old version is retired,
     and after the daemon restart the container keeps its share and its 3 GiB limit (counted

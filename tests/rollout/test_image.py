@@ -28,7 +28,7 @@ import pytest
 
 from tests.childenv import REPO
 from tests.hook.conftest import Hooked, fake_dir, hook_lib, hooked  # noqa: F401 (fixtures)
-from tests.integration.conftest import Node, node  # noqa: F401 (fixture)
+from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 from tests.reliability.clients import Container, GiB
 from tests.rollout import oci
 from vgpu_runtime import __version__, allocation, paths
@@ -194,7 +194,7 @@ def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
 
 
 async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
-                                                   node: Node, hooked: Hooked,  # noqa: F811
+                                                   node: PluginNode, hooked: Hooked,  # noqa: F811
                                                    ) -> None:
     """The DaemonSet's three containers from the image, under runc with a read-only root and
     no capabilities: the init step installs the interposer on the "host" (twice: a restart

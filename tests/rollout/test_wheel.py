@@ -60,6 +60,15 @@ def test_the_wheel_is_tagged_for_the_machine_and_glibc_of_its_library(wheel: Pat
     assert versions and max(versions) <= OLDEST_GLIBC, "manylinux2014 promises glibc 2.17"
 
 
+def test_the_kit_ships_the_fake_driver_sources(wheel: Path) -> None:
+    """The kit builds the fake libcuda and NVML from C sources when used: they are package data."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for source in ("fake_cuda.c", "fake_nvml.c", "builder.py"):
+        assert f"vgpu_runtime/devkit/fakecuda/{source}" in names, source
+    assert "vgpu_runtime/devkit/demo.py" in names
+
+
 def test_installed_it_names_and_finds_the_library_it_carries(wheel: Path,
                                                             tmp_path: Path) -> None:
     """The plugin puts paths.HOOK_LIBRARY_NAME in LD_PRELOAD and the installer copies the

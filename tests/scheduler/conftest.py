@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.integration.conftest import Node
-from tests.kubelet_emulator import KubeletEmulator
 from tests.scheduler.helpers import DaemonProcess
-from tests.scheduler.podnode import PodNode
+from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator
+from vgpu_runtime.devkit.plugin_node import PluginNode
+from vgpu_runtime.devkit.podnode import PodNode
 
 if TYPE_CHECKING:
-    from tests.fakeapi import FakeApiServer
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ async def pods() -> AsyncIterator[PodNode]:
     root = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))
     kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
     await kubelet.start()
-    node = Node(root, kubelet)
+    node = PluginNode(root, kubelet)
     pn = PodNode(node)
     try:
         await node.start_plugin()
@@ -59,7 +59,7 @@ async def pods() -> AsyncIterator[PodNode]:
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
-    from tests.fakeapi import FakeApiServer
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
     with FakeApiServer() as server:
         server.add_node("node-1")

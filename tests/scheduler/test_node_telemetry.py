@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.scheduler.podnode import PodNode, until
 from vgpu_runtime import __version__, paths
+from vgpu_runtime.devkit.podnode import PodNode, until
 from vgpu_runtime.scheduler.client import ChannelClient
 
 if TYPE_CHECKING:
-    from tests.fakeapi import FakeApiServer
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
 MiB = 1 << 20
 
@@ -58,7 +58,7 @@ async def test_node_labels_are_patched(pods: PodNode, api: FakeApiServer) -> Non
 
 async def test_describe_node_capacity_health_and_kubelet_restart(
         pods: PodNode, api: FakeApiServer) -> None:
-    from tests.fakeapi import describe_node
+    from vgpu_runtime.devkit.fakeapi import describe_node
 
     kubelet = pods.node.kubelet
     (plugin,) = pods.node.plugins

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.scheduler.podnode import PodNode, until
 from vgpu_runtime import paths
 from vgpu_runtime.allocation import AllocationRecord, PodRef
+from vgpu_runtime.devkit.podnode import PodNode, until
 from vgpu_runtime.scheduler.client import ChannelClient, HelloReply
 
 if TYPE_CHECKING:
-    from tests.fakeapi import FakeApiServer
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
 GiB = 1 << 30
 FAST = ("--pod-resources-interval", "0.1", "--pod-resources-min-interval", "0.05")

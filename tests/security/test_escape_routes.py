@@ -28,9 +28,9 @@ from device_plugin.config import PluginConfig
 from device_plugin.slices import SliceTable
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
-from tests.hookdir import install_hook
-from tests.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime import paths
+from vgpu_runtime.devkit.hookdir import install_hook
+from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.hook import build
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2

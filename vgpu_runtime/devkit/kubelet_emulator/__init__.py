@@ -6,8 +6,8 @@ resource, kubelet's device selection and per-container Allocate, a restart that 
 socket directory, and a PodResources server.
 """
 
-from tests.kubelet_emulator.describe import describe_node
-from tests.kubelet_emulator.emulator import KubeletEmulator
-from tests.kubelet_emulator.pods import ContainerAllocation, Pod
+from vgpu_runtime.devkit.kubelet_emulator.describe import describe_node
+from vgpu_runtime.devkit.kubelet_emulator.emulator import KubeletEmulator
+from vgpu_runtime.devkit.kubelet_emulator.pods import ContainerAllocation, Pod
 
 __all__ = ["ContainerAllocation", "KubeletEmulator", "Pod", "describe_node"]

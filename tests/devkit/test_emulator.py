@@ -11,9 +11,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.kubelet_emulator import KubeletEmulator, describe_node
-from tests.kubelet_emulator.protocol import CHECKPOINT_FILE, HEALTHY, UNHEALTHY, pr, pr_grpc
-from tests.kubelet_emulator.stub_plugin import StubPlugin
+from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, describe_node
+from vgpu_runtime.devkit.kubelet_emulator.protocol import (
+    CHECKPOINT_FILE,
+    HEALTHY,
+    UNHEALTHY,
+    pr,
+    pr_grpc,
+)
+from vgpu_runtime.devkit.kubelet_emulator.stub_plugin import StubPlugin
 
 RES = "example.com/dev"
 
@@ -75,7 +81,7 @@ async def test_plugin_registering_before_serving_fails(kubelet: KubeletEmulator)
 
 async def test_options_are_taken_from_the_plugin_not_the_request(
         kubelet: KubeletEmulator) -> None:
-    from tests.kubelet_emulator.protocol import dp
+    from vgpu_runtime.devkit.kubelet_emulator.protocol import dp
 
     stub = StubPlugin(kubelet.directory, preferred=False)
     await stub.serve()

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from tests.kubelet_emulator.protocol import pr, pr_grpc
+from vgpu_runtime.devkit.kubelet_emulator.protocol import pr, pr_grpc
 
 if TYPE_CHECKING:
-    from tests.kubelet_emulator.emulator import KubeletEmulator
-    from tests.kubelet_emulator.pods import Pod
+    from vgpu_runtime.devkit.kubelet_emulator.emulator import KubeletEmulator
+    from vgpu_runtime.devkit.kubelet_emulator.pods import Pod
 
 
 def _numa_nodes(device: Any) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ import subprocess
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-HOOK_INCLUDE = HERE.parent.parent / "vgpu_runtime" / "hook" / "include"
+HOOK_INCLUDE = HERE.parents[1] / "hook" / "include"
 
 
 def _compile(source: Path, output: Path, soname: str) -> None:

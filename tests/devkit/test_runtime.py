@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.kubelet_emulator.runtime import (
+from vgpu_runtime.devkit.kubelet_emulator.runtime import (
     ContainerConfig,
     ContainerRuntime,
     SpecError,

@@ -9,7 +9,13 @@ from typing import Any
 
 import grpc
 
-from tests.kubelet_emulator.protocol import API_VERSION, HEALTHY, KUBELET_SOCKET, dp, dp_grpc
+from vgpu_runtime.devkit.kubelet_emulator.protocol import (
+    API_VERSION,
+    HEALTHY,
+    KUBELET_SOCKET,
+    dp,
+    dp_grpc,
+)
 
 Preference = Callable[[list[str], list[str], int], list[str]]
 

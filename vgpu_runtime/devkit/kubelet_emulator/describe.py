@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tests.kubelet_emulator.emulator import KubeletEmulator
+    from vgpu_runtime.devkit.kubelet_emulator.emulator import KubeletEmulator
 
 
 def _block(title: str, values: dict[str, int]) -> list[str]:

@@ -14,11 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from tests.childenv import child_env
-from tests.hookdir import install_hook
 from vgpu_runtime import paths
+from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
+from vgpu_runtime.devkit.hookdir import install_hook
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _event_numbers = itertools.count()
 
 
@@ -66,7 +65,7 @@ class PluginProcess:
         env = child_env()
         self.process = await asyncio.create_subprocess_exec(
             *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-            cwd=REPO_ROOT, env=env)
+            cwd=SOURCE_ROOT, env=env)
 
     async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Signal the plugin and wait for it; returns its exit status."""

@@ -1,5 +1,5 @@
 """A small fake Kubernetes API server: just the calls gemini-scheduler makes."""
 
-from tests.fakeapi.server import FakeApiServer, describe_node
+from vgpu_runtime.devkit.fakeapi.server import FakeApiServer, describe_node
 
 __all__ = ["FakeApiServer", "describe_node"]

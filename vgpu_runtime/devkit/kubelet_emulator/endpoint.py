@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from tests.kubelet_emulator.protocol import DIAL_TIMEOUT_S, dp, dp_grpc
+from vgpu_runtime.devkit.kubelet_emulator.protocol import DIAL_TIMEOUT_S, dp, dp_grpc
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,11 @@
-"""The README's first command (through scripts/demo): a node advertising and admitting vGPUs.
+"""The README's first command (gemini-demo, through scripts/demo): a node advertising and
+admitting vGPUs.
 
 Starts the real device plugin against the kubelet emulator in a temporary directory (real GPUs
 when NVML finds any, otherwise two simulated ones), shows the node's capacity, admits pods of 3,
 5 and 4 slices, and shows a pod that fits the node's free count but no single GPU refused.
 
-    python -m tests.kubelet_emulator.demo [--simulate-gpus N] [--keep]
+    gemini-demo [--simulate-gpus N] [--keep]
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.kubelet_emulator import KubeletEmulator, Pod, describe_node
-from tests.kubelet_emulator.plugin_process import PluginProcess
 from vgpu_runtime import paths
+from vgpu_runtime.common import cli
+from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod, describe_node
+from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 
 SLICES_PER_GPU = 10
 SAMPLE_PODS = (("train-a", 3), ("infer-b", 5), ("notebook-c", 4))
@@ -146,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--simulate-gpus", type=int, default=None,
                         help="use N simulated GPUs (default: real GPUs if NVML finds any, else 2)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    cli.add_version(parser)
     args = parser.parse_args(argv)
     simulate = args.simulate_gpus
     if simulate is None:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.integration.conftest import Node
-from tests.scheduler.helpers import DaemonProcess
 from vgpu_runtime import allocation
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.devkit.daemon_process import DaemonProcess
+from vgpu_runtime.devkit.plugin_node import PluginNode
 from vgpu_runtime.scheduler import client
 
 T = TypeVar("T")
@@ -34,7 +34,7 @@ async def until(predicate: Callable[[], T | None], timeout: float = 10.0,
 
 @dataclass
 class PodNode:
-    node: Node
+    node: PluginNode
     daemon: DaemonProcess | None = None
 
     @property
