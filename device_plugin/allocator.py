@@ -295,7 +295,7 @@ class Allocator:
         else:
             # Keep what a replay must not change: creation time, the pod binding, and limits
             # the daemon applied from the pod's annotations. The same slices given to another
-            # pod are re-bound by the daemon, which follows PodResources (scheduler/pods.py).
+            # pod are re-bound by the daemon, which follows PodResources (daemon/pods/pods.py).
             fresh = self.build_record(slices, existing.created_at, allocation_id)
             kept_limits = {g.uuid: g.memory_limit for g in existing.gpus}
             gpus = tuple(dataclasses.replace(g, memory_limit=kept_limits.get(g.uuid,

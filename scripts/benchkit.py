@@ -27,7 +27,7 @@ class Daemon:
         self.log_path = self.state.parent / "scheduler.log"
         self.log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(self.state),
+            [sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(self.state),
              "--metrics-port", "0", *self.flags],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         sock = self.state / "scheduler.sock"

@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     # The time-sharing algorithm, pure.
     "vgpu_runtime.burst": 2,
     # The node daemon.
-    "vgpu_runtime.scheduler": 3,
+    "vgpu_runtime.daemon": 3,
     # Programs built on the daemon.
     "vgpu_runtime.run": 4,
     "vgpu_runtime.cli": 4,
@@ -133,11 +133,11 @@ def test_imports_go_one_way(path: Path) -> None:
 def test_the_check_sees_a_planted_bad_import() -> None:
     """The checker itself: each kind of bad import, planted in a real module's text."""
     planted = {
-        "vgpu_runtime/allocation.py": "from vgpu_runtime.scheduler import daemon\n",
+        "vgpu_runtime/allocation.py": "from vgpu_runtime.daemon import daemon\n",
         "vgpu_runtime/burst/window.py": "import device_plugin.server\n",
         "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
         "device_plugin/slices.py": ("import importlib\n"
-                                    "importlib.import_module('vgpu_runtime.scheduler.main')\n"),
+                                    "importlib.import_module('vgpu_runtime.daemon.main')\n"),
         "vgpu_runtime/run.py": "from vgpu_runtime.devkit.fakecuda import builder\n",
         "scripts/bench-gate": "from tests.hook.conftest import compile_program\n",
     }

@@ -18,9 +18,9 @@ from typing import Any
 from vgpu_runtime import paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
-from vgpu_runtime.scheduler import client
-from vgpu_runtime.scheduler import lock as scheduler_lock
-from vgpu_runtime.scheduler.control import control_socket
+from vgpu_runtime.daemon import lock as scheduler_lock
+from vgpu_runtime.daemon.channel import client
+from vgpu_runtime.daemon.control import control_socket
 
 PROG = "gemini-vgpu"
 STOP_TIMEOUT = 15.0   # the daemon closes every channel first; 15 s is what gemini-run allows

@@ -53,10 +53,10 @@ from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.daemon import lock as scheduler_lock
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.gpus.simulated import SimulatedBackend
-from vgpu_runtime.scheduler import lock as scheduler_lock
 
 PROG = "gemini-run"
 ENV_STATE_DIR = paths.ENV_STATE_DIR
@@ -353,7 +353,7 @@ def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Pope
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
             # No metrics port: a node's own daemon may hold 9401 already.
-            [sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir", str(state_dir),
+            [sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(state_dir),
              "--metrics-port", "0", "--idle-exit", f"{DAEMON_IDLE_EXIT:g}", *simulate],
             stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
             preexec_fn=_unblock_signals)

@@ -1,7 +1,7 @@
 """Token round trips through the node daemon, from inside a gemini-run allocation (no GPU work).
 
 Usage: token_rtt.py COUNT HOLD_MS OUT
-Speaks the hook's protocol on the allocation's channel (vgpu_runtime.scheduler.client): COUNT
+Speaks the hook's protocol on the allocation's channel (vgpu_runtime.daemon.channel.client): COUNT
 times, ask for GPU 0's token, wait for the grant, hold it HOLD_MS (a sleep), give it back.
 Writes the request->grant times and, for handoff analysis, every (release sent, grant received)
 CLOCK_MONOTONIC pair. Alone on a GPU (with a share below 1, so tokens are needed), request->grant
@@ -15,7 +15,7 @@ import sys
 import time
 
 from vgpu_runtime import paths
-from vgpu_runtime.scheduler.client import ChannelClient
+from vgpu_runtime.daemon.channel.client import ChannelClient
 
 
 def main() -> None:

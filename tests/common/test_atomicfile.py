@@ -17,7 +17,7 @@ import pytest
 from vgpu_runtime import allocation as alloc
 from vgpu_runtime.common import atomicfile
 from vgpu_runtime.common.atomicfile import DirectorySyncer, sweep_stale_temps, write_atomic
-from vgpu_runtime.scheduler.records import RecordWatcher
+from vgpu_runtime.daemon.records import RecordWatcher
 
 REPO = Path(__file__).resolve().parents[2]
 

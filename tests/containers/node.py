@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tests.childenv import child_env
+from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.cudaprobe import COUNTERS
-from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver

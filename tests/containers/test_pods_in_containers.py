@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.containers.node import SHARE_WINDOW_S, ContainerNode, Tenant
-from tests.scheduler.helpers import wait_for
+from tests.daemon.helpers import wait_for
 from vgpu_runtime import paths
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.kubelet_emulator import Pod
-from vgpu_runtime.scheduler.control import control_socket
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -35,8 +35,8 @@ with atheris.instrument_imports(include=["vgpu_runtime", "device_plugin.config"]
     from vgpu_runtime import allocation, paths
     from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
     from vgpu_runtime.common.sizes import parse_size
-    from vgpu_runtime.scheduler import annotations as pod_annotations
-    from vgpu_runtime.scheduler.config import SchedulerConfig
+    from vgpu_runtime.daemon.config import SchedulerConfig
+    from vgpu_runtime.daemon.pods import annotations as pod_annotations
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.promises import check_accepted_record, check_config_file  # noqa: E402

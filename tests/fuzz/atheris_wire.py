@@ -40,12 +40,12 @@ sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime"]):
     from vgpu_runtime import allocation, paths, wire
-    from vgpu_runtime.scheduler.channel import AllocationChannel
-    from vgpu_runtime.scheduler.config import SchedulerConfig
-    from vgpu_runtime.scheduler.grants import grants_of
-    from vgpu_runtime.scheduler.peer import PeerCred
-    from vgpu_runtime.scheduler.session import Session
-    from vgpu_runtime.scheduler.tokens import TokenService
+    from vgpu_runtime.daemon.channel.channel import AllocationChannel
+    from vgpu_runtime.daemon.channel.grants import grants_of
+    from vgpu_runtime.daemon.channel.peer import PeerCred
+    from vgpu_runtime.daemon.channel.session import Session
+    from vgpu_runtime.daemon.channel.tokens import TokenService
+    from vgpu_runtime.daemon.config import SchedulerConfig
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, random_session  # noqa: E402
@@ -78,7 +78,7 @@ class Harness:
                                          TokenService(config))
         self.loop.run_until_complete(self.channel.start())
         self.internal_errors: list[logging.LogRecord] = []
-        session_log = logging.getLogger("vgpu_runtime.scheduler.session")
+        session_log = logging.getLogger("vgpu_runtime.daemon.channel.session")
         session_log.addHandler(_Collect(self.internal_errors))
         session_log.propagate = False
         session_log.setLevel(logging.ERROR)

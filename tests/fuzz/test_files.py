@@ -23,9 +23,9 @@ from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.sizes import parse_size
-from vgpu_runtime.scheduler import annotations as pod_annotations
-from vgpu_runtime.scheduler.config import SchedulerConfig
-from vgpu_runtime.scheduler.records import RecordWatcher
+from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.pods import annotations as pod_annotations
+from vgpu_runtime.daemon.records import RecordWatcher
 
 GiB = 1 << 30
 

@@ -23,8 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, play, random_session
-from tests.scheduler.helpers import (
+from tests.daemon.helpers import (
     UUID_A,
     UUID_B,
     DaemonProcess,
@@ -33,9 +32,10 @@ from tests.scheduler.helpers import (
     wait_for,
     wait_served,
 )
+from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, play, random_session
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
-from vgpu_runtime.scheduler.client import ChannelClient
+from vgpu_runtime.daemon.channel.client import ChannelClient
 
 C = wire.const
 UUID_C = "GPU-cccccccc-2222-3333-4444-555555555555"

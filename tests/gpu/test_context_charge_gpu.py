@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.scheduler.helpers import REPO, DaemonProcess, wait_for
+from tests.daemon.helpers import REPO, DaemonProcess, wait_for
 
 pytestmark = pytest.mark.gpu
 GiB, MiB = 1 << 30, 1 << 20

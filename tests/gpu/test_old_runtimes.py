@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.childenv import python_path
-from tests.scheduler.helpers import DaemonProcess
+from tests.daemon.helpers import DaemonProcess
 from vgpu_runtime import allocation, hooklib
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests.daemon.helpers import wait_for
 from tests.hook.conftest import LIMIT, PRELUDE, DaemonNode, Hooked, MiB
-from tests.scheduler.helpers import wait_for
 
 CONTEXT = 300 * MiB
 

@@ -19,9 +19,9 @@ import textwrap
 import time
 from pathlib import Path
 
+from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
 from tests.hook.conftest import PRELUDE, DaemonNode, Hooked, MiB, start_node, stop_node
 from tests.hook.tokenkit import Loop
-from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 
 CONTEXT = 300 * MiB
 KERNEL_NS = 2_000_000

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.scheduler.helpers import DaemonProcess, make_record, wait_served
+from tests.daemon.helpers import DaemonProcess, make_record, wait_served
 from vgpu_runtime import hooklib
 
 pytestmark = pytest.mark.gpu

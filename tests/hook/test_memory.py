@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.conftest import LIMIT, OTHER_UUID, PRELUDE, UUID, DaemonNode, GiB, Hooked, MiB
-from tests.scheduler.helpers import DaemonProcess, wait_for
 
 
 def test_limit_oom_and_free(hooked: Hooked, node: DaemonNode) -> None:

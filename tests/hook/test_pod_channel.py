@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
 from tests.hook.conftest import PRELUDE, DaemonNode, Hooked
 from tests.hook.tokenkit import Loop, in_pod
-from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime.allocation import AllocationRecord
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
@@ -185,7 +185,7 @@ def test_the_token_page_descriptor_is_read_only(node: DaemonNode) -> None:
     import mmap
     import os
 
-    from vgpu_runtime.scheduler.client import ChannelClient
+    from vgpu_runtime.daemon.channel.client import ChannelClient
 
     with ChannelClient(wait_served(node.record)) as client:
         reply = client.hello()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.hook.conftest import DaemonNode, Hooked, compile_program, start_node, stop_node
 from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
-from vgpu_runtime.scheduler import client
+from vgpu_runtime.daemon.channel import client
 
 GATE_OPEN, GATE_TOKEN = 0, 1
 

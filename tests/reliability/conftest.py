@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.daemon.helpers import DaemonProcess
 from tests.hook.conftest import fake_dir, hook_lib, hooked  # noqa: F401 (fixtures)
 from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
-from tests.scheduler.helpers import DaemonProcess
 
 
 @pytest.fixture

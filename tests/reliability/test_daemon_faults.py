@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, MiB
-from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation
 from vgpu_runtime.allocation import AllocationRecord
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
 from tests.hook.conftest import Hooked
 from tests.hook.tokenkit import Rival, read_token_page
 from tests.integration.conftest import PluginNode
@@ -16,7 +17,6 @@ from tests.integration.test_plugin_through_kubelet import direct_allocate
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records
 from tests.reliability.test_plugin_faults import hello
-from tests.scheduler.helpers import DaemonProcess, wait_for, wait_served
 from vgpu_runtime import allocation
 from vgpu_runtime.gpus.simulated import simulated_uuid
 

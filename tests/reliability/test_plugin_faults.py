@@ -12,16 +12,16 @@ from typing import Any
 
 import grpc
 
+from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from tests.scheduler.helpers import DaemonProcess, wait_for
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.gpus.simulated import simulated_uuid
-from vgpu_runtime.scheduler.client import ChannelClient
 
 ADMISSION_ERROR = "UnexpectedAdmissionError"
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.helpers import DaemonProcess
 from tests.integration.conftest import FAST_HEALTH, PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.test_plugin_faults import ADMISSION_ERROR, hello, whole_records
-from tests.scheduler.helpers import DaemonProcess
 from vgpu_runtime import allocation
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from tests.childenv import child_env
+from tests.daemon.helpers import REPO, DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from tests.scheduler.helpers import REPO, DaemonProcess, wait_for
 from vgpu_runtime import install, paths
 
 RETIRED = install.LIBRARY_PREFIX + "0.0.1"     # an old version no record uses

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from vgpu_runtime.scheduler import metrics
+from vgpu_runtime.daemon.telemetry import metrics
 
 DASHBOARD = (Path(__file__).resolve().parents[2]
              / "daemonset/examples/monitoring/grafana-dashboard.json")

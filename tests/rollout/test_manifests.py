@@ -27,10 +27,10 @@ from tests.childenv import REPO
 from tests.rollout import manifests as m
 from vgpu_runtime import __version__, paths
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, SchedulerConfig
+from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
-from vgpu_runtime.scheduler import annotations as pod_annotations
-from vgpu_runtime.scheduler.config import PROCESS_MEMORY_SOURCES, SchedulerConfig
 
 needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_runtime.scheduler import lock
+from vgpu_runtime.daemon import lock
 
 
 @pytest.fixture(scope="session")

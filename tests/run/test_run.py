@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 
 from tests.childenv import as_user, child_env
+from tests.daemon.helpers import make_record, wait_for
 from tests.run.conftest import stop_daemon
-from tests.scheduler.helpers import make_record, wait_for
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.daemon import lock
+from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid
-from vgpu_runtime.scheduler import client, lock
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = child_env()
@@ -32,7 +33,7 @@ ENV["PYTHONFAULTHANDLER"] = "1"   # a hung gemini-run shows its stack (post_mort
 # for a line on stdin (so the test can look at the node while it runs) and exits with argv[1].
 PROBE = r"""
 import json, os, sys
-from vgpu_runtime.scheduler.client import ChannelClient
+from vgpu_runtime.daemon.channel.client import ChannelClient
 channel = os.path.join(os.environ["GEMINI_CHANNEL_DIR"], "sched.sock")
 c = ChannelClient(channel)
 hello = c.hello()
@@ -97,7 +98,7 @@ def post_mortem(proc: subprocess.Popen[str]) -> str:
         proc.wait(10)
     for line in related[1:]:   # its COMMAND holds the same pipes; the daemon is the fixture's
         pid, ppid, *_rest = line.split()
-        if ppid == str(proc.pid) and "vgpu_runtime.scheduler" not in line:
+        if ppid == str(proc.pid) and "vgpu_runtime.daemon" not in line:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
     try:

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import as_user, child_env
-from tests.scheduler.helpers import DaemonProcess, make_record, wait_for, wait_served
+from tests.daemon.helpers import DaemonProcess, make_record, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
-from vgpu_runtime.scheduler.client import ChannelClient
-from vgpu_runtime.scheduler.pages import pages_dir
+from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.channel.pages import pages_dir
 
 C = wire.const
 MiB = 1 << 20
@@ -188,7 +188,7 @@ def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(
 CONNECT = textwrap.dedent("""
     import sys
     from vgpu_runtime import wire
-    from vgpu_runtime.scheduler.client import ChannelClient, ChannelClosed
+    from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
     with ChannelClient(sys.argv[1]) as client:
         try:
             print(client.hello().allocation_id)

@@ -27,15 +27,15 @@ from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
 from device_plugin.config import PluginConfig
 from device_plugin.slices import SliceTable
+from tests.daemon.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from tests.gpu.replay import need_runtime, replayed
-from tests.scheduler.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
+from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
-from vgpu_runtime.scheduler.client import ChannelClient, ChannelClosed
-from vgpu_runtime.scheduler.control import control_socket
 
 C = wire.const
 GIB = 1 << 30

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
-from vgpu_runtime.scheduler import client
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ def wait_served(record: AllocationRecord, timeout: float = 5.0) -> Path:
 
 
 class DaemonProcess:
-    """gemini-scheduler run as `python -m vgpu_runtime.scheduler`, logs to a file."""
+    """gemini-scheduler run as `python -m vgpu_runtime.daemon`, logs to a file."""
 
     def __init__(self, state_dir: Path, *extra: str, nofile: int | None = None,
                  wrap: tuple[str, ...] = ()) -> None:
@@ -70,7 +70,7 @@ class DaemonProcess:
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the process
         limit = [] if nofile is None else ["prlimit", f"--nofile={nofile}:{nofile}", "--"]
         self.proc = subprocess.Popen(
-            [*wrap, *limit, sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir",
+            [*wrap, *limit, sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir",
              str(state_dir), "--poll-interval", "0.05", "--log-format", "json", *extra],
             cwd=SOURCE_ROOT, stdout=self.log, stderr=subprocess.STDOUT,
             env=child_env())

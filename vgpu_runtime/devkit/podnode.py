@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 
 from vgpu_runtime import allocation
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.daemon_process import DaemonProcess
 from vgpu_runtime.devkit.plugin_node import PluginNode
-from vgpu_runtime.scheduler import client
 
 T = TypeVar("T")
 

@@ -1,0 +1,79 @@
+"""Test helpers around the kit's daemon process (vgpu_runtime/devkit/daemon_process.py): hostile
+clients' setups and the frames they read."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from vgpu_runtime import wire
+from vgpu_runtime.daemon.channel import client
+from vgpu_runtime.daemon.control import control_socket
+from vgpu_runtime.devkit.daemon_process import (
+    UUID_A,
+    DaemonProcess,
+    MiB,
+    make_record,
+    socket_of,
+    wait_for,
+    wait_served,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+__all__ = ["REPO", "UUID_A", "UUID_B", "DaemonProcess", "MiB", "control_path",
+           "daemon_with_bystander", "make_record", "read_until_closed", "socket_of",
+           "split_frames", "wait_for", "wait_served"]
+
+UUID_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+
+
+def control_path(state_dir: Path) -> Path:
+    return control_socket(state_dir)
+
+
+@contextlib.contextmanager
+def daemon_with_bystander(
+        bystander_bytes: int) -> Iterator[tuple[DaemonProcess, Path, client.ChannelClient]]:
+    """A daemon serving one allocation, and a bystander connection on it holding
+    `bystander_bytes`: what hostile clients of the same allocation must not disturb."""
+    root = Path(tempfile.mkdtemp(prefix="gm-"))   # short: socket paths must fit 107 bytes
+    state_dir = root / "state"
+    state_dir.mkdir()
+    daemon = DaemonProcess(state_dir).wait_ready()
+    path = wait_served(make_record(state_dir))
+    bystander = client.ChannelClient(path)
+    bystander.hello()
+    bystander.reserve(0, bystander_bytes)
+    try:
+        yield daemon, path, bystander
+    finally:
+        bystander.close()
+        assert daemon.stop() == 0, daemon.logs()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the daemon sends until it closes (a socket timeout fails the test: no hang)."""
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    return received
+
+
+def split_frames(received: bytes) -> list[Any]:
+    """Whole daemon-to-hook frames, decoded, in the order they came."""
+    frames = []
+    while received:
+        header = wire.parse_header(received, wire.SUPPORTED_VERSIONS)
+        frames.append(wire.decode(received[:header.length], wire.SUPPORTED_VERSIONS))
+        received = received[header.length:]
+    return frames

@@ -1,0 +1,80 @@
+"""Per-pod annotations: what is accepted, and that a bad value changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.daemon.helpers import UUID_A
+from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.daemon.pods.annotations import apply_annotations, parse_limit
+from vgpu_runtime.daemon.pods.node import label_value, node_labels
+from vgpu_runtime.gpus import GpuInfo
+
+GiB = 1 << 30
+
+
+def _record(share: float = 0.3, memory: int = 12 * GiB) -> AllocationRecord:
+    return AllocationRecord(id="k-0123456789abcdef", origin="kubelet", device_ids=("d",),
+                            gpus=(GpuShare(UUID_A, 0, share, memory),), channel_dir="/x",
+                            hook_library="lib", created_at=1.0)
+
+
+@pytest.mark.parametrize(("text", "value"), [("0.5", 0.5), ("50%", 0.5), (" 1 ", 1.0),
+                                             ("100%", 1.0), ("0.3", 0.3)])
+def test_limit_forms(text: str, value: float) -> None:
+    assert parse_limit(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text", ["0", "-0.1", "1.5", "150%", "nan", "half", "", "%"])
+def test_bad_limits_say_what_is_accepted(text: str) -> None:
+    with pytest.raises(ValueError, match=r"gemini\.ai/vgpu-limit"):
+        parse_limit(text)
+
+
+def test_valid_annotations_apply() -> None:
+    applied = apply_annotations(_record(), {"gemini.ai/vgpu-limit": "0.6",
+                                            "gemini.ai/vgpu-memory": "4GiB"})
+    assert applied.problems == ()
+    assert applied.record.limit == 0.6 and applied.record.gpus[0].memory_limit == 4 * GiB
+    assert applied.record.gpus[0].share == 0.3   # the request never changes
+
+
+@pytest.mark.parametrize(("annotations", "expect"), [
+    ({"gemini.ai/vgpu-limit": "0.2"}, "below the pod's request of 0.3"),
+    ({"gemini.ai/vgpu-memory": "13GiB"}, "at most the slices' default"),
+    ({"gemini.ai/vgpu-memory": "0"}, "more than 0"),
+    ({"gemini.ai/vgpu-memory": "four gigs"}, "expected a size"),
+])
+def test_invalid_annotations_change_nothing(annotations: dict[str, str], expect: str) -> None:
+    record = _record()
+    applied = apply_annotations(record, annotations)
+    assert applied.record == record
+    (problem,) = applied.problems
+    assert expect in problem and "ignored" in problem
+
+
+def test_one_bad_annotation_does_not_stop_the_other() -> None:
+    applied = apply_annotations(_record(), {"gemini.ai/vgpu-limit": "2",
+                                            "gemini.ai/vgpu-memory": "1GiB"})
+    assert applied.record.limit is None and applied.record.gpus[0].memory_limit == GiB
+    assert len(applied.problems) == 1
+
+
+def test_labels_are_valid_label_values() -> None:
+    assert label_value("NVIDIA H200 NVL (141GB)") == "NVIDIA-H200-NVL-141GB"
+    assert len(label_value("x" * 100)) == 63
+    gpus = [GpuInfo(index=i, uuid=f"GPU-{i}", model="NVIDIA H200", memory_total=1, minor=i,
+                    numa_node=None) for i in range(2)]
+    labels = node_labels(gpus, 10)
+    assert labels["gemini.ai/gpu.model"] == "NVIDIA-H200"
+    assert labels["gemini.ai/gpu.count"] == "2"
+    assert labels["gemini.ai/vgpu.slices-per-gpu"] == "10"
+
+
+def test_memory_annotation_is_checked_against_the_slices_default() -> None:
+    # A record an earlier pod's annotation lowered: the slices' default still bounds the next.
+    lowered = dataclasses.replace(_record(), gpus=(GpuShare(UUID_A, 0, 0.3, GiB, 12 * GiB),))
+    applied = apply_annotations(lowered, {"gemini.ai/vgpu-memory": "4GiB"})
+    assert applied.problems == () and applied.record.gpus[0].memory_limit == 4 * GiB

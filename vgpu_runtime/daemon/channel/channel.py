@@ -1,0 +1,342 @@
+"""One allocation's channel: its Unix socket, its sessions, its memory ledger and its tokens.
+
+For each GPU i of the allocation the channel owns the shared token and activity pages (pages.py,
+in the state directory's pages/, passed to each hook with its hello) and is a tenant of that
+GPU's token scheduler (tokens.py) for as long as it exists.
+
+Socket modes: the channel directory is created 0755 when missing (an allocator that wants it
+private, like gemini-run, creates it 0700 first; existing modes are left alone) and the socket is
+made 0666, so the container's user, whatever its uid, can connect. Isolation between containers
+comes from the directories: each container has only its own channel directory mounted, and the
+host's <state-dir>/channels is 0700 (paths.CHANNELS_DIR_MODE), so no host user reaches any.
+Where the allocation's user is known (gemini-run's, whose directory that user made), a peer of
+another uid (SO_PEERCRED) is refused too; so is a connection past max_connections (config.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vgpu_runtime import paths, wire
+from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.daemon.channel.grants import GpuGrant
+from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+from vgpu_runtime.daemon.channel.pages import (
+    GATE_TOKEN,
+    ActivityPage,
+    TokenPage,
+    activity_page_path,
+    ensure_pages_dir,
+    pages_dir,
+    retire_legacy_pages,
+    token_page_path,
+)
+from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
+from vgpu_runtime.daemon.channel.session import Session
+from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, TokenService
+
+log = logging.getLogger(__name__)
+
+CHANNEL_DIR_MODE = 0o755
+SOCKET_MODE = 0o666
+REFUSED = wire.Packer(wire.const("GM_MSG_ERROR"))
+
+
+class ChannelUnavailable(RecordError):
+    """The record is sound but its channel cannot be made now (no descriptors, no space, a
+    read-only state directory): the daemon tries again, unlike for a record that is wrong."""
+
+
+class AllocationChannel:
+    def __init__(self, record: AllocationRecord, grants: tuple[GpuGrant, ...],
+                 tokens: TokenService, bind_timeout: Callable[[], float] = lambda: 0.0,
+                 want_binding: Callable[[], None] = lambda: None) -> None:
+        self.record = record
+        self.grants = grants
+        self.tokens = tokens
+        self.token_gpus: list[GpuTokens] = []      # by GPU index, once started
+        self.slots: list[TenantSlot] = []
+        self.ledger = MemoryLedger([g.memory_limit for g in grants])
+        self.sessions: set[Session] = set()
+        self.socket_path = paths.channel_socket(record.channel_dir)
+        self.pages_dir = pages_dir(tokens.config.state_dir)
+        self._server: asyncio.AbstractServer | None = None
+        self._created_dir = False
+        # Only this uid (and root) may connect, where the allocation's user is known.
+        self.owner_uid: int | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.memory_refusals = [0] * len(grants)
+        # A kubelet allocation is bound once its record names its pod (pods.py writes it, with
+        # the pod's annotations applied); until then a hello may wait (see `wait_bound`).
+        self.bound = asyncio.Event()
+        if not needs_binding(record):
+            self.bound.set()
+        self.bind_timeout = bind_timeout
+        self.want_binding = want_binding
+        self.bind_waiting = 0
+
+    async def wait_bound(self) -> bool:
+        """Wait (bounded by `bind_timeout`) until the pod is known; True if it is."""
+        timeout = self.bind_timeout()
+        if self.bound.is_set() or timeout <= 0:
+            return self.bound.is_set()
+        self.bind_waiting += 1
+        self.want_binding()
+        try:
+            await asyncio.wait_for(self.bound.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("pod not known in time; the defaults hold", extra={
+                "allocation": self.record.id, "waited_s": timeout})
+        finally:
+            self.bind_waiting -= 1
+        return self.bound.is_set()
+
+    async def start(self) -> None:
+        """Bind the socket; raises RecordError when the record's channel cannot be served."""
+        if not paths.fits_unix_socket(self.socket_path):
+            raise RecordError(f"channel socket path {self.socket_path} is longer than "
+                              f"{paths.UNIX_PATH_MAX} bytes")
+        directory = Path(self.record.channel_dir)
+        try:
+            if not directory.is_dir():
+                directory.mkdir(parents=True, mode=CHANNEL_DIR_MODE)
+                os.chmod(directory, CHANNEL_DIR_MODE)  # mkdir's mode is filtered by the umask
+                self._created_dir = True
+            self._remove_stale_socket()
+            retire_legacy_pages(directory, len(self.grants))
+            self._open_pages()
+            # Pages are right (gate, tenant registered) before the socket appears: a client
+            # that can connect finds them current.
+            self._join_token_schedulers()
+            if self.record.origin == "gemini-run":
+                # gemini-run made the directory as the user whose command connects.
+                self.owner_uid = os.stat(directory).st_uid
+            self._server = await asyncio.start_unix_server(self._accept,
+                                                           sock=self._listening_socket())
+        except OSError as err:
+            self._leave_token_schedulers()
+            self._close_pages(remove=True)
+            raise ChannelUnavailable(f"cannot serve channel {self.socket_path}: {err}") from None
+        log.info("serving allocation", extra={
+            "allocation": self.record.id, "origin": self.record.origin,
+            "socket": str(self.socket_path), "gpus": [g.uuid for g in self.grants]})
+
+    def _listening_socket(self) -> socket.socket:
+        """Bound, listening and 0666 under a temporary name, then renamed into place: a client
+        that sees the path can connect at once (no window between bind and listen)."""
+        temporary = self.socket_path.with_name(".sched.tmp")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(str(temporary))
+            sock.listen(128)
+            os.chmod(temporary, SOCKET_MODE)
+            os.rename(temporary, self.socket_path)
+        except OSError:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)
+            raise
+        sock.setblocking(False)
+        return sock
+
+    def _open_pages(self) -> None:
+        ensure_pages_dir(self.pages_dir)
+        for index in range(len(self.grants)):
+            self.slots.append(TenantSlot(
+                self.record.id, index,
+                TokenPage(token_page_path(self.pages_dir, self.record.id, index), GATE_TOKEN),
+                ActivityPage(activity_page_path(self.pages_dir, self.record.id, index)),
+                self.ledger))
+
+    def page_descriptors(self) -> list[int]:
+        """New descriptors of this allocation's pages for a hook: per GPU, token (read-only)
+        then activity (writable). The caller closes them."""
+        fds: list[int] = []
+        try:
+            for slot in self.slots:
+                fds.append(slot.page.open_for_hook())
+                fds.append(slot.activity.open_for_hook())
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds
+
+    def _close_pages(self, remove: bool) -> None:
+        for slot in self.slots:
+            slot.page.close(remove)
+            slot.activity.close(remove)
+        self.slots = []
+
+    def _join_token_schedulers(self) -> None:
+        for grant, slot in zip(self.grants, self.slots, strict=True):
+            gpu = self.tokens.gpu(grant.uuid)
+            gpu.add(slot, grant.share, grant.limit)
+            self.token_gpus.append(gpu)
+
+    def _leave_token_schedulers(self) -> None:
+        for gpu in self.token_gpus:
+            gpu.remove(self.record.id)
+        self.token_gpus = []
+
+    # ---- what sessions ask of the tokens (the session has checked the GPU index) ----
+
+    # A frame read while the channel is closing finds it gone from the schedulers: ignored,
+    # the client is about to be told GM_ERR_NO_ALLOCATION.
+
+    def token_request(self, session: Session, gpu: int, seq: int, burst: float | None,
+                      work_end: float | None, work_running: bool) -> None:
+        if self.token_gpus:
+            self.token_gpus[gpu].request(session, self.record.id, seq, burst, work_end,
+                                         work_running)
+
+    def token_release(self, gpu: int, work_end: float | None) -> None:
+        if self.token_gpus:
+            self.token_gpus[gpu].release(self.record.id, work_end)
+
+    def usage_report(self, gpu: int, start: float, end: float) -> None:
+        if self.token_gpus:
+            self.token_gpus[gpu].observe_burst(self.record.id, start, end)
+
+    def connection_closed(self, session: Session) -> None:
+        last = not (self.sessions - {session})
+        for gpu in self.token_gpus:
+            gpu.connection_closed(session, self.record.id, last)
+
+    def _remove_stale_socket(self) -> None:
+        """A socket left by a daemon that died; we hold the lock, so nobody serves it."""
+        try:
+            mode = os.lstat(self.socket_path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise RecordError(f"{self.socket_path} exists and is not a socket; not replacing it")
+        os.unlink(self.socket_path)
+
+    def update(self, record: AllocationRecord, grants: tuple[GpuGrant, ...]) -> None:
+        """The record was rewritten (limits, pod reference): new values, same connections."""
+        if [g.uuid for g in grants] != [g.uuid for g in self.grants]:
+            raise RecordError(f"allocation {record.id} changed its GPUs; an allocation's GPUs "
+                              "are fixed for its life")
+        self.ledger.set_limits([g.memory_limit for g in grants])
+        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.grants, grants,
+                                       strict=True):
+            if old.share != new.share:
+                # The algorithm has no way to change a request in place: rejoin (the tenant's
+                # usage history on this GPU starts again).
+                gpu.remove(record.id)
+                gpu.add(slot, new.share, new.limit)
+            elif old.limit != new.limit:
+                gpu.set_limit(record.id, new.limit)
+        self.record, self.grants = record, grants
+        if not needs_binding(record):
+            self.bound.set()
+        log.info("allocation updated", extra={"allocation": record.id,
+                                              "limits": [g.limit for g in grants],
+                                              "memory_limits": [g.memory_limit for g in grants]})
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            peer = peer_cred(writer.get_extra_info("socket"))
+        except OSError as err:  # gone before we could ask who it was
+            log.info("client left before identification", extra={"error": str(err)})
+            writer.close()
+            return
+        config = self.tokens.config
+        refusal = self._refusal(peer)
+        if refusal is not None:
+            log.warning("refusing client: %s", refusal, extra={
+                "allocation": self.record.id, "peer_pid": peer.pid, "peer_uid": peer.uid,
+                "connections": len(self.sessions)})
+            refuse(writer, refusal)
+            return
+        writer.transport.set_write_buffer_limits(high=config.client_send_buffer)
+        session = Session(self, reader, writer, peer)
+        self.sessions.add(session)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            await session.run()
+        finally:
+            self.sessions.discard(session)
+            if task is not None:
+                self._tasks.discard(task)
+
+    def _refusal(self, peer: PeerCred) -> str | None:
+        """Why this connection may not be served, or None."""
+        if self.owner_uid is not None and peer.uid not in (0, os.geteuid(), self.owner_uid):
+            return (f"uid {peer.uid} is not the owner (uid {self.owner_uid}) of allocation "
+                    f"{self.record.id}")
+        cap = self.tokens.config.max_connections
+        if len(self.sessions) >= cap:
+            return f"allocation {self.record.id} holds {cap} connections (max_connections)"
+        return None
+
+    async def close(self, reason: str, removed: bool = True) -> None:
+        """Stop serving: no new clients, current ones told why and disconnected, socket gone.
+
+        `removed`: the record is gone, so its pages go too. A daemon that merely stops leaves
+        them (cleared) for the next one, which reuses the same files so hook mappings stay live.
+        """
+        if self._server is not None:
+            self._server.close()
+        self._leave_token_schedulers()
+        status = wire.const("GM_ERR_NO_ALLOCATION")
+        await asyncio.gather(*(s.close(status, reason) for s in list(self.sessions)),
+                             return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2)
+        self._close_pages(remove=removed)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+        if self._created_dir and removed:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.record.channel_dir)  # only if empty
+        log.info("stopped serving allocation", extra={"allocation": self.record.id,
+                                                      "reason": reason})
+
+    def snapshot(self) -> dict[str, Any]:
+        record = self.record
+        return {
+            "id": record.id, "origin": record.origin, "owner_pid": record.owner_pid,
+            "limit": record.limit, "channel_dir": record.channel_dir,
+            "socket": str(self.socket_path), "created_at": record.created_at,
+            "device_ids": list(record.device_ids),
+            "pod": None if record.pod is None else dataclasses.asdict(record.pod),
+            "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
+                      "share_ppm": grant.share_ppm, "limit_ppm": grant.limit_ppm,
+                      "limit": grant.limit,
+                      "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
+                      "memory_refusals": self.memory_refusals[i]}
+                     for i, (g, grant) in enumerate(zip(record.gpus, self.grants, strict=True))],
+            "connections": [s.snapshot() for s in self.sessions],
+            "bound": self.bound.is_set(),
+        }
+
+
+def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
+    """One error frame, then the connection is closed (aborted if the client does not read)."""
+    transport = writer.transport
+    transport.write(REFUSED.pack(0, wire.const("GM_ERR_OVER_LIMIT"), 0,
+                                 reason.encode()[:wire.const("GM_REASON_BYTES") - 1]))
+    if transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        transport.close()
+
+
+def needs_binding(record: AllocationRecord) -> bool:
+    """Only kubelet allocations have a pod to find; gemini-run's need none."""
+    return record.origin == "kubelet" and record.pod is None

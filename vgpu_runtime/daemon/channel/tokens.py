@@ -1,0 +1,427 @@
+"""GPU-time tokens in the daemon: one `TokenScheduler` per physical GPU, driven by the channels.
+
+The algorithm (vgpu_runtime.burst) is pure; this module gives it a clock, timers, pages and
+connections:
+
+* tenants are allocations; one joins a GPU's scheduler when its record appears and leaves when
+  the record goes, so its request counts while it exists (an idle tenant holds nobody back);
+* the clock is CLOCK_MONOTONIC (`time.monotonic_ns()`), the clock the hooks read; the algorithm
+  takes seconds, the wire and the pages carry nanoseconds;
+* after every call into the algorithm, `_publish` brings the pages and the connections in line
+  with who holds the token now: the old holder's page is cleared first, then the new holder's
+  page is written and every connection of that tenant waiting on this GPU gets TOKEN_GRANT;
+* a grant to a tenant none of whose connections still waits (they closed while waiting) is
+  handed back at once, so a departed waiter costs nobody anything;
+* one timer runs `tick()` at `next_deadline()` (revocation, a capped tenant becoming eligible);
+  another checks an idle holder at `last launch + idle_release`, only while someone waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vgpu_runtime.burst.scheduler import Grant, TokenScheduler
+from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
+from vgpu_runtime.daemon.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+
+log = logging.getLogger(__name__)
+
+NS = 1_000_000_000
+# Upper bounds (seconds) of the token-wait histogram buckets (Prometheus `le`), +Inf implied.
+WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                2.5, 5.0)
+MIN_TIMER_DELAY = 0.00005   # a deadline already passed is retried this soon, never in a spin
+
+
+def now_s() -> float:
+    return time.monotonic_ns() / NS
+
+
+def to_ns(seconds: float) -> int:
+    return round(seconds * NS)
+
+
+def from_ns(value: int) -> float | None:
+    """-1 (and any negative value) means unknown."""
+    return None if value < 0 else value / NS
+
+
+class Waiter:
+    """What a connection must offer to be answered later: a non-blocking send of one grant.
+
+    `has_activity_page`: its process writes the allocation's activity page. One that does not
+    (a version-1 hook, given no pages) asks for every launch, so its asks are its activity."""
+
+    has_activity_page = True
+
+    def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class WaitHistogram:
+    """Token waits of one tenant on one GPU: per-bucket counts (not cumulative), sum, count."""
+    counts: list[int] = field(default_factory=lambda: [0] * (len(WAIT_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        index = next((i for i, bound in enumerate(WAIT_BUCKETS) if seconds <= bound),
+                     len(WAIT_BUCKETS))
+        self.counts[index] += 1
+        self.total += seconds
+        self.count += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"bounds": list(WAIT_BUCKETS), "counts": list(self.counts),
+                "sum": self.total, "count": self.count}
+
+
+@dataclass
+class TenantSlot:
+    """One allocation on one GPU: its pages, its connections waiting for the token."""
+    allocation_id: str
+    index: int                      # the GPU's index in the allocation
+    page: TokenPage
+    activity: ActivityPage
+    ledger: MemoryLedger
+    waiters: dict[Waiter, int] = field(default_factory=dict)   # connection -> seq to echo
+    wait_started: float | None = None    # when its oldest unanswered request came in
+    waits: WaitHistogram = field(default_factory=WaitHistogram)
+    asks: dict[Waiter, Ask] = field(default_factory=dict)   # each connection's last request
+    granted: set[Waiter] = field(default_factory=set)   # the connections sent its last grant
+    last_pageless_ask: float = -math.inf   # the latest ask of a connection without a page
+
+
+@dataclass
+class Ask:
+    """A connection's (a process's) last token request, for the next one's overuse charge."""
+    release_before: float | None   # the tenant's last release when it asked: its work since
+    running: bool                  # it said work from the ask before was still running
+
+
+class GpuTokens:
+    """The token of one physical GPU."""
+
+    def __init__(self, uuid: str, config: SchedulerConfig,
+                 clock: Callable[[], float] = now_s) -> None:
+        self.uuid = uuid
+        self.config = config
+        self.clock = clock
+        self.scheduler = TokenScheduler(config.algorithm(), clock())
+        self.slots: dict[str, TenantSlot] = {}
+        self.published: Grant | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at: float | None = None    # what the pending deadline timer is for
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_backoff = config.idle_release
+        self.grants = 0
+        self.idle_releases = 0
+        # The gate every slot's page shows; None until written to all (a new slot's page may
+        # differ). Writing only on a change keeps each token hand-off O(1) in the tenants.
+        self._gate: int | None = None
+
+    # ---- membership ----
+
+    def add(self, slot: TenantSlot, request: float, limit: float) -> None:
+        now = self.clock()
+        self.scheduler.add(slot.allocation_id, request, limit, now)
+        self.slots[slot.allocation_id] = slot
+        self._gate = None
+        self._publish(now)
+
+    def remove(self, allocation_id: str) -> TenantSlot | None:
+        slot = self.slots.get(allocation_id)
+        if slot is None:
+            return None
+        now = self.clock()
+        slot.page.clear()
+        self.scheduler.remove(allocation_id, now)
+        del self.slots[allocation_id]
+        if self.published and self.published.tenant == allocation_id:
+            self.published = None
+        self._publish(now)
+        return slot
+
+    def set_limit(self, allocation_id: str, limit: float) -> None:
+        if self.scheduler.tenants[allocation_id].limit != limit:
+            self.scheduler.set_limit(allocation_id, limit, self.clock())
+            self._publish(self.clock())
+
+    def request_of(self, allocation_id: str) -> float:
+        return self.scheduler.tenants[allocation_id].request
+
+    # ---- what the connections ask ----
+
+    def request(self, waiter: Waiter, allocation_id: str, seq: int, burst_hint: float | None,
+                work_end: float | None, work_running: bool = False) -> None:
+        """TOKEN_REQUEST. The answer goes through `waiter.send_grant`, now or later; a
+        connection has at most one pending entry, so asking again changes nothing.
+
+        Overuse is measured per process: work its hook says is still running was launched
+        before its previous ask, under a grant that had ended by the tenant's release seen
+        then, and has run since; the report after such requests is charged from there too.
+        Other processes of the container ask in between without moving that point."""
+        slot = self.slots[allocation_id]
+        now = self.clock()
+        if not waiter.has_activity_page:
+            slot.last_pageless_ask = now
+        previous = slot.asks.get(waiter)
+        since = previous.release_before if previous is not None and (
+            work_running or previous.running) else None
+        holder = self.scheduler.holder
+        granted = holder is not None and holder.tenant == allocation_id and now < holder.expires_at
+        if not granted:
+            slot.waiters[waiter] = seq
+            if slot.wait_started is None:
+                slot.wait_started = now
+        elif waiter in slot.granted and since is None:
+            # Asking during the grant it was sent itself (a hook never does; a client that asks
+            # ahead may): its work end is of this grant, which is charged when it ends.
+            work_end = None
+        # With the tenant's grant still valid this only charges: another process's work
+        # launched before that grant, running past the release before it.
+        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running, since)
+        slot.asks[waiter] = Ask(self.scheduler.tenants[allocation_id].last_release, work_running)
+        if granted:
+            assert holder is not None
+            waiter.send_grant(seq, slot.index, holder.generation, to_ns(holder.expires_at))
+            return
+        self._publish(now)
+
+    def release(self, allocation_id: str, work_end: float | None) -> None:
+        now = self.clock()
+        self.scheduler.release(allocation_id, now, work_end)
+        self._publish(now)
+
+    def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
+        self.scheduler.observe_burst(allocation_id, start, end)
+
+    def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
+        """A connection went away; with the tenant's last one goes the token it held."""
+        slot = self.slots.get(allocation_id)
+        if slot is None:
+            return
+        slot.waiters.pop(waiter, None)
+        slot.asks.pop(waiter, None)
+        slot.granted.discard(waiter)
+        if not slot.waiters:
+            slot.wait_started = None
+        holder = self.scheduler.holder
+        if last and holder is not None and holder.tenant == allocation_id:
+            log.info("token holder gone; passing the token on",
+                     extra={"gpu": self.uuid, "allocation": allocation_id})
+            now = self.clock()
+            self.scheduler.release(allocation_id, now)
+            self._publish(now)
+
+    # ---- keeping pages, connections and timers in line with the algorithm ----
+
+    def _publish(self, now: float) -> None:
+        while True:
+            holder = self.scheduler.holder
+            old = self.published
+            if old is not None and (holder is None or holder.generation != old.generation):
+                old_slot = self.slots.get(old.tenant)
+                if old_slot is not None:
+                    old_slot.page.clear()
+                self.published = None
+            elif old is not None and holder is not None and holder != old:
+                # Same grant, cut short (a waking tenant preempts): the holder's next launch
+                # reads the new end from its page and asks again.
+                self.slots[holder.tenant].page.grant(holder.generation, to_ns(holder.expires_at))
+                self.published = holder
+            if holder is None or self.published is not None:
+                break
+            slot = self.slots[holder.tenant]
+            if not slot.waiters:
+                # Granted to a tenant whose waiting connections all left: pass it on.
+                self.scheduler.release(holder.tenant, now)
+                continue
+            self._hand_over(holder, slot)
+        self._update_gates()
+        self._arm_deadline(now)
+        self._arm_idle_check(now)
+
+    def _hand_over(self, grant: Grant, slot: TenantSlot) -> None:
+        valid_until = to_ns(grant.expires_at)
+        slot.page.grant(grant.generation, valid_until)
+        self.published = grant
+        self.grants += 1
+        self._idle_backoff = self.config.idle_release
+        self._cancel_idle_check()   # a pending check was about the previous holder
+        waiters, slot.waiters = slot.waiters, {}
+        slot.granted = set(waiters)
+        if slot.wait_started is not None:
+            slot.waits.observe(max(0.0, self.clock() - slot.wait_started))
+            slot.wait_started = None
+        for waiter, seq in waiters.items():
+            waiter.send_grant(seq, slot.index, grant.generation, valid_until)
+        log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
+                                           "generation": grant.generation,
+                                           "quota_ms": round(grant.quota * 1000, 3)})
+
+    def _update_gates(self) -> None:
+        gate = GATE_TOKEN if self.scheduler.needs_token() else GATE_OPEN
+        if gate == self._gate:
+            return
+        for slot in self.slots.values():
+            if slot.page.gate != gate:
+                slot.page.set_gate(gate)
+        self._gate = gate
+
+    def _arm_deadline(self, now: float) -> None:
+        deadline = self.scheduler.next_deadline(now)
+        if self._deadline_timer is not None:
+            if deadline == self._deadline_at:
+                return   # most requests come while the token is held: same deadline, same timer
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+        if deadline is not None:
+            delay = max(deadline - now, MIN_TIMER_DELAY)
+            self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+            self._deadline_at = deadline
+
+    def _on_deadline(self) -> None:
+        self._deadline_timer = None
+        now = self.clock()
+        holder = self.scheduler.holder
+        revocations = self.scheduler.tenants[holder.tenant].revocations if holder else 0
+        self.scheduler.tick(now)
+        if holder and self.scheduler.tenants[holder.tenant].revocations > revocations:
+            log.info("token revoked: not returned in time", extra={
+                "gpu": self.uuid, "allocation": holder.tenant, "generation": holder.generation,
+                "overrun_ms": round((now - holder.expires_at) * 1000, 3)})
+        self._publish(now)
+
+    def _someone_else_waits(self, holder: Grant) -> bool:
+        return any(t.waiting_since is not None for t in self.scheduler.tenants.values()
+                   if t.id != holder.tenant)
+
+    def _idle_reference(self, holder: Grant) -> tuple[float, float, float]:
+        """(last activity, last launch, last sync) of the holder, in seconds. A connection
+        without an activity page asks for every launch: its last ask is a launch whose end no
+        page reports, so the holder counts as busy (backing off) rather than idle."""
+        slot = self.slots[holder.tenant]
+        activity = slot.activity.read()
+        launch = from_ns(activity.last_launch_ns)
+        sync = from_ns(activity.last_sync_ns)
+        last_launch = max(-math.inf if launch is None else launch, slot.last_pageless_ask)
+        last_sync = -math.inf if sync is None else sync
+        return max(last_launch, holder.granted_at), last_launch, last_sync
+
+    def _arm_idle_check(self, now: float, at: float | None = None) -> None:
+        holder = self.scheduler.holder
+        if holder is None or not self._someone_else_waits(holder):
+            self._cancel_idle_check()
+            return
+        if self._idle_timer is not None and at is None:
+            return   # one check is pending already
+        if at is None:
+            reference, _, _ = self._idle_reference(holder)
+            at = reference + self.config.idle_release
+        if at >= holder.expires_at:
+            self._cancel_idle_check()   # the quota ends first; the deadline timer handles it
+            return
+        self._cancel_idle_check()
+        self._idle_timer = asyncio.get_running_loop().call_later(
+            max(at - now, MIN_TIMER_DELAY), self._on_idle_check)
+
+    def _cancel_idle_check(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _on_idle_check(self) -> None:
+        self._idle_timer = None
+        now = self.clock()
+        holder = self.scheduler.holder
+        if holder is None or not self._someone_else_waits(holder):
+            return
+        reference, last_launch, last_sync = self._idle_reference(holder)
+        if now - reference < self.config.idle_release:
+            self._arm_idle_check(now, reference + self.config.idle_release)  # launched since
+        elif last_sync < last_launch:
+            # Work in flight (no sync since the last launch): look again later, backing off so
+            # that a long kernel costs a few wake-ups (at most one per 16 x idle_release), not
+            # a poll loop, and a finished one is still noticed within that.
+            self._idle_backoff = min(self._idle_backoff * 2, 16 * self.config.idle_release,
+                                     self.config.max_quota)
+            self._arm_idle_check(now, now + self._idle_backoff)
+        else:
+            self.idle_releases += 1
+            log.debug("idle holder releases early", extra={
+                "gpu": self.uuid, "allocation": holder.tenant,
+                "held_ms": round((now - holder.granted_at) * 1000, 3)})
+            self.scheduler.release(holder.tenant, now)
+            self._publish(now)
+
+    def close(self) -> None:
+        self._cancel_idle_check()
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = None
+
+    # ---- status ----
+
+    def snapshot(self) -> dict[str, Any]:
+        now = self.clock()
+        holder = self.scheduler.holder
+        tenants = []
+        for view in self.scheduler.snapshot(now):
+            slot = self.slots[view.id]
+            tenants.append({
+                "allocation": view.id, "gpu_index": slot.index,
+                "request": view.request, "limit": view.limit, "achieved": view.used,
+                "waiting": view.waiting, "holder": view.holder,
+                "connections_waiting": len(slot.waiters),
+                "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
+                "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
+                "revocations": view.revocations,
+                "burst_ms": None if view.burst is None else view.burst * 1000,
+                "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
+                "memory_used": slot.ledger.used(slot.index),
+                "memory_limit": slot.ledger.limit(slot.index),
+                "waits": slot.waits.snapshot(),
+            })
+        return {
+            "uuid": self.uuid,
+            "gate": "token" if self.scheduler.needs_token() else "open",
+            "holder": holder.tenant if holder else None,
+            "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
+            "generation": self.scheduler.generation,
+            "grants": self.grants, "idle_releases": self.idle_releases,
+            "preemptions": self.scheduler.preemptions,
+            "window_s": self.config.window,
+            "tenants": tenants,
+        }
+
+
+class TokenService:
+    """Every GPU's token on this node, keyed by UUID."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.gpus: dict[str, GpuTokens] = {}
+
+    def gpu(self, uuid: str) -> GpuTokens:
+        tokens = self.gpus.get(uuid)
+        if tokens is None:
+            tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
+        return tokens
+
+    def close(self) -> None:
+        for tokens in self.gpus.values():
+            tokens.close()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [self.gpus[uuid].snapshot() for uuid in sorted(self.gpus)]

@@ -1,0 +1,252 @@
+"""gemini-scheduler's settings: flags > environment (GEMINI_*) > YAML file.
+
+The token scheduler's constants are settings too, with the algorithm's defaults
+(`vgpu_runtime.burst.scheduler.SchedulerConfig`, where each default is explained). Why the daemon's
+own additions are what they are:
+
+* `limit_policy`: `work-conserving` caps an allocation without a limit of its own at
+  `default_limit` (1.0: an idle GPU is lent to whoever wants it), `strict` at its request.
+* `idle_release` (2 ms): the Gemini burst-merge gap. Launches less than that apart belong to one
+  burst, so a holder whose last burst ended with a host sync and that launched nothing for that
+  long has finished its burst; keeping the token longer only makes a waiting tenant wait. The
+  holder is charged until the release: an inference loop whose think time is about this long
+  pays for holding the token idle after every request (0.5 ms with --preempt-after 0.002 serves
+  it within 10 ms on the modelled GPU; see the README's GPU-time section).
+
+What one allocation may use (security, S2), each capped, with defaults a pod of many CUDA
+processes does not reach; past a cap the one connection is refused or dropped, with one log line:
+
+* `max_connections` (1024): connections held at once (one per CUDA process, usually).
+* `client_send_buffer` (64 KiB) and `client_write_timeout` (5 s): replies queued to a client
+  that does not read them, and how long the daemon waits for it to read. A connection reads one
+  64 KiB chunk at a time and answers it before the next, so what it has in flight is bounded by
+  the two together; nothing the daemon does waits longer on one client's socket.
+
+Pod awareness and telemetry (issue 5):
+
+* `bind_timeout` (5 s): how long a kubelet allocation's HELLO waits for its pod to be known
+  (PodResources, then the pod's annotations), so that per-pod limits hold from the first CUDA
+  call. Below the hook's 10 s I/O timeout; past it the defaults hold and binding goes on.
+* `pod_resources_min_interval` (0.1 s): kubelet rate-limits PodResources (about 100 qps, burst
+  10); the daemon asks on demand, never more often than this, and every
+  `pod_resources_interval` (5 s) to notice ended pods.
+* `collect_grace` (60 s): an allocation whose pod has been absent from every successful,
+  non-empty List this long is collected. A failed or empty List (kubelet restarting) proves
+  nothing and restarts the clock.
+* `process_memory` (auto): where per-process GPU memory figures come from, for the context
+  charge (see process_memory.py): `auto` uses NVML when it loads and the daemon shares the
+  host's pid namespace (SO_PEERCRED pids are then NVML's pids), `nvml` insists on NVML,
+  `simulated` reads `process_memory_file` (tests, demos), `off` keeps the hook's own
+  measurements. `process_memory_interval` (1 s): NVML's figures move with every allocation;
+  once a second bounds a stale context charge to a second and costs one NVML call per GPU.
+* `interposer_*`: the interposer's enforcement settings, sent to every hook in its hello reply
+  (a pod's environment, GEMINI_HOOK_*, may only make them safer, never weaker; the daemon's own
+  environment names them GEMINI_INTERPOSER_*, so a gemini-run user's hook variables, which the
+  daemon it starts inherits, never configure the node). `interposer_token_timeout` (30 s): how
+  long a launch waits for a grant before the hook falls back to gating itself at its share;
+  `interposer_fallback_retry` (1 s): how often a self-gating hook asks the daemon again, so
+  gating resumes within about a second of the daemon's return; `interposer_io_timeout` (10 s):
+  the socket's send and receive timeout; `interposer_context_bytes` (0) and
+  `interposer_context_max_bytes` (1 GiB): what a context is charged when unmeasured, and at most
+  (a context costs about 0.5 GiB on an H200).
+* `idle_exit` (0 = never): a daemon with no allocation (and no unreadable record) this long exits.
+  A node's daemon never does; the one `gemini-run` starts on demand is given 600 s, so it does
+  not outlive its last command by more than ten minutes. A `gemini-run` that finds the daemon
+  gone while it waits starts another.
+* `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
+  second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass
+
+from vgpu_runtime import paths
+from vgpu_runtime.burst.scheduler import SchedulerConfig as AlgorithmConfig
+from vgpu_runtime.common import config as cfg
+
+_ALGORITHM = AlgorithmConfig()
+MAX_SLICES_PER_GPU = 1000   # the plugin's bound (device_plugin.config)
+
+
+def default_node_name() -> str:
+    """The Downward API's NODE_NAME in the DaemonSet; the host name elsewhere."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+LIMIT_POLICIES = ("work-conserving", "strict")
+PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    state_dir: str = cfg.setting(
+        paths.default_state_dir(), "state directory holding allocations/ and channels/",
+        cfg.text, "DIR")
+    poll_interval: float = cfg.setting(
+        0.2, "seconds between scans of the allocation records", cfg.number(0.01, 10), "SECONDS")
+    default_limit: float = cfg.setting(
+        1.0, "cap on an allocation's GPU-time share when its record sets none "
+        "(work-conserving policy)", cfg.number(0.000001, 1.0), "FRACTION")
+    idle_exit: float = cfg.setting(
+        0.0, "exit after this long without any allocation (0 = never; the daemon gemini-run "
+        "starts gets 600)", cfg.number(0.0, 86400 * 366), "SECONDS")
+    limit_policy: str = cfg.setting(
+        "work-conserving", "limit of an allocation whose record sets none: work-conserving "
+        "(default_limit) or strict (its request)", cfg.choice(*LIMIT_POLICIES), "POLICY")
+    window: float = cfg.setting(
+        _ALGORITHM.window, "seconds of history a GPU-time share is measured over",
+        cfg.number(0.1, 3600), "SECONDS")
+    min_quota: float = cfg.setting(
+        _ALGORITHM.min_quota, "shortest token quota, seconds", cfg.number(0.0001, 10), "SECONDS")
+    max_quota: float = cfg.setting(
+        _ALGORITHM.max_quota, "longest token quota, seconds", cfg.number(0.0001, 10), "SECONDS")
+    cycle: float = cfg.setting(
+        _ALGORITHM.cycle, "seconds of one round; a tenant's base quota is its part of it",
+        cfg.number(0.0001, 60), "SECONDS")
+    catch_up: float = cfg.setting(
+        _ALGORITHM.catch_up, "part of its lag behind the others (GPU seconds at its request) "
+        "added to a quota",
+        cfg.number(0.0, 1.0), "FRACTION")
+    revoke_grace: float = cfg.setting(
+        _ALGORITHM.revoke_grace, "seconds a holder may overrun its quota before revocation",
+        cfg.number(0.0, 10), "SECONDS")
+    preempt_after: float = cfg.setting(
+        _ALGORITHM.preempt_after, "a holder keeps the token at least this long once a tenant "
+        "that woke up behind it waits, then gives way (e.g. 0.005); 0 = off, seconds",
+        cfg.number(0.0, 10), "SECONDS")
+    burst_merge_gap: float = cfg.setting(
+        _ALGORITHM.burst_merge_gap, "kernel bursts closer than this are one burst, seconds",
+        cfg.number(0.0, 1.0), "SECONDS")
+    burst_history: float = cfg.setting(
+        _ALGORITHM.burst_history, "seconds of bursts a quota estimate looks at",
+        cfg.number(0.01, 3600), "SECONDS")
+    idle_release: float = cfg.setting(
+        0.002, "a holder that launched nothing this long after its last sync gives the token "
+        "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
+    # ---- what one allocation's clients may use (security, S2) ----
+    max_connections: int = cfg.setting(
+        1024, "connections one allocation may hold at once; past it a new one is refused with "
+        "an error frame", cfg.integer(1, 1_000_000), "N")
+    client_send_buffer: int = cfg.setting(
+        64 * 1024, "bytes of replies queued to one client that is not reading (its frames in "
+        "flight); past it the daemon waits up to client_write_timeout", cfg.integer(
+            4096, 64 << 20), "BYTES")
+    client_write_timeout: float = cfg.setting(
+        5.0, "seconds the daemon waits for one client to read its replies before dropping "
+        "the connection", cfg.number(0.01, 600), "SECONDS")
+    # ---- pod awareness (issue 5) ----
+    node_name: str = cfg.setting(
+        default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "
+        "name)", cfg.text, "NAME")
+    pod_resources_socket: str = cfg.setting(
+        paths.DEFAULT_POD_RESOURCES_SOCKET, "kubelet PodResources socket", cfg.text, "PATH")
+    pod_resources_interval: float = cfg.setting(
+        5.0, "seconds between PodResources Lists that look for ended pods",
+        cfg.number(0.05, 3600), "SECONDS")
+    pod_resources_min_interval: float = cfg.setting(
+        0.1, "shortest time between two PodResources Lists (kubelet rate-limits the API)",
+        cfg.number(0.0, 60), "SECONDS")
+    bind_timeout: float = cfg.setting(
+        5.0, "seconds a kubelet allocation's hello waits for its pod to be known (0 = never "
+        "waits)", cfg.number(0.0, 60), "SECONDS")
+    collect_grace: float = cfg.setting(
+        60.0, "seconds a pod must be absent from PodResources before its allocation is "
+        "collected", cfg.number(0.0, 86400), "SECONDS")
+    kubernetes: bool = cfg.setting(
+        False, "use the Kubernetes API (in-cluster config): pod annotations, Events, node "
+        "labels", cfg.boolean, "BOOL")
+    kube_api_url: str | None = cfg.setting(
+        None, "Kubernetes API URL instead of the in-cluster config (tests, debugging)",
+        cfg.optional(cfg.text), "URL")
+    kubeconfig: str | None = cfg.setting(
+        None, "kubeconfig file instead of the in-cluster config", cfg.optional(cfg.text), "FILE")
+    node_label_interval: float = cfg.setting(
+        300.0, "seconds between checks of this node's gemini.ai labels",
+        cfg.number(0.05, 86400), "SECONDS")
+    slices_per_gpu: int = cfg.setting(
+        10, "slices each GPU is advertised as (the plugin's setting of the same name)",
+        cfg.integer(1, MAX_SLICES_PER_GPU), "N")
+    simulate_gpus: int = cfg.setting(
+        0, "simulated GPUs for labels and metrics instead of NVML (the plugin's setting)",
+        cfg.integer(0, 256), "N")
+    simulate_model: str = cfg.setting(
+        "Simulated NVIDIA H200", "model name of simulated GPUs", cfg.text, "NAME")
+    # ---- per-process memory (the context charge) ----
+    process_memory: str = cfg.setting(
+        "auto", "per-process GPU memory figures for the context charge: auto (NVML when it "
+        "loads and pids match the host's), nvml, simulated (process_memory_file) or off (the "
+        "hook's measurement)", cfg.choice(*PROCESS_MEMORY_SOURCES), "SOURCE")
+    process_memory_interval: float = cfg.setting(
+        1.0, "seconds between readings of per-process GPU memory", cfg.number(0.01, 3600),
+        "SECONDS")
+    process_memory_file: str | None = cfg.setting(
+        None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
+        "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
+    # ---- the hooks' enforcement settings (sent in every hello reply) ----
+    interposer_token_timeout: float = cfg.setting(
+        30.0, "seconds a launch waits for a token grant before the hook gates itself at its "
+        "share", cfg.number(0.001, 3600), "SECONDS")
+    interposer_fallback_retry: float = cfg.setting(
+        1.0, "seconds between a self-gating hook's attempts to reach the daemon again",
+        cfg.number(0.01, 60), "SECONDS")
+    interposer_io_timeout: float = cfg.setting(
+        10.0, "the hooks' socket send and receive timeout, seconds", cfg.number(0.1, 3600),
+        "SECONDS")
+    interposer_context_bytes: int = cfg.setting(
+        0, "what a context is charged when its cost cannot be measured", cfg.size, "SIZE")
+    interposer_context_max_bytes: int = cfg.setting(
+        1 << 30, "the most one measured context is charged", cfg.size, "SIZE")
+    # ---- telemetry ----
+    metrics_port: int = cfg.setting(
+        9401, "HTTP port of /metrics, /healthz and /readyz (0 = off)", cfg.integer(0, 65535),
+        "PORT")
+    metrics_address: str = cfg.setting(
+        "0.0.0.0", "address the metrics port listens on", cfg.text, "ADDRESS")
+    mqtt_url: str | None = cfg.setting(
+        None, "MQTT broker, mqtt://host[:port] (empty = no MQTT)", cfg.optional(cfg.text), "URL")
+    mqtt_topic_prefix: str = cfg.setting(
+        "gemini", "first level of every MQTT topic", cfg.text, "PREFIX")
+    mqtt_interval: float = cfg.setting(
+        5.0, "seconds between MQTT usage snapshots", cfg.number(0.05, 3600), "SECONDS")
+    mqtt_queue: int = cfg.setting(
+        1000, "MQTT messages kept while the broker is away (the oldest are dropped)",
+        cfg.integer(1, 1_000_000), "N")
+    log_level: str = cfg.setting(
+        "info", "log level", cfg.choice("debug", "info", "warning", "error"), "LEVEL")
+    log_format: str = cfg.setting("json", "log format", cfg.choice("json", "text"), "FORMAT")
+
+    def algorithm(self) -> AlgorithmConfig:
+        """The token scheduler's constants, from the settings of the same names."""
+        names = [f.name for f in dataclasses.fields(AlgorithmConfig)]
+        return AlgorithmConfig(**{name: getattr(self, name) for name in names})
+
+    def check(self) -> None:
+        """Relations between settings; raises cfg.ConfigError naming them."""
+        if self.min_quota > self.max_quota:
+            raise cfg.ConfigError(f"min_quota ({self.min_quota}) must not exceed max_quota "
+                                  f"({self.max_quota})")
+        if self.max_quota >= self.window:
+            raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
+                                  f"({self.window})")
+        if self.process_memory == "simulated" and not self.process_memory_file:
+            raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
+                                  "JSON file of per-process figures)")
+        if self.mqtt_url:
+            from vgpu_runtime.daemon.telemetry.mqtt import parse_broker_url
+
+            try:
+                parse_broker_url(self.mqtt_url)
+            except ValueError as err:
+                raise cfg.ConfigError(f"mqtt_url: {err}") from None
+
+    def limit_for(self, record_limit: float | None, request: float) -> float:
+        """The cap on one allocation's share of one GPU: its own, else the policy's."""
+        if record_limit is not None:
+            limit = record_limit
+        elif self.limit_policy == "strict":
+            limit = request
+        else:
+            limit = self.default_limit
+        return min(1.0, max(limit, request))   # never below what it is guaranteed

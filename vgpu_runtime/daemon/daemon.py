@@ -1,0 +1,399 @@
+"""The daemon: keeps one AllocationChannel per live allocation record, and the control socket.
+
+State lives in the state directory only. On start (including a restart) every record is served
+again; clients reconnect and re-declare what they hold with MEM_SET, so nothing is doubled: the
+new daemon starts from an empty ledger. Tokens start afresh too: every page is cleared, and a
+hook whose token vanished asks again.
+
+Around that core (issue 5), each optional and none on the token path: the pod watch (pods.py:
+binding, annotations, collection), node labels through the Kubernetes API (node.py, kube.py),
+the metrics port (metrics.py) and MQTT telemetry (mqtt.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vgpu_runtime import __version__, allocation, paths
+from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.common import securedir
+from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
+from vgpu_runtime.daemon.channel.grants import grants_of
+from vgpu_runtime.daemon.channel.tokens import TokenService
+from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.control import ControlServer, control_socket
+from vgpu_runtime.daemon.pods.node import HealthFile, discover_gpus, node_labels
+from vgpu_runtime.daemon.pods.podresources import PodResourcesLister
+from vgpu_runtime.daemon.pods.pods import PodWatch
+from vgpu_runtime.daemon.records import RecordWatcher
+from vgpu_runtime.daemon.telemetry.rows import container_rows
+from vgpu_runtime.gpus import GpuInfo
+
+if TYPE_CHECKING:
+    from vgpu_runtime.daemon.pods.kube import KubeApi
+    from vgpu_runtime.daemon.telemetry.metrics import MetricsServer
+    from vgpu_runtime.daemon.telemetry.mqtt import MqttPublisher
+
+log = logging.getLogger(__name__)
+
+ACCEPT_OUT_OF_RESOURCES = "socket.accept() out of system resource"   # asyncio's message
+ACCEPT_LOG_INTERVAL = 10.0
+
+
+class Daemon:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.state_dir = Path(config.state_dir)
+        self.channels: dict[str, AllocationChannel] = {}
+        self.tokens = TokenService(config)
+        self.watcher = RecordWatcher(self.state_dir)
+        self.corrupt: dict[str, str] = {}
+        self.started_at = time.time()
+        self.control = ControlServer(control_socket(self.state_dir),
+                                     {"status": self.status, "stop": self.stop_request})
+        self.ready = False
+        self.node_gpus: list[GpuInfo] = []
+        self.health = HealthFile(self.state_dir)
+        self.kube: KubeApi | None = None
+        self.metrics: MetricsServer | None = None
+        self.mqtt: MqttPublisher | None = None
+        self.pods = PodWatch(
+            config, PodResourcesLister(config.pod_resources_socket, paths.RESOURCE_NAME,
+                                       config.pod_resources_min_interval),
+            None, self.records, self.wake, self.collect, self.allocation_event)
+        self._stop = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._sync_lock = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._troubles: dict[str, str] = {}   # what failed and was logged -> the error
+        self._accept_failures = 0
+        self._accept_logged = -ACCEPT_LOG_INTERVAL
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stop_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`gemini-vgpu stop`: refused while an allocation is live, unless forced (its hooks
+        then gate themselves at their shares until a daemon is back)."""
+        live = sorted(self.channels)
+        if live and request.get("force") is not True:
+            return {"error": f"{len(live)} allocation(s) live ({', '.join(live[:5])}); their "
+                             "processes would gate themselves without the daemon. Stop them "
+                             "first, or force it"}
+        log.info("stopping on request", extra={"live_allocations": live})
+        self.stop()
+        return {"stopping": True, "pid": os.getpid()}
+
+    def wake(self) -> None:
+        """Scan the records now (a record was rewritten by this daemon)."""
+        self._wake.set()
+
+    def records(self) -> list[AllocationRecord]:
+        return [c.record for c in self.channels.values()]
+
+    async def run(self) -> None:
+        paths.allocations_dir(self.state_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            # Also on a node whose channels/ an older version made 0755.
+            securedir.make_dir(paths.channels_dir(self.state_dir), paths.CHANNELS_DIR_MODE)
+        except (OSError, securedir.InsecureDirectory) as err:
+            log.error("cannot make the channels directory private; other host users may reach "
+                      "channel sockets", extra={"error": str(err)})
+        asyncio.get_running_loop().set_exception_handler(self._on_loop_error)
+        await self.control.start()
+        self._start_optional()
+        log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
+                                                    "pid": os.getpid(),
+                                                    "node": self.config.node_name})
+        idle_since = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                try:
+                    await self.sync()
+                    self._troubles.pop("sync", None)
+                except OSError as err:
+                    # Exhaustion (descriptors, space, a read-only state directory) must not
+                    # end the daemon: what it serves goes on, and the next poll tries again.
+                    self._trouble("cannot bring the allocations in line with the records",
+                                  "sync", err)
+                self.ready = True
+                now = time.monotonic()
+                if self.channels or self.corrupt or self._troubles:
+                    idle_since = now
+                elif self.config.idle_exit and now - idle_since >= self.config.idle_exit:
+                    log.info("no allocation for idle_exit seconds: exiting",
+                             extra={"idle_exit": self.config.idle_exit})
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wait_stop_or_wake(), self.config.poll_interval)
+                self._wake.clear()
+        finally:
+            await self.shutdown()
+
+    async def _wait_stop_or_wake(self) -> None:
+        stop = asyncio.ensure_future(self._stop.wait())
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({stop, wake}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            wake.cancel()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.create_task(coro))
+
+    def _start_optional(self) -> None:
+        config = self.config
+        if config.kubernetes:
+            from vgpu_runtime.daemon.pods.kube import KubeApi
+
+            try:
+                self.kube = KubeApi(config.kube_api_url, config.kubeconfig)
+            except Exception as err:
+                # No in-cluster config (not in a pod): run on without the API, say so.
+                log.error("Kubernetes API unavailable; annotations, Events and node labels "
+                          "are off", extra={"error": str(err)})
+            self.pods.kube = self.kube
+        self._spawn(self.pods.run())
+        self._spawn(self._discover_and_label())
+        if config.metrics_port:
+            from vgpu_runtime.daemon.telemetry.metrics import MetricsServer
+
+            try:
+                self.metrics = MetricsServer(config.metrics_address, config.metrics_port,
+                                             asyncio.get_running_loop(), self.telemetry_status,
+                                             lambda: self.ready)
+                self.metrics.start()
+            except OSError as err:
+                log.error("metrics port unavailable; running without /metrics", extra={
+                    "port": config.metrics_port, "error": str(err)})
+                self.metrics = None
+        if config.mqtt_url:
+            from vgpu_runtime.daemon.telemetry.mqtt import MqttPublisher
+
+            self.mqtt = MqttPublisher(config.mqtt_url, config.node_name,
+                                      config.mqtt_topic_prefix, config.mqtt_queue)
+            self._spawn(self.mqtt.run())
+            self._spawn(self._publish_usage())
+
+    async def _discover_and_label(self) -> None:
+        """GPUs for labels and metrics (in a thread: NVML may be slow), then the labels."""
+        self.node_gpus = await asyncio.to_thread(discover_gpus, self.config.simulate_gpus,
+                                                 self.config.simulate_model)
+        if self.kube is None:
+            return
+        wanted = node_labels(self.node_gpus, self.config.slices_per_gpu)
+        while True:
+            try:
+                current = await self.kube.node_labels(self.config.node_name)
+                change = {k: v for k, v in wanted.items() if current.get(k) != v}
+                if change:
+                    await self.kube.patch_node_labels(self.config.node_name, change)
+                    log.info("node labels set", extra={"node": self.config.node_name,
+                                                       "labels": change})
+                delay = self.config.node_label_interval
+            except Exception as err:
+                log.warning("cannot label the node; trying again", extra={
+                    "node": self.config.node_name, "error": str(err)})
+                delay = min(30.0, self.config.node_label_interval)
+            await asyncio.sleep(delay)
+
+    async def sync(self) -> None:
+        """Bring the served channels in line with the records on disk."""
+        async with self._sync_lock:
+            await self._sync()
+
+    async def _sync(self) -> None:
+        try:
+            scan = self.watcher.scan()
+        except OSError as err:
+            # No descriptors or memory for a listing: it says nothing about the records, so
+            # every allocation served goes on being served; the next poll tries again.
+            self._trouble("cannot scan the allocation records", "scan", err)
+            return
+        self._troubles.pop("scan", None)
+        self.corrupt = dict(scan.corrupt)
+        for allocation_id in set(self.channels) - set(scan.records):
+            channel = self.channels.pop(allocation_id)
+            await channel.close("allocation record removed")
+            self.allocation_event("removed", channel.record, {})
+        for allocation_id, record in scan.records.items():
+            current = self.channels.get(allocation_id)
+            if current is not None and current.record == record:
+                continue
+            try:
+                await self._serve(current, record)
+            except ChannelUnavailable as err:
+                # Out of descriptors or space, or a read-only state directory: tried again at
+                # every poll, logged once.
+                self._trouble("cannot serve allocation yet", record.id, err)
+                self.corrupt[str(paths.allocations_dir(self.state_dir) / f"{record.id}.json")] = (
+                    str(err))
+            except RecordError as err:
+                self.watcher.mark_unservable(record, err)
+                self.corrupt[str(paths.allocations_dir(self.state_dir) / f"{record.id}.json")] = (
+                    str(err))
+
+    async def _serve(self, current: AllocationChannel | None, record: AllocationRecord) -> None:
+        grants = grants_of(record, self.config.limit_for)
+        if current is not None:
+            current.update(record, grants)
+            return
+        channel = AllocationChannel(record, grants, self.tokens, self._bind_timeout,
+                                    self.pods.poke)
+        await channel.start()
+        self._troubles.pop(record.id, None)
+        self.channels[record.id] = channel
+        self.allocation_event("added", record, {})
+        if needs_binding(record):
+            self.pods.poke()
+
+    def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """asyncio logs, with a traceback, every accept that fails for want of descriptors: a
+        hundred lines a second per socket while a tenant holds them all. One line per
+        ACCEPT_LOG_INTERVAL instead, with the count; anything else as asyncio would."""
+        if not str(context.get("message", "")).startswith(ACCEPT_OUT_OF_RESOURCES):
+            loop.default_exception_handler(context)
+            return
+        self._accept_failures += 1
+        now = time.monotonic()
+        if now - self._accept_logged >= ACCEPT_LOG_INTERVAL:
+            log.error("cannot accept connections (out of descriptors or memory); each socket "
+                      "retries every second", extra={"error": str(context.get("exception")),
+                                                     "failed_accepts": self._accept_failures})
+            self._accept_logged, self._accept_failures = now, 0
+
+    def _trouble(self, message: str, key: str, err: Exception) -> None:
+        """Log a passing failure once while it lasts (it is retried at every poll)."""
+        if self._troubles.get(key) != str(err):
+            self._troubles[key] = str(err)
+            log.error(message, extra={"what": key, "error": str(err)})
+
+    def _bind_timeout(self) -> float:
+        # Without kubelet's PodResources on this node no pod can be found: never wait.
+        return self.config.bind_timeout if self.pods.lister.available() else 0.0
+
+    async def collect(self, allocation_id: str, reason: str) -> None:
+        """The allocation's pod is gone: record removed, channel closed, directory removed."""
+        async with self._sync_lock:
+            channel = self.channels.pop(allocation_id, None)
+            record = channel.record if channel else allocation.load_record(self.state_dir,
+                                                                           allocation_id)
+            allocation.remove_record(self.state_dir, allocation_id)
+            if channel is not None:
+                await channel.close(reason)
+            if record is not None:
+                self._remove_channel_dir(record)
+                self.allocation_event("collected", record, {"reason": reason})
+            log.info("allocation collected", extra={"allocation": allocation_id,
+                                                    "reason": reason})
+
+    def _remove_channel_dir(self, record: AllocationRecord) -> None:
+        allocation.remove_channel_dir(self.state_dir, record)
+
+    def allocation_event(self, event: str, record: AllocationRecord,
+                         more: dict[str, object]) -> None:
+        if self.mqtt is None:
+            return
+        pod = record.pod
+        document: dict[str, Any] = {
+            "event": f"allocation-{event}", "allocation": record.id, "origin": record.origin,
+            "pod": pod.name if pod else None, "namespace": pod.namespace if pod else None,
+            "container": pod.container if pod else None, **more}
+        for gpu in record.gpus:
+            self.mqtt.publish(gpu.uuid, "events", document | {"share": gpu.share,
+                                                              "memory_limit": gpu.memory_limit})
+
+    async def _publish_usage(self) -> None:
+        """MQTT: usage snapshots every mqtt_interval, and health changes as events."""
+        assert self.mqtt is not None
+        last_health: dict[str, tuple[bool, str]] = {}
+        while True:
+            status = self.telemetry_status()
+            for row in container_rows(status):
+                self.mqtt.publish(row.gpu, "usage", row.usage())
+            health = self.health.read()
+            for uuid, (healthy, reason) in health.items():
+                if last_health.get(uuid, (True, "")) != (healthy, reason) and (
+                        uuid in last_health or not healthy):
+                    self.mqtt.publish(uuid, "events", {
+                        "event": "gpu-healthy" if healthy else "gpu-unhealthy",
+                        "reason": reason})
+            last_health = dict(health)
+            await asyncio.sleep(self.config.mqtt_interval)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.pods.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.kube is not None:
+            self.kube.close()
+        await self.control.close()
+        await asyncio.gather(*(c.close("gemini-scheduler stopping", removed=False)
+                               for c in self.channels.values()), return_exceptions=True)
+        self.channels.clear()
+        self.tokens.close()
+        log.info("gemini-scheduler stopped")
+
+    def node_status(self) -> dict[str, Any]:
+        """The node's GPUs: discovered ones, plus any GPU an allocation names."""
+        per_gpu = self.config.slices_per_gpu
+        health = self.health.read()
+        allocated: dict[str, int] = {}
+        shares: dict[str, float] = {}
+        indexes = {g.uuid: g.index for g in self.node_gpus}
+        for channel in self.channels.values():
+            for gpu in channel.record.gpus:
+                allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * per_gpu)
+                shares[gpu.uuid] = shares.get(gpu.uuid, 0.0) + gpu.share
+                indexes.setdefault(gpu.uuid, gpu.index)
+        found = {g.uuid: g for g in self.node_gpus}
+        uuids = [g.uuid for g in self.node_gpus] + sorted(set(allocated) - set(found))
+        gpus = []
+        for uuid in uuids:
+            healthy, reason = health.get(uuid, (True, ""))
+            node_gpu = found.get(uuid)
+            gpus.append({"uuid": uuid, "index": indexes[uuid],
+                         "model": node_gpu.model if node_gpu else "",
+                         "memory_total": node_gpu.memory_total if node_gpu else None,
+                         "slices": per_gpu, "slices_allocated": allocated.get(uuid, 0),
+                         "share_allocated": round(shares.get(uuid, 0.0), 6),
+                         "healthy": healthy, "reason": reason})
+        return {"name": self.config.node_name, "slices_per_gpu": per_gpu, "gpus": gpus,
+                "kubernetes": self.kube is not None, "pod_binds": self.pods.binds,
+                "pod_resources_lists": self.pods.lister.lists,
+                "mqtt": None if self.mqtt is None else {
+                    "connected": self.mqtt.connected, "published": self.mqtt.published,
+                    "queued": len(self.mqtt.queue), "dropped": self.mqtt.dropped}}
+
+    def telemetry_status(self) -> dict[str, Any]:
+        return self.status({})
+
+    def status(self, _request: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "daemon": {"pid": os.getpid(), "version": __version__,
+                       "state_dir": str(self.state_dir), "started_at": self.started_at,
+                       "default_limit": self.config.default_limit,
+                       "limit_policy": self.config.limit_policy,
+                       "idle_exit": self.config.idle_exit,
+                       "token_settings": dataclasses.asdict(self.config.algorithm())
+                       | {"idle_release": self.config.idle_release},
+                       "ready": self.ready},
+            "node": self.node_status(),
+            "allocations": [c.snapshot() for _, c in sorted(self.channels.items())],
+            "gpus": self.tokens.snapshot(),
+            "corrupt_records": [{"path": p, "error": e} for p, e in sorted(self.corrupt.items())],
+        }

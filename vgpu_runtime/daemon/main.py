@@ -1,0 +1,59 @@
+"""gemini-scheduler's entry point: configuration, the single-instance lock, signals, the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from vgpu_runtime.common import cli, logs
+from vgpu_runtime.common import config as cfg
+from vgpu_runtime.common.fdlimit import raise_open_file_limit
+from vgpu_runtime.daemon import lock
+from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.daemon import Daemon
+
+log = logging.getLogger("gemini-scheduler")
+PROG = "gemini-scheduler"
+
+
+async def _serve(config: SchedulerConfig) -> None:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    await daemon.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = cfg.load(SchedulerConfig, argv, prog=PROG,
+                          description="gemini.ai/vgpu node daemon: per-allocation channels"
+                                      ", the memory ledger and GPU-time tokens")
+        config.check()
+    except cfg.ConfigError as err:
+        cli.error(PROG, str(err))
+        return 2
+    logs.setup(config.log_level, config.log_format)
+    raise_open_file_limit()   # one socket per client process, past the usual 1024
+    try:
+        os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
+        lock_fd = lock.acquire(config.state_dir)
+    except lock.AlreadyRunning as err:
+        cli.error(PROG, str(err))
+        return 1
+    except OSError as err:
+        cli.error(PROG, f"cannot use state directory {config.state_dir}: {err}")
+        return 1
+    try:
+        asyncio.run(_serve(config))
+    finally:
+        os.close(lock_fd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Pod awareness: bind kubelet allocations to their pods, apply annotations, collect ended pods.
+
+Binding. Allocate does not say which pod it serves. For every kubelet record without a pod, the
+watcher asks PodResources `List` which container holds the record's slice IDs, then (with the
+Kubernetes API on) GETs the pod for its uid and annotations, and writes the record once with the
+pod and the valid annotations applied (`allocation.write_record`: atomic; every other field is
+kept as the plugin wrote it). The record watcher then applies the new limits, and the channel's
+hellos, which wait for the pod (`AllocationChannel.wait_bound`), are answered with them.
+
+Re-binding. The binding follows what PodResources says holds the slices now. Slices freed by a
+deleted pod and given to a new one within the collect grace keep their allocation id (it is the
+slice set's), so a bound record whose slices another pod holds is bound again: to the new pod,
+with the slices' default limits and the new pod's annotations. The same pod holding them (an
+init container's slices replayed to an app container, restarts) keeps everything.
+
+An invalid annotation is ignored with a Warning Event on the pod (reason InvalidVgpuAnnotation).
+When the API cannot be reached the pod is bound with the defaults, and the annotations are
+tried again on later passes.
+
+Collection. An allocation whose slices no container holds in a successful, non-empty List for
+`collect_grace` seconds without interruption is collected: record removed, channel closed and
+its directory removed. A failed or empty List restarts every clock: kubelet restarting proves
+nothing about pods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from vgpu_runtime import allocation
+from vgpu_runtime.allocation import AllocationRecord, PodRef, RecordError
+from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, apply_annotations
+from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
+
+if TYPE_CHECKING:
+    from vgpu_runtime.daemon.config import SchedulerConfig
+    from vgpu_runtime.daemon.pods.kube import KubeApi
+
+log = logging.getLogger(__name__)
+
+Records = Callable[[], list[AllocationRecord]]
+Collect = Callable[[str, str], Awaitable[None]]
+Notify = Callable[[str, AllocationRecord, dict[str, object]], None]
+
+
+class PodWatch:
+    def __init__(self, config: SchedulerConfig, lister: PodResourcesLister,
+                 kube: KubeApi | None, records: Records, wake_daemon: Callable[[], None],
+                 collect: Collect, notify: Notify) -> None:
+        self.config = config
+        self.lister = lister
+        self.kube = kube
+        self.records = records
+        self.wake_daemon = wake_daemon
+        self.collect = collect
+        self.notify = notify
+        self.absent_since: dict[str, float] = {}
+        self.annotations_pending: set[str] = set()
+        self.binds = 0
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_listing_ok: bool | None = None
+
+    def poke(self) -> None:
+        """Something wants binding now (a new record, a waiting hello)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._next_delay())
+            self._wake.clear()
+            try:
+                await self.pass_once()
+            except Exception:
+                log.exception("pod watch pass failed; trying again")
+
+    def _next_delay(self) -> float:
+        if any(r.pod is None or r.id in self.annotations_pending for r in self._kubelet()):
+            # Someone may be waiting on these: ask again soon, within the rate limit.
+            return max(self.config.pod_resources_min_interval, 0.05)
+        return self.config.pod_resources_interval
+
+    def _kubelet(self) -> list[AllocationRecord]:
+        return [r for r in self.records() if r.origin == "kubelet" and r.device_ids]
+
+    async def pass_once(self) -> None:
+        records = self._kubelet()
+        if not records:
+            self.absent_since.clear()
+            return
+        if not self.lister.available():
+            self.absent_since.clear()
+            return
+        listing = await self.lister.listing()
+        self._log_listing(listing)
+        for record in records:
+            if (record.pod is None or record.id in self.annotations_pending
+                    or _taken_over(record, listing)):
+                await self._bind(record, listing)
+        await self._collect_ended(records, listing)
+
+    def _log_listing(self, listing: PodListing) -> None:
+        if listing.ok != self._last_listing_ok:
+            if listing.ok:
+                log.info("PodResources answers", extra={"pods": listing.pods})
+            else:
+                log.warning("PodResources gives no usable answer; nothing is collected",
+                            extra={"error": listing.error})
+            self._last_listing_ok = listing.ok
+
+    # ---- binding ----
+
+    async def _bind(self, record: AllocationRecord, listing: PodListing) -> None:
+        if not listing.ok:
+            return
+        owner = listing.owner_of(record.device_ids) or record.pod
+        if owner is None:
+            return
+        annotations: dict[str, str] | None = None
+        uid = owner.uid
+        if self.kube is not None:
+            try:
+                info = await self.kube.get_pod(owner.namespace, owner.name)
+                uid, annotations = info.uid, info.annotations
+            except Exception as err:
+                log.warning("cannot read the pod's annotations; defaults hold for now",
+                            extra={"allocation": record.id, "pod": owner.name,
+                                   "namespace": owner.namespace, "error": str(err)})
+        try:
+            latest = allocation.load_record(self.config.state_dir, record.id)
+        except RecordError as err:
+            log.error("cannot bind: record unreadable", extra={"allocation": record.id,
+                                                                "error": str(err)})
+            return
+        if latest is None:
+            return   # removed meanwhile
+        previous = latest.pod
+        rebound = previous is not None and not _same_pod(previous, owner)
+        if previous is not None and not rebound:
+            # The pod it is bound to: the container it was bound with, the uid once known.
+            pod = dataclasses.replace(previous, uid=uid or previous.uid)
+            updated = dataclasses.replace(latest, pod=pod)
+        else:
+            pod = PodRef(owner.namespace, owner.name, owner.container, uid)
+            updated = dataclasses.replace(_defaults(latest) if rebound else latest, pod=pod)
+        problems: tuple[str, ...] = ()
+        if annotations is not None:
+            applied = apply_annotations(updated, annotations)
+            updated, problems = applied.record, applied.problems
+            self.annotations_pending.discard(record.id)
+        elif self.kube is not None:
+            self.annotations_pending.add(record.id)
+        if updated != latest:
+            try:
+                allocation.write_record(self.config.state_dir, updated)
+            except RecordError as err:
+                log.error("cannot bind: record not written", extra={"allocation": record.id,
+                                                                    "error": str(err)})
+                return
+        if previous is None or rebound:
+            self.binds += 1
+            more = {} if previous is None else {"previous_namespace": previous.namespace,
+                                                "previous_pod": previous.name}
+            log.info("allocation re-bound to the pod now holding its slices" if rebound else
+                     "allocation bound to its pod", extra={
+                         "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
+                         "container": pod.container, "limit": updated.limit,
+                         "memory_limits": [g.memory_limit for g in updated.gpus], **more})
+            self.notify("bound", updated, dict(more))
+        self.wake_daemon()
+        for problem in problems:
+            log.warning("ignoring pod annotation", extra={
+                "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
+                "problem": problem})
+            self._spawn(self._event(pod, problem))
+
+    async def _event(self, pod: PodRef, message: str) -> None:
+        assert self.kube is not None
+        try:
+            await self.kube.post_event(pod, self.config.node_name, INVALID_REASON, message)
+        except Exception as err:
+            log.warning("cannot post event", extra={"pod": pod.name, "error": str(err)})
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- collection ----
+
+    async def _collect_ended(self, records: list[AllocationRecord], listing: PodListing) -> None:
+        if not listing.ok:
+            self.absent_since.clear()   # no evidence; absence must be continuous
+            return
+        now = time.monotonic()
+        live = {r.id for r in records}
+        for gone in set(self.absent_since) - live:
+            del self.absent_since[gone]
+        for record in records:
+            if any(d in listing.owners for d in record.device_ids):
+                self.absent_since.pop(record.id, None)
+                continue
+            since = self.absent_since.setdefault(record.id, now)
+            if now - since >= self.config.collect_grace:
+                del self.absent_since[record.id]
+                pod = record.pod
+                reason = (f"pod {pod.namespace}/{pod.name} ended" if pod else
+                          "no pod holds its slices") + (
+                    f" (absent from PodResources for {now - since:.1f} s)")
+                await self.collect(record.id, reason)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.lister.close()
+
+
+def _same_pod(bound: PodRef, holder: PodRef) -> bool:
+    """PodResources names pods, not uids: a uid is compared only where both are known."""
+    return ((bound.namespace, bound.name) == (holder.namespace, holder.name)
+            and (not bound.uid or not holder.uid or bound.uid == holder.uid))
+
+
+def _taken_over(record: AllocationRecord, listing: PodListing) -> bool:
+    """A bound record whose slices another pod now holds (a successful List says so)."""
+    if record.pod is None or not listing.ok:
+        return False
+    holder = listing.owner_of(record.device_ids)
+    return holder is not None and not _same_pod(record.pod, holder)
+
+
+def _defaults(record: AllocationRecord) -> AllocationRecord:
+    """The record as the plugin gave it, before any pod's annotations (a record written before
+    default_memory was kept has only its current memory limit)."""
+    gpus = tuple(g if g.default_memory is None else
+                 dataclasses.replace(g, memory_limit=g.default_memory) for g in record.gpus)
+    return dataclasses.replace(record, limit=None, gpus=gpus)

@@ -1,0 +1,1 @@
+"""What the daemon reports: status rows, Prometheus /metrics and MQTT."""

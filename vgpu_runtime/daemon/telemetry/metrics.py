@@ -1,0 +1,169 @@
+"""The daemon's HTTP port: `/metrics` (Prometheus), `/healthz` (liveness), `/readyz` (readiness).
+
+Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
+
+    gemini_vgpu_gpu_slices{gpu,model}                    slices the GPU is advertised as
+    gemini_vgpu_gpu_slices_allocated{gpu,model}          slices held by allocations
+    gemini_vgpu_gpu_healthy{gpu,model}                   1 healthy, 0 not (the plugin's view)
+    per container, labels pod, namespace, container, allocation, gpu:
+    gemini_vgpu_container_request_ratio                  guaranteed share of the GPU's time
+    gemini_vgpu_container_limit_ratio                    cap on that share
+    gemini_vgpu_container_achieved_ratio                 share achieved over the window
+    gemini_vgpu_container_memory_used_bytes / _memory_limit_bytes
+    gemini_vgpu_token_wait_seconds (histogram)           waits for the GPU-time token
+    gemini_vgpu_memory_refusals_total (counter)          allocations refused over the limit
+
+The server runs in a thread (prometheus_client's exposition, http.server); each scrape asks the
+event loop for one status snapshot, so the figures are consistent and the loop stays the only
+owner of the state. `/healthz` answers 200 while the loop answers within 2 s; `/readyz` 200 once
+the records have been scanned and their channels served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import TimeoutError as FutureTimeout
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from vgpu_runtime.daemon.telemetry.rows import container_rows, gpu_rows
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT = 2.0
+CONTAINER_LABELS = ["pod", "namespace", "container", "allocation", "gpu"]
+
+
+def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
+    gpu_labels = ["gpu", "model"]
+    slices = GaugeMetricFamily("gemini_vgpu_gpu_slices", "Slices the GPU is advertised as",
+                               labels=gpu_labels)
+    allocated = GaugeMetricFamily("gemini_vgpu_gpu_slices_allocated",
+                                  "Slices of the GPU held by allocations", labels=gpu_labels)
+    healthy = GaugeMetricFamily("gemini_vgpu_gpu_healthy",
+                                "1 if the device plugin reports the GPU healthy, else 0",
+                                labels=gpu_labels)
+    for gpu in gpu_rows(status):
+        values = [gpu.uuid, gpu.model]
+        slices.add_metric(values, gpu.slices)
+        allocated.add_metric(values, gpu.slices_allocated)
+        healthy.add_metric(values, 1.0 if gpu.healthy else 0.0)
+    yield from (slices, allocated, healthy)
+
+    def gauge(name: str, text: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, text, labels=CONTAINER_LABELS)
+    request = gauge("gemini_vgpu_container_request_ratio",
+                    "Guaranteed share of the GPU's time (slices / slices per GPU)")
+    limit = gauge("gemini_vgpu_container_limit_ratio", "Cap on the share of the GPU's time")
+    achieved = gauge("gemini_vgpu_container_achieved_ratio",
+                     "Share of the GPU's time achieved over the scheduler's window")
+    used = gauge("gemini_vgpu_container_memory_used_bytes", "GPU memory the container holds")
+    mem_limit = gauge("gemini_vgpu_container_memory_limit_bytes",
+                      "GPU memory limit of the container")
+    waits = HistogramMetricFamily("gemini_vgpu_token_wait_seconds",
+                                  "Time a container waited for the GPU-time token",
+                                  labels=CONTAINER_LABELS)
+    refusals = CounterMetricFamily("gemini_vgpu_memory_refusals",
+                                   "GPU memory allocations refused over the container's limit",
+                                   labels=CONTAINER_LABELS)
+    for row in container_rows(status):
+        values = [row.pod, row.namespace, row.container, row.allocation, row.gpu]
+        request.add_metric(values, row.request)
+        limit.add_metric(values, row.limit)
+        achieved.add_metric(values, row.achieved)
+        used.add_metric(values, row.memory_used)
+        mem_limit.add_metric(values, row.memory_limit)
+        refusals.add_metric(values, row.memory_refusals)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*row.waits["bounds"], float("inf")], row.waits["counts"],
+                                strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        waits.add_metric(values, buckets, row.waits["sum"])
+    yield from (request, limit, achieved, used, mem_limit, waits, refusals)
+
+
+class _Snapshot:
+    """A collector over one status answer."""
+
+    def __init__(self, status: dict[str, Any]) -> None:
+        self.status = status
+
+    def collect(self) -> Iterable[Metric]:
+        return metric_families(self.status)
+
+
+def render(status: dict[str, Any]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(status))
+    return bytes(generate_latest(registry))
+
+
+class MetricsServer:
+    def __init__(self, address: str, port: int, loop: asyncio.AbstractEventLoop,
+                 status: Callable[[], dict[str, Any]], ready: Callable[[], bool]) -> None:
+        self.loop = loop
+        self.status = status
+        self.ready = ready
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                server._handle(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass   # scrapes are not worth a log line each
+
+        self.httpd = ThreadingHTTPServer((address, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("metrics served", extra={"port": self.port})
+
+    def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(SCRAPE_TIMEOUT)
+
+    def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        path = request.path.split("?", 1)[0]
+        try:
+            if path == "/metrics":
+                body, ctype, code = render(self._on_loop(self.status)), CONTENT_TYPE_LATEST, 200
+            elif path == "/healthz":
+                self._on_loop(lambda: None)
+                body, ctype, code = b"ok\n", "text/plain", 200
+            elif path == "/readyz":
+                ready = bool(self._on_loop(self.ready))
+                body = b"ready\n" if ready else b"not ready: records not served yet\n"
+                ctype, code = "text/plain", 200 if ready else 503
+            else:
+                body, ctype, code = b"not found: try /metrics, /healthz, /readyz\n", \
+                    "text/plain", 404
+        except (FutureTimeout, RuntimeError) as err:
+            body, ctype, code = f"event loop not answering: {err!r}\n".encode(), "text/plain", 503
+        request.send_response(code)
+        request.send_header("Content-Type", ctype)
+        request.send_header("Content-Length", str(len(body)))
+        request.end_headers()
+        request.wfile.write(body)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
