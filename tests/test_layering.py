@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.allocation": 1,
     "vgpu_runtime.hooklib": 1,
     # The time-sharing algorithm, pure.
-    "vgpu_runtime.burst": 2,
+    "vgpu_runtime.timeshare": 2,
     # The node daemon.
     "vgpu_runtime.daemon": 3,
     # Programs built on the daemon.
@@ -134,7 +134,7 @@ def test_the_check_sees_a_planted_bad_import() -> None:
     """The checker itself: each kind of bad import, planted in a real module's text."""
     planted = {
         "vgpu_runtime/allocation.py": "from vgpu_runtime.daemon import daemon\n",
-        "vgpu_runtime/burst/window.py": "import device_plugin.server\n",
+        "vgpu_runtime/timeshare/window.py": "import device_plugin.server\n",
         "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
         "device_plugin/slices.py": ("import importlib\n"
                                     "importlib.import_module('vgpu_runtime.daemon.main')\n"),

@@ -23,7 +23,7 @@ from vgpu_runtime.daemon.channel.process_memory import (
     SimulatedProcessMemory,
     open_source,
 )
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 
 UUID_A, UUID_B = "GPU-a", "GPU-b"
 
@@ -97,8 +97,8 @@ def test_simulated_figures_only_for_the_gpus_asked(tmp_path: Path) -> None:
     assert source.read([UUID_A]) == {UUID_A: {7: 3}}
 
 
-def settings(**values: Any) -> SchedulerConfig:
-    return replace(SchedulerConfig(), **values)
+def settings(**values: Any) -> DaemonConfig:
+    return replace(DaemonConfig(), **values)
 
 
 def test_setting_chooses_the_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

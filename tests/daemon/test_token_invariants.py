@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, Waiter
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 
 NS = 1_000_000_000
 
@@ -50,7 +50,7 @@ step_strategy = st.one_of(
 class Node:
     def __init__(self, root: Path, tenants: list[tuple[int, bool]]) -> None:
         self.now = 1000.0
-        self.config = SchedulerConfig()
+        self.config = DaemonConfig()
         self.tokens = GpuTokens("GPU-test", self.config, clock=lambda: self.now)
         self.names = [f"t{i}" for i in range(len(tenants))]
         self.conns = {name: [Connection(), Connection()] for name in self.names}

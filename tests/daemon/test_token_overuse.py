@@ -17,7 +17,7 @@ import pytest
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, Waiter
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 
 
 class Connection(Waiter):
@@ -31,7 +31,7 @@ class Connection(Waiter):
 class Node:
     def __init__(self, root: Path) -> None:
         self.now = 100.0
-        self.tokens = GpuTokens("GPU-test", SchedulerConfig(), clock=lambda: self.now)
+        self.tokens = GpuTokens("GPU-test", DaemonConfig(), clock=lambda: self.now)
         for name in ("a", "b"):
             channel = root / name
             channel.mkdir()

@@ -35,7 +35,7 @@ with atheris.instrument_imports(include=["vgpu_runtime", "device_plugin.config"]
     from vgpu_runtime import allocation, paths
     from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
     from vgpu_runtime.common.sizes import parse_size
-    from vgpu_runtime.daemon.config import SchedulerConfig
+    from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods import annotations as pod_annotations
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
@@ -68,7 +68,7 @@ def record_file(data: bytes) -> None:
 
 def config_file(data: bytes) -> None:
     CONFIG_PATH.write_bytes(data)
-    for config_class in (SchedulerConfig, PluginConfig):
+    for config_class in (DaemonConfig, PluginConfig):
         check_config_file(CONFIG_PATH, config_class)
 
 

@@ -45,7 +45,7 @@ with atheris.instrument_imports(include=["vgpu_runtime"]):
     from vgpu_runtime.daemon.channel.peer import PeerCred
     from vgpu_runtime.daemon.channel.session import Session
     from vgpu_runtime.daemon.channel.tokens import TokenService
-    from vgpu_runtime.daemon.config import SchedulerConfig
+    from vgpu_runtime.daemon.config import DaemonConfig
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, random_session  # noqa: E402
@@ -73,7 +73,7 @@ class Harness:
                        for i, uuid in enumerate(UUIDS)),
             channel_dir=str(paths.channel_dir(state, rid)),
             hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time())
-        config = SchedulerConfig(state_dir=str(state))
+        config = DaemonConfig(state_dir=str(state))
         self.channel = AllocationChannel(record, grants_of(record, config.limit_for),
                                          TokenService(config))
         self.loop.run_until_complete(self.channel.start())

@@ -23,7 +23,7 @@ from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.sizes import parse_size
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.daemon.records import RecordWatcher
 
@@ -181,7 +181,7 @@ yaml_texts = st.one_of(
 )
 
 
-@pytest.mark.parametrize("config_class", [SchedulerConfig, PluginConfig])
+@pytest.mark.parametrize("config_class", [DaemonConfig, PluginConfig])
 @fuzz(250)
 @given(text=yaml_texts, raw=st.none() | st.binary(max_size=120))
 def test_any_configuration_file_loads_or_is_a_config_error(
@@ -201,7 +201,7 @@ def test_any_configuration_file_loads_or_is_a_config_error(
        value=st.text(max_size=30) | st.sampled_from(["9" * 400, "9" * 5000, "1e999", "nan",
                                                       "-0", "inf", "9" * 400 + "GiB"]))
 def test_any_flag_or_env_value_loads_or_names_the_field(field: str, value: str) -> None:
-    for config_class in (SchedulerConfig, PluginConfig):
+    for config_class in (DaemonConfig, PluginConfig):
         if field not in {f.name for f in dataclasses.fields(config_class)}:
             continue
         for flags, env in (({field: value}, {}), ({}, {cfg.env_name(field): value})):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.hook.conftest import DaemonNode, Hooked, start_node, stop_node
-from vgpu_runtime.burst.scheduler import SchedulerConfig
+from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 RUN_S = 2.5
 KERNEL_MS = 1.0
@@ -99,7 +99,7 @@ def test_tenants_starting_together_after_a_long_warm_up_get_their_shares(
         for proc in procs:
             proc.kill()
             proc.wait()
-    config = SchedulerConfig()
+    config = TimeshareSettings()
     containers = [(0.3, results[:1]), (0.7, results[1:])]
     for share, ran in containers:
         achieved = sum(r["kernels"] for r in ran) * KERNEL_MS / 1000 / RUN_S
@@ -142,5 +142,5 @@ def test_a_process_exiting_while_it_holds_the_token_after_start_up_hands_it_on(
         stop_node(node)
     achieved = result["kernels"] * KERNEL_MS / 1000 / RUN_S
     assert achieved >= 0.6, (achieved, result["stats"])   # its 0.7, then the whole GPU
-    bound = SchedulerConfig().longest_wait(0.7, 1.0, 2)
+    bound = TimeshareSettings().longest_wait(0.7, 1.0, 2)
     assert result["stats"]["token_wait_max_ns"] / 1e9 <= bound, (bound, result["stats"])

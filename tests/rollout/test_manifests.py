@@ -27,7 +27,7 @@ from tests.childenv import REPO
 from tests.rollout import manifests as m
 from vgpu_runtime import __version__, paths
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, SchedulerConfig
+from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
@@ -39,7 +39,7 @@ needs_kustomize = pytest.mark.skipif(
 
 
 def metrics_port_default() -> int:
-    return SchedulerConfig().metrics_port
+    return DaemonConfig().metrics_port
 
 
 def console_scripts() -> set[str]:
@@ -144,11 +144,11 @@ def test_plugin_settings_file_loads_and_holds_the_plugin_defaults() -> None:
 
 def test_scheduler_settings_file_loads_and_holds_the_daemon_defaults() -> None:
     values = settings("scheduler.yaml")
-    loaded = cfg.resolve(SchedulerConfig, {}, {}, values, "scheduler.yaml")
+    loaded = cfg.resolve(DaemonConfig, {}, {}, values, "scheduler.yaml")
     loaded.check()
-    # SchedulerConfig's own default depends on the user (root: /var/lib/gemini); the node's is
+    # DaemonConfig's own default depends on the user (root: /var/lib/gemini); the node's is
     # the root one.
-    expected = dataclasses.replace(SchedulerConfig(), state_dir=paths.DEFAULT_STATE_DIR)
+    expected = dataclasses.replace(DaemonConfig(), state_dir=paths.DEFAULT_STATE_DIR)
     assert loaded == expected
     for key in ("limit_policy", "default_limit", "window", "min_quota", "max_quota", "cycle"):
         assert key in values
@@ -157,7 +157,7 @@ def test_scheduler_settings_file_loads_and_holds_the_daemon_defaults() -> None:
 def test_a_key_of_the_other_program_is_an_error() -> None:
     """Why each program has its own file: the loader rejects keys it does not know."""
     with pytest.raises(cfg.ConfigError, match="slices_per_gpu"):
-        cfg.resolve(SchedulerConfig, {}, {}, settings("device-plugin.yaml"))
+        cfg.resolve(DaemonConfig, {}, {}, settings("device-plugin.yaml"))
     with pytest.raises(cfg.ConfigError, match="limit_policy"):
         cfg.resolve(PluginConfig, {}, {}, settings("scheduler.yaml"))
 
@@ -176,14 +176,14 @@ def test_telemetry_env_names_scheduler_settings() -> None:
     lines = (m.BASE / "config" / "telemetry.env").read_text().splitlines()
     values = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
     assert "GEMINI_MQTT_URL" in values and values["GEMINI_MQTT_URL"] == ""   # off by default
-    check_env_settings(SchedulerConfig, values)
-    assert cfg.resolve(SchedulerConfig, {}, values, {}).mqtt_url is None   # MQTT off
+    check_env_settings(DaemonConfig, values)
+    assert cfg.resolve(DaemonConfig, {}, values, {}).mqtt_url is None   # MQTT off
 
 
 @needs_kustomize
 def test_container_env_names_settings_of_its_program(built: dict[Path, list[m.Obj]]) -> None:
     programs: dict[str, type[Any]] = {"device-plugin": PluginConfig,
-                                      "scheduler": SchedulerConfig}
+                                      "scheduler": DaemonConfig}
     for objects in built.values():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             for name, container in m.containers(daemonset).items():
@@ -208,7 +208,7 @@ def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             pod = m.containers(daemonset)
             plugin = resolved(pod["device-plugin"], PluginConfig, "device-plugin.yaml")
-            daemon = resolved(pod["scheduler"], SchedulerConfig, "scheduler.yaml")
+            daemon = resolved(pod["scheduler"], DaemonConfig, "scheduler.yaml")
             assert plugin.slices_per_gpu == daemon.slices_per_gpu, daemonset["metadata"]["name"]
             assert plugin.state_dir == daemon.state_dir == paths.DEFAULT_STATE_DIR
             counts.add(plugin.slices_per_gpu)
@@ -464,7 +464,7 @@ def pod_config_map(objects: list[m.Obj], daemonset: m.Obj, volume_name: str) -> 
 
 
 def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj,
-                         scratch: Path) -> SchedulerConfig:
+                         scratch: Path) -> DaemonConfig:
     """What gemini-scheduler would load in this DaemonSet's pod: its own loader, given the
     container's env (and envFrom ConfigMap) and the mounted ConfigMap's scheduler.yaml."""
     container = m.containers(daemonset)["scheduler"]
@@ -476,7 +476,7 @@ def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj,
     settings_file.write_text(pod_config_map(objects, daemonset, "config")["data"][
         "scheduler.yaml"])
     environ[cfg.CONFIG_FILE_ENV] = str(settings_file)
-    config = cfg.load(SchedulerConfig, [], environ)
+    config = cfg.load(DaemonConfig, [], environ)
     config.check()
     return config
 
@@ -538,7 +538,7 @@ def test_a_misspelled_process_memory_in_the_overlay_file_is_refused_by_name(
     broken = tmp_path / "scheduler.yaml"
     broken.write_text(text.replace("process_memory: nvml\n", "process_memory: nvlm\n"))
     with pytest.raises(cfg.ConfigError, match="process_memory"):
-        cfg.load(SchedulerConfig, [], {cfg.CONFIG_FILE_ENV: str(broken)})
+        cfg.load(DaemonConfig, [], {cfg.CONFIG_FILE_ENV: str(broken)})
 
 
 @needs_kustomize

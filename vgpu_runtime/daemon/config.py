@@ -1,8 +1,8 @@
 """gemini-scheduler's settings: flags > environment (GEMINI_*) > YAML file.
 
 The token scheduler's constants are settings too, with the algorithm's defaults
-(`vgpu_runtime.burst.scheduler.SchedulerConfig`, where each default is explained). Why the daemon's
-own additions are what they are:
+(`vgpu_runtime.timeshare.policy.TimeshareSettings`, where each default is explained). Why the
+daemon's own additions are what they are:
 
 * `limit_policy`: `work-conserving` caps an allocation without a limit of its own at
   `default_limit` (1.0: an idle GPU is lent to whoever wants it), `strict` at its request.
@@ -65,10 +65,10 @@ import socket
 from dataclasses import dataclass
 
 from vgpu_runtime import paths
-from vgpu_runtime.burst.scheduler import SchedulerConfig as AlgorithmConfig
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.timeshare.policy import TimeshareSettings
 
-_ALGORITHM = AlgorithmConfig()
+_ALGORITHM = TimeshareSettings()
 MAX_SLICES_PER_GPU = 1000   # the plugin's bound (device_plugin.config)
 
 
@@ -80,7 +80,7 @@ PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class DaemonConfig:
     state_dir: str = cfg.setting(
         paths.default_state_dir(), "state directory holding allocations/ and channels/",
         cfg.text, "DIR")
@@ -217,10 +217,10 @@ class SchedulerConfig:
         "info", "log level", cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = cfg.setting("json", "log format", cfg.choice("json", "text"), "FORMAT")
 
-    def algorithm(self) -> AlgorithmConfig:
+    def algorithm(self) -> TimeshareSettings:
         """The token scheduler's constants, from the settings of the same names."""
-        names = [f.name for f in dataclasses.fields(AlgorithmConfig)]
-        return AlgorithmConfig(**{name: getattr(self, name) for name in names})
+        names = [f.name for f in dataclasses.fields(TimeshareSettings)]
+        return TimeshareSettings(**{name: getattr(self, name) for name in names})
 
     def check(self) -> None:
         """Relations between settings; raises cfg.ConfigError naming them."""

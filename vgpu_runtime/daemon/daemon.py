@@ -28,7 +28,7 @@ from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
 from vgpu_runtime.daemon.channel.grants import grants_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
 from vgpu_runtime.daemon.pods.node import HealthFile, discover_gpus, node_labels
 from vgpu_runtime.daemon.pods.podresources import PodResourcesLister
@@ -49,7 +49,7 @@ ACCEPT_LOG_INTERVAL = 10.0
 
 
 class Daemon:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.state_dir = Path(config.state_dir)
         self.channels: dict[str, AllocationChannel] = {}

@@ -13,14 +13,14 @@ from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.daemon import lock
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.daemon import Daemon
 
 log = logging.getLogger("gemini-scheduler")
 PROG = "gemini-scheduler"
 
 
-async def _serve(config: SchedulerConfig) -> None:
+async def _serve(config: DaemonConfig) -> None:
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -30,7 +30,7 @@ async def _serve(config: SchedulerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = cfg.load(SchedulerConfig, argv, prog=PROG,
+        config = cfg.load(DaemonConfig, argv, prog=PROG,
                           description="gemini.ai/vgpu node daemon: per-allocation channels"
                                       ", the memory ledger and GPU-time tokens")
         config.check()

@@ -45,7 +45,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def in_initial_pid_namespace() -> bool:
         return False
 
 
-def open_source(config: SchedulerConfig) -> ProcessMemorySource | None:
+def open_source(config: DaemonConfig) -> ProcessMemorySource | None:
     """The configured source, or None (logged: why the hook's measurements stand). Blocking."""
     choice = config.process_memory
     if choice == "off":
@@ -195,7 +195,7 @@ class Charged(Protocol):
 class ContextCharger:
     """Reads the figures every interval while a connection is live, and charges each one."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.source: ProcessMemorySource | None = None
         self.opened = False
@@ -260,7 +260,7 @@ class ContextCharger:
 _chargers: weakref.WeakKeyDictionary[object, ContextCharger] = weakref.WeakKeyDictionary()
 
 
-def charger_for(owner: object, config: SchedulerConfig) -> ContextCharger:
+def charger_for(owner: object, config: DaemonConfig) -> ContextCharger:
     """The one charger of a daemon (`owner`: an object that lives as long as the daemon)."""
     charger = _chargers.get(owner)
     if charger is None:

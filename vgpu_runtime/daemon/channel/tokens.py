@@ -1,6 +1,6 @@
 """GPU-time tokens in the daemon: one `TokenScheduler` per physical GPU, driven by the channels.
 
-The algorithm (vgpu_runtime.burst) is pure; this module gives it a clock, timers, pages and
+The algorithm (vgpu_runtime.timeshare) is pure; this module gives it a clock, timers, pages and
 connections:
 
 * tenants are allocations; one joins a GPU's scheduler when its record appears and leaves when
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime.burst.scheduler import Grant, TokenScheduler
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
-from vgpu_runtime.daemon.config import SchedulerConfig
+from vgpu_runtime.daemon.config import DaemonConfig
+from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
@@ -112,7 +112,7 @@ class Ask:
 class GpuTokens:
     """The token of one physical GPU."""
 
-    def __init__(self, uuid: str, config: SchedulerConfig,
+    def __init__(self, uuid: str, config: DaemonConfig,
                  clock: Callable[[], float] = now_s) -> None:
         self.uuid = uuid
         self.config = config
@@ -409,7 +409,7 @@ class GpuTokens:
 class TokenService:
     """Every GPU's token on this node, keyed by UUID."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.gpus: dict[str, GpuTokens] = {}
 

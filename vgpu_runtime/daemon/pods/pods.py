@@ -39,7 +39,7 @@ from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, apply_annotatio
 from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
 
 if TYPE_CHECKING:
-    from vgpu_runtime.daemon.config import SchedulerConfig
+    from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods.kube import KubeApi
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ Notify = Callable[[str, AllocationRecord, dict[str, object]], None]
 
 
 class PodWatch:
-    def __init__(self, config: SchedulerConfig, lister: PodResourcesLister,
+    def __init__(self, config: DaemonConfig, lister: PodResourcesLister,
                  kube: KubeApi | None, records: Records, wake_daemon: Callable[[], None],
                  collect: Collect, notify: Notify) -> None:
         self.config = config

@@ -4,7 +4,7 @@ Each generated case is the H200's start-up shape or a variation of it: every ten
 (optionally with a first burst longer than quota + grace, so its first grant is revoked and the
 rest is reported as overuse), idles until a common start instant 0-15 s later, then loops with
 a sync every 1, 4 or 16 kernels. 2 to 8 tenants, limits equal to requests or none, requests
-that may add up to more than 1. After every event of the model (tests/burst/sim.py):
+that may add up to more than 1. After every event of the model (tests/timeshare/sim.py):
 
 * bounded debt: no active tenant is more than `debt` GPU seconds ahead of the least advanced
   active one (virtual-time lead x request), and no capped tenant's credit is below its
@@ -15,7 +15,7 @@ that may add up to more than 1. After every event of the model (tests/burst/sim.
 and over the run:
 
 * bounded waiting: after the start, every grant to a busy tenant came within
-  `SchedulerConfig.longest_wait` of its request (plus a handoff and a burst per tenant);
+  `TimeshareSettings.longest_wait` of its request (plus a handoff and a burst per tenant);
 * share accuracy: over a 10 s window that opens once start-up debts are paid back (the
   longest wait after the start), each busy tenant's charged share is within
   max_quota / window + 0.01 of its entitled share, and it achieved at least 0.9 of it.
@@ -29,8 +29,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.burst.sim import Simulation, Workload
-from vgpu_runtime.burst.scheduler import SchedulerConfig, TokenScheduler
+from tests.timeshare.sim import Simulation, Workload
+from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
 HANDOFF = 0.0005
 SETTLE = 2.0       # seconds after the debt is paid back before the share window opens
@@ -101,7 +101,7 @@ class Checker:
                 self.violation = f"idle GPU while {entitled_waiting} wait at {self.sim.now:.3f}"
 
 
-def run_phases(phases: list[Phase], start: float, config: SchedulerConfig
+def run_phases(phases: list[Phase], start: float, config: TimeshareSettings
                ) -> tuple[Simulation, Checker]:
     sim = Simulation(config, handoff=HANDOFF)
     checker = Checker(sim)
@@ -117,7 +117,7 @@ def run_phases(phases: list[Phase], start: float, config: SchedulerConfig
     return sim, checker
 
 
-def opens(phases: list[Phase], start: float, config: SchedulerConfig) -> float:
+def opens(phases: list[Phase], start: float, config: TimeshareSettings) -> float:
     """When the share window opens: once every tenant's start-up debt is paid back (a 0.1
     tenant whose warm-up overran by a second owes the bound: 5 s of waiting), plus SETTLE. The
     debt is incurred when the warm-ups end: the model runs them one after another (a real
@@ -135,7 +135,7 @@ phases_strategy = st.lists(
 
 
 def check(phases: list[Phase], start: float) -> None:
-    config = SchedulerConfig()
+    config = TimeshareSettings()
     sim, checker = run_phases(phases, start, config)
     assert checker.violation is None, checker.violation
     sched = sim.scheduler

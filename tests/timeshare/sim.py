@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vgpu_runtime.burst.scheduler import Grant, SchedulerConfig, TokenScheduler
+from vgpu_runtime.timeshare.policy import Grant, TimeshareSettings, TokenScheduler
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SimTenant:
 
 
 class Simulation:
-    def __init__(self, config: SchedulerConfig, handoff: float = 0.0005,
+    def __init__(self, config: TimeshareSettings, handoff: float = 0.0005,
                  idle_release: float = 0.002) -> None:
         self.scheduler = TokenScheduler(config, 0.0)
         self.handoff = handoff

@@ -42,7 +42,7 @@ and a limit (cap). GPU time is charged per tenant over a sliding window:
   inference loop next to a trainer waited up to a whole quota (p99 157 ms);
 * requests that add up to more than 1.0 (only `gemini-run --overcommit` allows it) are scaled
   down in proportion, so each tenant is guaranteed request / sum(requests);
-* debt is bounded (`SchedulerConfig.debt`, D = cycle + max_quota + revoke_grace, 0.55 s by
+* debt is bounded (`TimeshareSettings.debt`, D = cycle + max_quota + revoke_grace, 0.55 s by
   default): a tenant is never more than D GPU seconds ahead of the least advanced active
   tenant (virtual-time lead <= D / request) and, under a cap, its credit never falls below
   -max(limit x D, revoke_grace + min_quota) (`credit_floor`: at most D of waiting, and a
@@ -54,7 +54,7 @@ and a limit (cap). GPU time is charged per tenant over a sliding window:
   11 s, and a capped one 27 s;
 * so a busy tenant waits at most D x (1 - r) / r of the others' GPU time for its lead, one
   grant plus grace of each other tenant level with it, and, capped, the refill from its
-  credit floor (`SchedulerConfig.longest_wait`); and the GPU is never left idle while a
+  credit floor (`TimeshareSettings.longest_wait`); and the GPU is never left idle while a
   waiting tenant has credit (or no cap), since every event dispatches.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
@@ -67,12 +67,12 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from vgpu_runtime.burst.estimator import BurstEstimator
-from vgpu_runtime.burst.window import UsageWindow
+from vgpu_runtime.timeshare.estimator import BurstEstimator
+from vgpu_runtime.timeshare.window import UsageWindow
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class TimeshareSettings:
     """Why each default is what it is (measurements: BENCHMARKS.md, H200, 2026-12-02).
 
     * window 10 s: shares are reported (status, metrics) over it: about 33 rounds, so one quota
@@ -84,7 +84,7 @@ class SchedulerConfig:
     * max_quota 200 ms: the longest anyone waits for one other tenant.
     * cycle 0.3 s: the round a tenant's base quota is its part of. With two or three busy
       tenants that is 7-12 handoffs a second, 0.5 % of the GPU; at 0.2 s the model
-      (tests/burst/sim.py) lost 0.8 % more in aggregate on three tenants.
+      (tests/timeshare/sim.py) lost 0.8 % more in aggregate on three tenants.
     * catch_up 0.25: a tenant behind the others gets a quarter of its lag added to its next
       quota, so a lag closes within a few rounds without making quotas jumpy.
     * revoke_grace 50 ms: a holder notices its quota ended at its next launch, after its
@@ -180,7 +180,7 @@ class TenantView:
 
 
 class TokenScheduler:
-    def __init__(self, config: SchedulerConfig, now: float) -> None:
+    def __init__(self, config: TimeshareSettings, now: float) -> None:
         self.config = config
         self.started = now
         self.tenants: dict[str, Tenant] = {}

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.burst.sim import Simulation, Workload
-from vgpu_runtime.burst.estimator import BurstEstimator
-from vgpu_runtime.burst.scheduler import SchedulerConfig, TokenScheduler
-from vgpu_runtime.burst.window import UsageWindow
+from tests.timeshare.sim import Simulation, Workload
+from vgpu_runtime.timeshare.estimator import BurstEstimator
+from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
+from vgpu_runtime.timeshare.window import UsageWindow
 
 # Shapes of the H200 anchor loads (REFERENCE.md §4): kernel length, kernels per sync, host gap.
 LOADS = {
@@ -28,7 +28,7 @@ HANDOFF = 0.002
 
 def run(shares: tuple[float, ...], load: Workload, until: float = 22.0, **config: float
         ) -> tuple[Simulation, list[float]]:
-    sim = Simulation(SchedulerConfig(**config), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(**config), handoff=HANDOFF)
     for i, share in enumerate(shares):
         sim.add(f"t{i}", share, 1.0, load)
     sim.run(until)
@@ -50,7 +50,7 @@ def test_staggered_starts_leave_no_echo(starts: tuple[float, float]) -> None:
     and shares are measured from 6.5 s. A hard 10 s window let the first tenant's solo run
     leave the window at 12 s and made it look owed (0.372 / 0.620 here, 0.377 / 0.619 on the
     H200); the order of service follows a decaying measure that has no such edge."""
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("t0", 0.3, 1.0, LOADS["matmul-8192-stream"], start=starts[0])
     sim.add("t1", 0.7, 1.0, LOADS["matmul-8192-stream"], start=starts[1])
     sim.run(14.5)
@@ -59,14 +59,14 @@ def test_staggered_starts_leave_no_echo(starts: tuple[float, float]) -> None:
 
 
 def test_work_conserving_tenant_alone_takes_the_whole_gpu() -> None:
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("small", 0.3, 1.0, LOADS["matmul-8192-stream"])
     sim.run(12.0)
     assert sim.share("small", 2.0, 12.0) >= 0.97
 
 
 def test_idle_tenant_holds_nobody_back() -> None:
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("busy", 0.3, 1.0, LOADS["matmul-2048-stream"])
     sim.add("idle", 0.7, 1.0, Workload(0.001, 1, cpu_gap=5.0))  # one kernel every 5 s
     sim.run(22.0)
@@ -74,7 +74,7 @@ def test_idle_tenant_holds_nobody_back() -> None:
 
 
 def test_strict_cap_holds_even_when_alone() -> None:
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("capped", 0.3, 0.3, LOADS["matmul-8192-stream"])
     sim.run(22.0)
     assert abs(sim.share("capped", 12.0, 22.0) - 0.30) <= 0.02
@@ -84,7 +84,7 @@ def test_strict_cap_is_a_rate_with_no_stall_after_a_late_start() -> None:
     # The tenant connects 8 s after the GPU's scheduler started (PyTorch importing): a cap on
     # the hard window alone let it spend 0.3 x 8 s at full speed, then stall for seconds
     # (0.041 measured on the H200 in the 6 s that followed). As a rate, every second is 0.3.
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("capped", 0.3, 0.3, LOADS["matmul-8192-stream"], start=8.0)
     sim.run(20.0)
     per_second = [sim.share("capped", t, t + 1.0) for t in range(9, 20)]
@@ -96,7 +96,7 @@ INFERENCE = Workload(0.0004, 1, cpu_gap=0.004)   # one short request, then 4 ms 
 
 
 def inference_next_to_a_trainer(preempt_after: float) -> tuple[Simulation, list[float]]:
-    sim = Simulation(SchedulerConfig(preempt_after=preempt_after), handoff=0.0005)
+    sim = Simulation(TimeshareSettings(preempt_after=preempt_after), handoff=0.0005)
     sim.add("infer", 0.5, 1.0, INFERENCE)
     sim.add("train", 0.5, 1.0, LOADS["matmul-8192-stream"])
     sim.run(20.0)
@@ -124,7 +124,7 @@ def test_busy_tenants_never_preempt_each_other() -> None:
 
 
 def test_limit_change_at_run_time() -> None:
-    sim = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("a", 0.3, 0.3, LOADS["matmul-2048-stream"])
     sim.run(20.0)
     assert abs(sim.share("a", 10.0, 20.0) - 0.30) <= 0.02
@@ -145,7 +145,7 @@ def test_a_hung_holder_is_revoked_and_pays_for_its_overuse() -> None:
 
     A token cannot preempt a kernel that is already running: it bounds who may launch, and
     accounting makes the overrunning tenant pay."""
-    config = SchedulerConfig()
+    config = TimeshareSettings()
     sim = Simulation(config, handoff=HANDOFF)
     sim.add("hog", 0.5, 1.0, Workload(3.0, 1))
     sim.add("fair", 0.5, 1.0, LOADS["matmul-2048-stream"])
@@ -162,7 +162,7 @@ def test_a_hung_holder_is_revoked_and_pays_for_its_overuse() -> None:
 
 
 def test_a_dead_holder_releases_at_once() -> None:
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     grant = sched.request("a", 0.0)
@@ -177,12 +177,12 @@ def test_flooding_does_not_delay_others() -> None:
     """Thousands of requests a second buy nothing a busy tenant would not get: the other
     tenant's share is unchanged, and its longest wait grows by at most one of the flooder's
     quotas (a flooder is always ready, so it may take a turn it is owed a little earlier)."""
-    calm = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    calm = Simulation(TimeshareSettings(), handoff=HANDOFF)
     calm.add("a", 0.5, 1.0, LOADS["matmul-2048-stream"])
     calm.add("b", 0.5, 1.0, LOADS["matmul-2048-stream"])
     calm.run(12.0)
 
-    flooded = Simulation(SchedulerConfig(), handoff=HANDOFF)
+    flooded = Simulation(TimeshareSettings(), handoff=HANDOFF)
     flooded.add("a", 0.5, 1.0, LOADS["matmul-2048-stream"])
     flooded.add("b", 0.5, 1.0, LOADS["matmul-2048-stream"])
 
@@ -197,12 +197,12 @@ def test_flooding_does_not_delay_others() -> None:
     assert flooded.share("a", 2.0, 12.0) >= calm.share("a", 2.0, 12.0) - 0.01
     waits_calm = sorted(calm.scheduler.tenants["a"].waits)
     waits_flooded = sorted(flooded.scheduler.tenants["a"].waits)
-    assert waits_flooded[-1] <= waits_calm[-1] + SchedulerConfig().max_quota + 0.01
+    assert waits_flooded[-1] <= waits_calm[-1] + TimeshareSettings().max_quota + 0.01
     assert len(flooded.scheduler.tenants["a"].waits) >= len(calm.scheduler.tenants["a"].waits) - 2
 
 
 def test_whole_gpu_alone_needs_no_token() -> None:
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     sched.add("whole", 1.0, 1.0, 0.0)
     assert not sched.needs_token()
     sched.add("other", 0.1, 1.0, 0.0)  # only with --overcommit
@@ -210,7 +210,7 @@ def test_whole_gpu_alone_needs_no_token() -> None:
 
 
 def test_a_report_can_lengthen_a_charge_but_never_shorten_it() -> None:
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     sched.request("a", 0.0)
@@ -223,7 +223,7 @@ def test_a_report_can_lengthen_a_charge_but_never_shorten_it() -> None:
 
 
 def test_bad_membership_is_refused() -> None:
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     with pytest.raises(ValueError):
         sched.add("a", 0.0, 1.0, 0.0)
     with pytest.raises(ValueError):
@@ -251,7 +251,7 @@ def grant_time_when_both_busy(idle_one_first: float) -> dict[str, float]:
     """Tenants a and b (0.5 each) connect at 0; a alone keeps the GPU busy for
     `idle_one_first` seconds while b is idle; then both want it all the time for 10 s.
     Returns the GPU time each was granted in those 10 s (the token driven directly)."""
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     now = 0.0
@@ -301,7 +301,7 @@ def test_a_grant_in_progress_counts_once_in_the_window() -> None:
 
 
 def test_the_holders_share_includes_its_grant_so_far() -> None:
-    sched = TokenScheduler(SchedulerConfig(window=10.0), 0.0)
+    sched = TokenScheduler(TimeshareSettings(window=10.0), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     grant = sched.request("a", 1.0)
@@ -362,7 +362,7 @@ def until_holder(sched: TokenScheduler, tenant: str) -> float:
 
 def two_busy_tenants() -> TokenScheduler:
     """a and b at 0.5 each, both asking from 0; a holds first."""
-    sched = TokenScheduler(SchedulerConfig(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     sched.request("a", 0.0)
