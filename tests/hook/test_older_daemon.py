@@ -27,7 +27,7 @@ import pytest
 from tests.hook.conftest import LIMIT, PRELUDE, UUID, Hooked
 from tests.hook.tokenkit import in_pod
 from vgpu_runtime import paths, wire
-from vgpu_runtime.daemon.channel.grants import uuid_bytes
+from vgpu_runtime.daemon.channel.entitlements import uuid_bytes
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 
 C = wire.const

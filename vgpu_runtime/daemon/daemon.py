@@ -26,7 +26,7 @@ from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, RecordError
 from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
-from vgpu_runtime.daemon.channel.grants import grants_of
+from vgpu_runtime.daemon.channel.entitlements import entitlements_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
@@ -243,11 +243,11 @@ class Daemon:
                     str(err))
 
     async def _serve(self, current: AllocationChannel | None, record: AllocationRecord) -> None:
-        grants = grants_of(record, self.config.limit_for)
+        entitlements = entitlements_of(record, self.config.limit_for)
         if current is not None:
-            current.update(record, grants)
+            current.update(record, entitlements)
             return
-        channel = AllocationChannel(record, grants, self.tokens, self._bind_timeout,
+        channel = AllocationChannel(record, entitlements, self.tokens, self._bind_timeout,
                                     self.pods.poke)
         await channel.start()
         self._troubles.pop(record.id, None)

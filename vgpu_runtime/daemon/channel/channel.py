@@ -28,7 +28,7 @@ from typing import Any
 
 from vgpu_runtime import paths, wire
 from vgpu_runtime.allocation import AllocationRecord, RecordError
-from vgpu_runtime.daemon.channel.grants import GpuGrant
+from vgpu_runtime.daemon.channel.entitlements import GpuEntitlement
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import (
     GATE_TOKEN,
@@ -57,15 +57,15 @@ class ChannelUnavailable(RecordError):
 
 
 class AllocationChannel:
-    def __init__(self, record: AllocationRecord, grants: tuple[GpuGrant, ...],
+    def __init__(self, record: AllocationRecord, entitlements: tuple[GpuEntitlement, ...],
                  tokens: TokenService, bind_timeout: Callable[[], float] = lambda: 0.0,
                  want_binding: Callable[[], None] = lambda: None) -> None:
         self.record = record
-        self.grants = grants
+        self.entitlements = entitlements
         self.tokens = tokens
         self.token_gpus: list[GpuTokens] = []      # by GPU index, once started
         self.slots: list[TenantSlot] = []
-        self.ledger = MemoryLedger([g.memory_limit for g in grants])
+        self.ledger = MemoryLedger([g.memory_limit for g in entitlements])
         self.sessions: set[Session] = set()
         self.socket_path = paths.channel_socket(record.channel_dir)
         self.pages_dir = pages_dir(tokens.config.state_dir)
@@ -74,7 +74,7 @@ class AllocationChannel:
         # Only this uid (and root) may connect, where the allocation's user is known.
         self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.memory_refusals = [0] * len(grants)
+        self.memory_refusals = [0] * len(entitlements)
         # A kubelet allocation is bound once its record names its pod (pods.py writes it, with
         # the pod's annotations applied); until then a hello may wait (see `wait_bound`).
         self.bound = asyncio.Event()
@@ -112,7 +112,7 @@ class AllocationChannel:
                 os.chmod(directory, CHANNEL_DIR_MODE)  # mkdir's mode is filtered by the umask
                 self._created_dir = True
             self._remove_stale_socket()
-            retire_legacy_pages(directory, len(self.grants))
+            retire_legacy_pages(directory, len(self.entitlements))
             self._open_pages()
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
@@ -128,7 +128,7 @@ class AllocationChannel:
             raise ChannelUnavailable(f"cannot serve channel {self.socket_path}: {err}") from None
         log.info("serving allocation", extra={
             "allocation": self.record.id, "origin": self.record.origin,
-            "socket": str(self.socket_path), "gpus": [g.uuid for g in self.grants]})
+            "socket": str(self.socket_path), "gpus": [g.uuid for g in self.entitlements]})
 
     def _listening_socket(self) -> socket.socket:
         """Bound, listening and 0666 under a temporary name, then renamed into place: a client
@@ -152,7 +152,7 @@ class AllocationChannel:
 
     def _open_pages(self) -> None:
         ensure_pages_dir(self.pages_dir)
-        for index in range(len(self.grants)):
+        for index in range(len(self.entitlements)):
             self.slots.append(TenantSlot(
                 self.record.id, index,
                 TokenPage(token_page_path(self.pages_dir, self.record.id, index), GATE_TOKEN),
@@ -180,9 +180,9 @@ class AllocationChannel:
         self.slots = []
 
     def _join_token_schedulers(self) -> None:
-        for grant, slot in zip(self.grants, self.slots, strict=True):
-            gpu = self.tokens.gpu(grant.uuid)
-            gpu.add(slot, grant.share, grant.limit)
+        for entitlement, slot in zip(self.entitlements, self.slots, strict=True):
+            gpu = self.tokens.gpu(entitlement.uuid)
+            gpu.add(slot, entitlement.share, entitlement.limit)
             self.token_gpus.append(gpu)
 
     def _leave_token_schedulers(self) -> None:
@@ -224,14 +224,14 @@ class AllocationChannel:
             raise RecordError(f"{self.socket_path} exists and is not a socket; not replacing it")
         os.unlink(self.socket_path)
 
-    def update(self, record: AllocationRecord, grants: tuple[GpuGrant, ...]) -> None:
+    def update(self, record: AllocationRecord, entitlements: tuple[GpuEntitlement, ...]) -> None:
         """The record was rewritten (limits, pod reference): new values, same connections."""
-        if [g.uuid for g in grants] != [g.uuid for g in self.grants]:
+        if [g.uuid for g in entitlements] != [g.uuid for g in self.entitlements]:
             raise RecordError(f"allocation {record.id} changed its GPUs; an allocation's GPUs "
                               "are fixed for its life")
-        self.ledger.set_limits([g.memory_limit for g in grants])
-        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.grants, grants,
-                                       strict=True):
+        self.ledger.set_limits([g.memory_limit for g in entitlements])
+        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.entitlements,
+                                       entitlements, strict=True):
             if old.share != new.share:
                 # The algorithm has no way to change a request in place: rejoin (the tenant's
                 # usage history on this GPU starts again).
@@ -239,12 +239,12 @@ class AllocationChannel:
                 gpu.add(slot, new.share, new.limit)
             elif old.limit != new.limit:
                 gpu.set_limit(record.id, new.limit)
-        self.record, self.grants = record, grants
+        self.record, self.entitlements = record, entitlements
         if not needs_binding(record):
             self.bound.set()
-        log.info("allocation updated", extra={"allocation": record.id,
-                                              "limits": [g.limit for g in grants],
-                                              "memory_limits": [g.memory_limit for g in grants]})
+        log.info("allocation updated", extra={
+            "allocation": record.id, "limits": [g.limit for g in entitlements],
+            "memory_limits": [g.memory_limit for g in entitlements]})
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -316,11 +316,10 @@ class AllocationChannel:
             "device_ids": list(record.device_ids),
             "pod": None if record.pod is None else dataclasses.asdict(record.pod),
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
-                      "share_ppm": grant.share_ppm, "limit_ppm": grant.limit_ppm,
-                      "limit": grant.limit,
+                      "share_ppm": e.share_ppm, "limit_ppm": e.limit_ppm, "limit": e.limit,
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
                       "memory_refusals": self.memory_refusals[i]}
-                     for i, (g, grant) in enumerate(zip(record.gpus, self.grants, strict=True))],
+                     for i, (g, e) in enumerate(zip(record.gpus, self.entitlements, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
             "bound": self.bound.is_set(),
         }

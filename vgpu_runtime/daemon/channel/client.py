@@ -41,7 +41,7 @@ class ChannelClosed(ConnectionError):
 
 
 @dataclass(frozen=True)
-class GpuGrantReply:
+class GpuEntitlementReply:
     uuid: bytes
     memory_limit: int
     share_ppm: int
@@ -52,7 +52,7 @@ class GpuGrantReply:
 class HelloReply:
     status: int
     allocation_id: str
-    gpus: tuple[GpuGrantReply, ...]
+    gpus: tuple[GpuEntitlementReply, ...]
     settings: dict[str, int]
     page_fds: int
 
@@ -171,7 +171,7 @@ class ChannelClient:
         if wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq:
             raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
         gpus = tuple(
-            GpuGrantReply(bytes(reply.gpus[i].uuid), int(reply.gpus[i].memory_limit),
+            GpuEntitlementReply(bytes(reply.gpus[i].uuid), int(reply.gpus[i].memory_limit),
                           int(reply.gpus[i].share_ppm), int(reply.gpus[i].limit_ppm))
             for i in range(reply.gpu_count))
         if not keep_pages:

@@ -241,16 +241,16 @@ class Session(Waiter):
             await self.channel.wait_bound()
         first = self.hello_pid is None
         self.hello_pid = int(frame.pid)
-        grants = self.channel.grants
+        entitlements = self.channel.entitlements
         reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, version=version, status=C("GM_OK"),
-                         gpu_count=len(grants))
+                         gpu_count=len(entitlements))
         reply.allocation_id = self.channel.record.id.encode()
-        for index, grant in enumerate(grants):
+        for index, entitlement in enumerate(entitlements):
             slot = reply.gpus[index]
-            slot.uuid = list(grant.uuid_bytes)
+            slot.uuid = list(entitlement.uuid_bytes)
             slot.memory_limit = self.channel.ledger.limit(index)
-            slot.share_ppm = grant.share_ppm
-            slot.limit_ppm = grant.limit_ppm
+            slot.share_ppm = entitlement.share_ppm
+            slot.limit_ppm = entitlement.limit_ppm
         fds: list[int] = []
         if version >= 2:
             self._fill_settings(reply.settings)
@@ -310,7 +310,7 @@ class Session(Waiter):
         return self.peer.pid
 
     def gpu_uuids(self) -> list[str]:
-        return [grant.uuid for grant in self.channel.grants]
+        return [entitlement.uuid for entitlement in self.channel.entitlements]
 
     def charge_process_memory(self, source: str, totals: list[int | None]) -> None:
         ledger = self.channel.ledger
@@ -363,9 +363,9 @@ class Session(Waiter):
         if self.hello_pid is None:
             raise ProtocolError(C("GM_ERR_NOT_READY"), f"{what} before hello")
         gpu = int(frame.gpu)
-        if gpu >= len(self.channel.grants):
+        if gpu >= len(self.channel.entitlements):
             raise ProtocolError(C("GM_ERR_BAD_GPU"), f"{what}: GPU index {gpu} is outside the "
-                                f"allocation ({len(self.channel.grants)} GPU(s))")
+                                f"allocation ({len(self.channel.entitlements)} GPU(s))")
         return gpu
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""What an allocation record grants, in the form HELLO_REPLY carries it."""
+"""What an allocation record entitles a container to on each GPU (its entitlement there: the
+share, the limit and the memory limit), in the form HELLO_REPLY carries it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vgpu_runtime.allocation import AllocationRecord, RecordError
 
 
 @dataclass(frozen=True)
-class GpuGrant:
+class GpuEntitlement:
     uuid: str
     uuid_bytes: bytes     # 16 raw bytes, as cuDeviceGetUuid returns them
     memory_limit: int
@@ -38,7 +39,7 @@ def to_ppm(fraction: float) -> int:
 LimitRule = Callable[[float | None, float], float]  # (record's limit, request) -> cap
 
 
-def grants_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[GpuGrant, ...]:
+def entitlements_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[GpuEntitlement, ...]:
     """Raises RecordError when the record cannot be served (bad UUID, too many GPUs, the same
     GPU twice)."""
     uuids = [g.uuid for g in record.gpus]
@@ -49,9 +50,9 @@ def grants_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[GpuGrant,
                           f"the wire carries at most {wire.MAX_GPUS}")
     if len(record.id.encode()) >= wire.const("GM_ALLOCATION_ID_BYTES"):
         raise RecordError(f"allocation id {record.id!r} is too long for the wire")
-    grants = []
+    entitlements = []
     for g in record.gpus:
         limit = limit_for(record.limit, g.share)
-        grants.append(GpuGrant(g.uuid, uuid_bytes(g.uuid), g.memory_limit, to_ppm(g.share),
-                               to_ppm(limit), g.share, limit))
-    return tuple(grants)
+        entitlements.append(GpuEntitlement(g.uuid, uuid_bytes(g.uuid), g.memory_limit,
+                                           to_ppm(g.share), to_ppm(limit), g.share, limit))
+    return tuple(entitlements)
