@@ -101,14 +101,14 @@ class Node:
         holder = scheduler.holder
         if len(valid) > 1 or (valid and (holder is None or valid != [holder.tenant])):
             return f"pages valid for {valid}, holder {holder}"
-        requests = scheduler.requests()
+        shares = scheduler.shares()
         active = [t for t in scheduler.tenants.values()
                   if t.waiting_since is not None or (holder and holder.tenant == t.id)]
         if active:
             floor = min(t.vtime for t in active)
             for t in active:
-                if (t.vtime - floor) * requests[t.id] > self.config.algorithm().debt + 1e-6:
-                    return f"{t.id} {(t.vtime - floor) * requests[t.id]:.3f} s ahead"
+                if (t.vtime - floor) * shares[t.id] > self.config.algorithm().debt + 1e-6:
+                    return f"{t.id} {(t.vtime - floor) * shares[t.id]:.3f} s ahead"
         for t in scheduler.tenants.values():
             if t.limit < 1 and t.credit < self.config.algorithm().credit_floor(t.limit) - 1e-6:
                 return f"{t.id} credit {t.credit:.3f}"

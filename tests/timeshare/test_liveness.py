@@ -78,7 +78,7 @@ class Checker:
             return
         sched: TokenScheduler = self.sim.scheduler
         debt = sched.config.debt
-        requests = sched.requests()
+        requests = sched.shares()
         holder = sched.holder
         active = [t for t in sched.tenants.values()
                   if t.waiting_since is not None or (holder and holder.tenant == t.id)]
@@ -139,7 +139,7 @@ def check(phases: list[Phase], start: float) -> None:
     sim, checker = run_phases(phases, start, config)
     assert checker.violation is None, checker.violation
     sched = sim.scheduler
-    requests = sched.requests()
+    requests = sched.shares()
     n = len(phases)
     # Bounded waiting: every wait, warm-up included.
     for t in sched.tenants.values():

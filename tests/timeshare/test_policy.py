@@ -135,7 +135,7 @@ def test_limit_change_at_run_time() -> None:
 
 def test_overcommitted_requests_are_scaled_in_proportion() -> None:
     sim, achieved = run((0.6, 0.9), LOADS["matmul-8192-stream"])
-    assert sim.scheduler.requests() == pytest.approx({"t0": 0.4, "t1": 0.6})
+    assert sim.scheduler.shares() == pytest.approx({"t0": 0.4, "t1": 0.6})
     assert abs(achieved[0] - 0.4) <= 0.02 and abs(achieved[1] - 0.6) <= 0.02
 
 

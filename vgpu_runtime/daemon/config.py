@@ -241,12 +241,12 @@ class DaemonConfig:
             except ValueError as err:
                 raise cfg.ConfigError(f"mqtt_url: {err}") from None
 
-    def limit_for(self, record_limit: float | None, request: float) -> float:
+    def limit_for(self, record_limit: float | None, share: float) -> float:
         """The cap on one allocation's share of one GPU: its own, else the policy's."""
         if record_limit is not None:
             limit = record_limit
         elif self.limit_policy == "strict":
-            limit = request
+            limit = share
         else:
             limit = self.default_limit
-        return min(1.0, max(limit, request))   # never below what it is guaranteed
+        return min(1.0, max(limit, share))   # never below what it is guaranteed

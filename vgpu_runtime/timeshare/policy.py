@@ -124,11 +124,11 @@ class TimeshareSettings:
         never less than a revoked least grant (so a cap holds whatever the limit)."""
         return -max(limit * self.debt, self.revoke_grace + self.min_quota)
 
-    def longest_wait(self, request: float, limit: float, tenants: int) -> float:
+    def longest_wait(self, share: float, limit: float, tenants: int) -> float:
         """The bound on how long a tenant asking continuously waits for a grant (effective
         request, limit, tenants on the GPU), handoffs aside: its lead paid back at its
         request, one grant plus grace of each other tenant, and its credit refilled."""
-        lead = self.debt * (1 - request) / request
+        lead = self.debt * (1 - share) / share
         grants = (tenants - 1) * (self.max_quota + self.revoke_grace)
         credit = (self.min_quota - self.credit_floor(limit)) / limit if limit < 1 else 0.0
         return lead + grants + credit
@@ -149,7 +149,7 @@ class Grant:
 @dataclass
 class Tenant:
     id: str
-    request: float
+    share: float
     limit: float
     usage: UsageWindow          # the window: what status and metrics report
     bursts: BurstEstimator
@@ -167,7 +167,7 @@ class Tenant:
 @dataclass(frozen=True)
 class TenantView:
     id: str
-    request: float            # effective (scaled) request
+    share: float              # effective (scaled) share
     limit: float
     used: float               # share of the window used
     waiting: bool
@@ -190,13 +190,13 @@ class TokenScheduler:
 
     # ---- membership ----
 
-    def add(self, tenant: str, request: float, limit: float, now: float) -> Grant | None:
-        if not (0 < request <= 1) or not (request <= limit <= 1):
-            raise ValueError(f"need 0 < request <= limit <= 1, got {request}, {limit}")
+    def add(self, tenant: str, share: float, limit: float, now: float) -> Grant | None:
+        if not (0 < share <= 1) or not (share <= limit <= 1):
+            raise ValueError(f"need 0 < share <= limit <= 1, got {share}, {limit}")
         if tenant in self.tenants:
             raise ValueError(f"tenant {tenant} is already scheduled on this GPU")
         self.tenants[tenant] = Tenant(
-            tenant, request, limit, UsageWindow(self.config.window),
+            tenant, share, limit, UsageWindow(self.config.window),
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
             vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
@@ -212,14 +212,14 @@ class TokenScheduler:
     def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
         state = self.tenants[tenant]
         self._refill(state, now)            # what it earned so far, at the old rate
-        state.limit = max(limit, state.request)
+        state.limit = max(limit, state.share)
         state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
                            self._capacity(state))
         return self._dispatch(now)
 
     def needs_token(self) -> bool:
         """A GPU given whole to one tenant needs no token: its launches go straight through."""
-        return not (len(self.tenants) == 1 and next(iter(self.tenants.values())).request >= 1.0)
+        return not (len(self.tenants) == 1 and next(iter(self.tenants.values())).share >= 1.0)
 
     # ---- the token ----
 
@@ -289,11 +289,11 @@ class TokenScheduler:
 
     # ---- views ----
 
-    def requests(self) -> dict[str, float]:
-        """Effective requests: scaled down in proportion where they add up to more than 1."""
-        total = sum(t.request for t in self.tenants.values())
+    def shares(self) -> dict[str, float]:
+        """Effective shares: scaled down in proportion where they add up to more than 1."""
+        total = sum(t.share for t in self.tenants.values())
         scale = 1.0 / total if total > 1.0 else 1.0
-        return {t.id: t.request * scale for t in self.tenants.values()}
+        return {t.id: t.share * scale for t in self.tenants.values()}
 
     def used(self, tenant: str, now: float) -> float:
         """Share of the window charged, the holder's grant in progress included: it is charged
@@ -306,12 +306,12 @@ class TokenScheduler:
         return self.tenants[tenant].usage.usage(now, running) / span
 
     def snapshot(self, now: float) -> list[TenantView]:
-        requests = self.requests()
+        shares = self.shares()
         views = []
         for t in self.tenants.values():
             waits = sorted(t.waits)
             views.append(TenantView(
-                t.id, requests[t.id], t.limit, self.used(t.id, now), t.waiting_since is not None,
+                t.id, shares[t.id], t.limit, self.used(t.id, now), t.waiting_since is not None,
                 bool(self.holder and self.holder.tenant == t.id),
                 statistics.median(waits) if waits else None,
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
@@ -357,7 +357,7 @@ class TokenScheduler:
                 or not self._has_credit(waiter, now)):
             return
         holder = self.tenants[grant.tenant]
-        running = holder.vtime + (now - grant.granted_at) / self.requests()[holder.id]
+        running = holder.vtime + (now - grant.granted_at) / self.shares()[holder.id]
         if waiter.vtime >= running:
             return
         expires = max(now, grant.granted_at + self.config.preempt_after)
@@ -370,7 +370,7 @@ class TokenScheduler:
         added = state.usage.charge(start, end)   # what was not charged already
         if added <= 0:
             return
-        state.vtime += added / self.requests()[state.id]
+        state.vtime += added / self.shares()[state.id]
         self._refill(state, end)
         # Overuse is paid back in waiting, but never more than the debt bound's worth.
         state.credit = max(state.credit - added, self.config.credit_floor(state.limit))
@@ -380,7 +380,7 @@ class TokenScheduler:
         """At most `debt` GPU seconds ahead of `floor` (the least advanced active tenant)."""
         if floor is not None:
             state.vtime = min(state.vtime,
-                              floor + self.config.debt / self.requests()[state.id])
+                              floor + self.config.debt / self.shares()[state.id])
 
     def _capacity(self, tenant: Tenant) -> float:
         return max(tenant.limit * self.config.cycle, self.config.min_quota)
@@ -416,7 +416,7 @@ class TokenScheduler:
         """GPU seconds the tenant is behind the most advanced waiting tenant, at its request."""
         waiting = [t.vtime for t in self.tenants.values() if t.waiting_since is not None]
         ahead = max(waiting, default=tenant.vtime)
-        return max(0.0, ahead - tenant.vtime) * self.requests()[tenant.id]
+        return max(0.0, ahead - tenant.vtime) * self.shares()[tenant.id]
 
     def _eligible_at(self, tenant: Tenant, now: float) -> float:
         """Earliest time the tenant has credit for a grant, if nothing more is charged."""
@@ -450,10 +450,10 @@ class TokenScheduler:
         if len(self.tenants) == 1:
             quota = cfg.max_quota   # alone: no one to hand over to, so hand over rarely
         else:
-            requests = self.requests()
+            shares = self.shares()
             # Spare capacity is shared in proportion too, so size the round on the
             # tenant's part of all requests rather than its request alone.
-            part = requests[tenant.id] / sum(requests.values())
+            part = shares[tenant.id] / sum(shares.values())
             quota = part * cfg.cycle + self._lag(tenant) * cfg.catch_up
             burst = tenant.burst_hint or tenant.bursts.estimate(now)
             if burst is not None and burst < cfg.max_quota:

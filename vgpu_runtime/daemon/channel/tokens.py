@@ -132,9 +132,9 @@ class GpuTokens:
 
     # ---- membership ----
 
-    def add(self, slot: TenantSlot, request: float, limit: float) -> None:
+    def add(self, slot: TenantSlot, share: float, limit: float) -> None:
         now = self.clock()
-        self.scheduler.add(slot.allocation_id, request, limit, now)
+        self.scheduler.add(slot.allocation_id, share, limit, now)
         self.slots[slot.allocation_id] = slot
         self._gate = None
         self._publish(now)
@@ -157,8 +157,8 @@ class GpuTokens:
             self.scheduler.set_limit(allocation_id, limit, self.clock())
             self._publish(self.clock())
 
-    def request_of(self, allocation_id: str) -> float:
-        return self.scheduler.tenants[allocation_id].request
+    def share_of(self, allocation_id: str) -> float:
+        return self.scheduler.tenants[allocation_id].share
 
     # ---- what the connections ask ----
 
@@ -381,7 +381,7 @@ class GpuTokens:
             slot = self.slots[view.id]
             tenants.append({
                 "allocation": view.id, "gpu_index": slot.index,
-                "request": view.request, "limit": view.limit, "achieved": view.used,
+                "request": view.share, "limit": view.limit, "achieved": view.used,
                 "waiting": view.waiting, "holder": view.holder,
                 "connections_waiting": len(slot.waiters),
                 "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,

@@ -49,14 +49,14 @@ def apply_annotations(record: AllocationRecord, annotations: Mapping[str, str]) 
     problems: list[str] = []
     limit = record.limit
     gpus = record.gpus
-    request = max(g.share for g in record.gpus)
+    share = max(g.share for g in record.gpus)
     raw_limit = annotations.get(LIMIT_ANNOTATION)
     if raw_limit is not None:
         try:
             value = parse_limit(raw_limit)
-            if value < request - 1e-9:
+            if value < share - 1e-9:
                 raise ValueError(f"{LIMIT_ANNOTATION}={raw_limit!r} is below the pod's request "
-                                 f"of {request:g} of the GPU; a limit caps the share at or "
+                                 f"of {share:g} of the GPU; a limit caps the share at or "
                                  "above what the slices guarantee")
             limit = value
         except ValueError as err:

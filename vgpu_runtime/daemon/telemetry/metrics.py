@@ -70,7 +70,7 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
     achieved = gauge("gemini_vgpu_container_achieved_ratio",
                      "Share of the GPU's time achieved over the scheduler's window")
     used = gauge("gemini_vgpu_container_memory_used_bytes", "GPU memory the container holds")
-    mem_limit = gauge("gemini_vgpu_container_memory_limit_bytes",
+    memory_limit = gauge("gemini_vgpu_container_memory_limit_bytes",
                       "GPU memory limit of the container")
     waits = HistogramMetricFamily("gemini_vgpu_token_wait_seconds",
                                   "Time a container waited for the GPU-time token",
@@ -80,11 +80,11 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
                                    labels=CONTAINER_LABELS)
     for row in container_rows(status):
         values = [row.pod, row.namespace, row.container, row.allocation, row.gpu]
-        request.add_metric(values, row.request)
+        request.add_metric(values, row.share)
         limit.add_metric(values, row.limit)
         achieved.add_metric(values, row.achieved)
         used.add_metric(values, row.memory_used)
-        mem_limit.add_metric(values, row.memory_limit)
+        memory_limit.add_metric(values, row.memory_limit)
         refusals.add_metric(values, row.memory_refusals)
         cumulative, buckets = 0, []
         for bound, count in zip([*row.waits["bounds"], float("inf")], row.waits["counts"],
@@ -92,7 +92,7 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         waits.add_metric(values, buckets, row.waits["sum"])
-    yield from (request, limit, achieved, used, mem_limit, waits, refusals)
+    yield from (request, limit, achieved, used, memory_limit, waits, refusals)
 
 
 class _Snapshot:

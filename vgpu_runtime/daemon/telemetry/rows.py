@@ -19,7 +19,7 @@ class ContainerRow:
     container: str
     allocation: str
     gpu: str
-    request: float
+    share: float
     limit: float
     achieved: float
     memory_used: int
@@ -31,7 +31,7 @@ class ContainerRow:
     def usage(self) -> dict[str, Any]:
         """The MQTT usage document."""
         return {"pod": self.pod, "namespace": self.namespace, "container": self.container,
-                "allocation": self.allocation, "gpu": self.gpu, "request": self.request,
+                "allocation": self.allocation, "gpu": self.gpu, "request": self.share,
                 "limit": self.limit, "achieved": self.achieved,
                 "memory_used_bytes": self.memory_used, "memory_limit_bytes": self.memory_limit,
                 "memory_refusals": self.memory_refusals, "token_waits": self.waits["count"],
@@ -62,7 +62,7 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
             rows.append(ContainerRow(
                 pod=pod.get("name", ""), namespace=pod.get("namespace", ""),
                 container=pod.get("container", "") or _unbound_name(entry),
-                allocation=entry["id"], gpu=gpu["uuid"], request=tenant["request"],
+                allocation=entry["id"], gpu=gpu["uuid"], share=tenant["request"],
                 limit=tenant["limit"], achieved=tenant["achieved"],
                 memory_used=tenant["memory_used"], memory_limit=tenant["memory_limit"],
                 memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"]))
