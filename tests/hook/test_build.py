@@ -162,3 +162,48 @@ def test_the_tests_read_the_stats_struct_as_c_lays_it_out(tmp_path: Path) -> Non
     for name, _ in HookStats._fields_:
         assert int(c_layout[name]) == getattr(HookStats, name).offset, name
     assert int(c_layout["size"]) == ctypes.sizeof(HookStats)
+
+
+# The hook's families, lowest first: each may call the ones before it, never one after it
+# (vgpu_runtime/hook/README.md, "Layout").
+FAMILY_ORDER = ("core", "channel", "memory", "launch", "nvml")
+
+
+def compiled_objects(out: Path) -> dict[Path, str]:
+    """Every source compiled on its own, as the library's build compiles it: object -> family."""
+    objects: dict[Path, str] = {}
+    include = build.HOOK_DIR / "include"
+    for source in build.source_files():
+        family = source.parent.name
+        obj = out / family / source.with_suffix(".o").name
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["gcc", *build.CFLAGS, f"-I{include}",
+                        f"-include{include / 'glibc_compat.h'}", "-c", str(source), "-o", str(obj)],
+                       check=True, capture_output=True, text=True)
+        objects[obj] = family
+    return objects
+
+
+def symbols(obj: Path, *flags: str) -> set[str]:
+    out = subprocess.run(["nm", *flags, str(obj)], check=True, capture_output=True,
+                         text=True).stdout
+    return {line.split()[-1] for line in out.splitlines() if line.split()[-1].startswith("gm_")}
+
+
+def test_the_families_depend_one_way(tmp_path: Path) -> None:
+    """The channel once called up into launch/ and memory/ (pages, fork resets, what is held),
+    and token.c back into the channel: now news goes up only through the lifecycle. Checked on
+    the compiled objects, so every call counts, whatever the headers declare."""
+    objects = compiled_objects(tmp_path)
+    assert set(objects.values()) == set(FAMILY_ORDER)
+    defined_in = {name: objects[obj] for obj in objects
+                  for name in symbols(obj, "--defined-only", "--extern-only")}
+    upward = sorted(
+        f"{obj.parent.name}/{obj.stem}.c calls {name} ({defined_in[name]})"
+        for obj, family in objects.items() for name in symbols(obj, "--undefined-only")
+        if name in defined_in and defined_in[name] != family
+        and FAMILY_ORDER.index(defined_in[name]) > FAMILY_ORDER.index(family))
+    assert upward == []
+    unresolved = {name for obj in objects for name in symbols(obj, "--undefined-only")
+                  if name not in defined_in}
+    assert unresolved == set()                                 # every gm_ call was seen

@@ -101,6 +101,62 @@ def test_fast_path_makes_no_system_call_under_strace(
     assert between == [], f"system calls on the fast path: {between[:10]}"
 
 
+EARLY_LIBRARY = r"""
+    #include "cuda_types.h"
+    CUresult cuInit(unsigned int);
+    CUresult cuCtxCreate_v2(CUcontext *, unsigned int, CUdevice);
+    CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, CUstream, void **, void **);
+    /* A library the program links runs its constructors before those of the preloaded hook:
+     * this one's first launch makes the process's hello. */
+    __attribute__((constructor)) static void start_early(void) {
+        CUcontext ctx;
+        cuInit(0);
+        cuCtxCreate_v2(&ctx, 0, 0);
+        cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+    }
+    void early_linked(void) {}
+"""
+
+EARLY_MAIN = r"""
+    #include <dlfcn.h>
+    #include <stdio.h>
+    #include "cuda_types.h"
+    #include "gemini_hook.h"
+    CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, CUstream, void **, void **);
+    void early_linked(void);
+    int main(void) {
+        early_linked();
+        for (int i = 0; i < 200; i++) cuLaunchKernel(0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0);
+        int (*read_stats)(struct gemini_hook_stats *) =
+            (int (*)(struct gemini_hook_stats *))dlsym(RTLD_DEFAULT, "gemini_hook_stats");
+        struct gemini_hook_stats s;
+        if (read_stats == NULL || read_stats(&s) != 0) return 1;
+        printf("%llu %llu %llu\n", (unsigned long long)s.daemon_connects,
+               (unsigned long long)s.kernel_launches, (unsigned long long)s.token_requests);
+        return 0;
+    }
+"""
+
+
+def test_a_hello_made_before_the_hooks_constructors_still_maps_the_pages(
+        hooked: Hooked, node: Node, tmp_path: Path) -> None:
+    """The families register for the hello at link time, not from constructors: a hello made
+    from a linked library's constructor, before the hook's run, still hands the launch family
+    its token pages, so later launches take the fast path instead of asking every time."""
+    compile_program(EARLY_LIBRARY, tmp_path / "libearly.so", hooked.fake, "-shared", "-fPIC",
+                    f"-L{hooked.fake}", "-lcuda")
+    program = compile_program(EARLY_MAIN, tmp_path / "early", hooked.fake, f"-L{tmp_path}",
+                              "-learly", f"-Wl,-rpath,{tmp_path}", f"-L{hooked.fake}", "-lcuda",
+                              "-ldl")
+    proc = hooked.run([str(program)], node.env())
+    assert proc.returncode == 0, proc.stderr
+    connects, launches, requests = map(int, proc.stdout.split())
+    assert (connects, launches) == (1, 201)
+    assert requests < 10                                     # without the pages: 201
+
+
 def test_a_contending_container_blocks_launches_until_it_releases(
         hooked: Hooked, node: DaemonNode) -> None:
     rival_record = node.allocate(0.5)

@@ -111,7 +111,7 @@ GM_HIDDEN uint64_t gm_setting_context_max_bytes(void);
 /* A frame without reply (header type and length set), sent only if that costs no wait. */
 GM_HIDDEN int gm_channel_notify(void *frame);
 
-/* channel/held.c: what this process holds, re-declared on every (re)connection */
+/* core/held.c: what this process holds, re-declared on every (re)connection */
 GM_HIDDEN void gm_held_add(uint32_t gpu, uint32_t kind, int64_t delta);
 GM_HIDDEN void gm_held_set(uint32_t gpu, uint32_t kind, uint64_t bytes);
 GM_HIDDEN uint64_t gm_held_get(uint32_t gpu, uint32_t kind);

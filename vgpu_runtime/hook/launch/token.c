@@ -54,7 +54,13 @@ struct gpu_token {
     int64_t longest_unmerged, last_unmerged;  /* sync-delimited bursts, for burst_ns */
 };
 
-static struct gpu_token gpus[GM_MAX_GPUS];
+/* Initialised statically, not by a constructor: a hello made from another library's
+ * constructor, before this one's ran, must not be undone. */
+static struct gpu_token gpus[GM_MAX_GPUS] = {
+    [0 ... GM_MAX_GPUS - 1] = {.share_ppm = UNKNOWN_SHARE_PPM, .burst_start = -1,
+                               .lock = PTHREAD_MUTEX_INITIALIZER,
+                               .cond = PTHREAD_COND_INITIALIZER,
+                               .burst_lock = PTHREAD_MUTEX_INITIALIZER, .merged_start = -1}};
 static _Atomic int gpu_count = -1;
 static _Atomic int64_t no_daemon_until;   /* no hello at all: self-gated until then */
 static _Atomic int warned;
@@ -69,17 +75,6 @@ static int drain_by_sync(void) {
             gm_warn("GEMINI_HOOK_DRAIN=%s is neither sync nor report; using sync", text);
     }
     return mode;
-}
-
-static __attribute__((constructor)) void init_state(void) {
-    for (int i = 0; i < GM_MAX_GPUS; i++) {
-        pthread_mutex_init(&gpus[i].lock, NULL);
-        pthread_cond_init(&gpus[i].cond, NULL);
-        pthread_mutex_init(&gpus[i].burst_lock, NULL);
-        atomic_store(&gpus[i].burst_start, -1);
-        atomic_store(&gpus[i].share_ppm, UNKNOWN_SHARE_PPM);
-        gpus[i].merged_start = -1;
-    }
 }
 
 /* ---- pages ---- */

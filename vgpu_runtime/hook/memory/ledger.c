@@ -3,7 +3,7 @@
  * open-addressing table, allocation key -> (bytes, kind, gpu). Keys are device pointers, VMM
  * handles or array handles; the kind is part of the key, so a pointer and a handle with the
  * same value never collide. (The bytes held per GPU, which the channel re-declares, are in
- * channel/held.c.)
+ * core/held.c.)
  */
 #include <stdlib.h>
 #include <string.h>

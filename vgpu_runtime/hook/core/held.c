@@ -1,7 +1,7 @@
 /*
  * held.c: the bytes this process holds, per GPU (index into the hello reply) per gm_mem_kind.
- * It is the truth the channel re-declares on every (re)connection, so a restarted daemon
- * loses nothing; it changes under the channel's lock before the daemon is told.
+ * The channel changes it before it tells the daemon and re-declares it on every (re)connection,
+ * so a restarted daemon loses nothing; the memory family and the counters read it.
  */
 #include <string.h>
 
