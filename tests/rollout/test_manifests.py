@@ -67,8 +67,9 @@ def node_ds(base: list[m.Obj]) -> m.Obj:
 
 def schemas() -> Any:
     """kubernetes-validate (a test extra): the schema tests skip, saying so, where it is missing."""
-    return pytest.importorskip("kubernetes_validate",
-                               reason="kubernetes-validate is not installed (pip install '.[test]')")
+    return pytest.importorskip(
+        "kubernetes_validate",
+        reason="kubernetes-validate is not installed (pip install '.[test]')")
 
 
 def validate(obj: m.Obj) -> None:
