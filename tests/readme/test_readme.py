@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,6 +218,22 @@ def test_the_demo_prints_what_the_readme_shows(demo_outputs: dict[str, str]) -> 
     assert any("GEMINI_ALLOCATION_ID" in line for line in excerpt.text.splitlines())
 
 
+def plugin_without_kubelet_dir() -> str:
+    """The log of a plugin whose kubelet directory is missing, with the README's path in it
+    (under a short scratch root: a Unix socket path has at most 107 bytes)."""
+    from tests.plugin.test_socket_dir import start_plugin, stop, wait_for
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as scratch:
+        root = Path(scratch)
+        log = root / "plugin.log"
+        plugin = start_plugin(root / "var/lib/kubelet/device-plugins", root / "state", log)
+        try:
+            wait_for(log, "does not exist")
+        finally:
+            stop(plugin)
+        return log.read_text().replace(scratch, "")
+
+
 def test_the_troubleshooting_quotes_are_the_programs_messages(
         demo_outputs: dict[str, str]) -> None:
     from device_plugin.discovery.simulated import SimulatedBackend
@@ -226,10 +243,11 @@ def test_the_troubleshooting_quotes_are_the_programs_messages(
     table = SliceTable(SimulatedBackend(2).discover(), 10)
     with pytest.raises(PlacementError) as whole_gpus:
         preferred(table, [s.id for g in table.gpus for s in table.slices_of(g.uuid)], [], 15)
-    said = "\n".join([*demo_outputs.values(), str(whole_gpus.value)])
+    said = "\n".join([*demo_outputs.values(), str(whole_gpus.value),
+                      plugin_without_kubelet_dir()])
     rows = md.table_after(md.section(README, "Troubleshooting"), "|")
-    quotes = [q for row in rows for q in re.findall(r'"([^"]+)"', row[0])]
-    assert len(quotes) >= 2
+    quotes = [q for row in rows for q in re.findall(r'"([^"]+)"', " ".join(row[:2]))]
+    assert len(quotes) >= 4
     for quote in quotes:
         assert quote in said, f"README quotes {quote!r}; no program says it"
 
