@@ -306,6 +306,7 @@ def test_the_gemini_run_block_runs_as_written(state_dir: Path, tmp_path: Path) -
     assert seen["GEMINI_ALLOCATION_ID"]
     status = next(out for words, out in ran if words == ["gemini-vgpu", "status"])
     assert "FREE SHARE" in status and "FREE SLICES" in status and "gemini-vgpu stop" in status
+    assert "no containers now" in status   # gemini-run's allocation ended with its command
     stop = next(out for words, out in ran if words == ["gemini-vgpu", "stop"])
     assert "stopped" in stop
 
