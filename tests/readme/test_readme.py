@@ -175,12 +175,16 @@ def test_the_readmes_own_test_command_is_named_not_run() -> None:
 @pytest.fixture(scope="module")
 def demo_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each `scripts/demo` line of the README, run as written. scripts/demo would install the
-    package into a virtualenv first; it is given one (this Python) whose stamp says it is done."""
+    package into a virtualenv first; it is given one whose stamp says it is done and whose
+    programs are this environment's (python and the console programs)."""
     venv = tmp_path_factory.mktemp("demo-venv")
     (venv / "bin").mkdir()
-    shim = venv / "bin" / "python"
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
-    shim.chmod(0o755)
+    programs = {"python": Path(sys.executable)}
+    programs.update((p.name, p) for p in BIN.glob("gemini-*"))
+    for name, target in programs.items():
+        shim = venv / "bin" / name
+        shim.write_text(f"#!/bin/sh\nexec {target} \"$@\"\n")
+        shim.chmod(0o755)
     stamp = hashlib.sha256((REPO / "pyproject.toml").read_bytes()).hexdigest()
     (venv / ".gemini-demo-installed").write_text(stamp + "\n")
     outputs = {}
