@@ -335,10 +335,14 @@ def test_each_exit_status_the_readme_states(state_dir: Path, tmp_path: Path) -> 
     assert {row[0] for row in rows} == set(scenarios), (
         "the README's exit statuses and this test's scenarios differ: give each row a scenario")
     env = without_kubernetes_env(state_dir, tmp_path)
+    # "Checked before anything else": 126 and 127 without simulated GPUs, which on a machine
+    # without one would be 125 (no GPU) had the GPUs been looked for first.
+    no_gpus = {k: v for k, v in env.items() if k != "GEMINI_SIMULATE_GPUS"}
     for status, cases in scenarios.items():
         for args, expected in cases:
             result = subprocess.run([str(BIN / "gemini-run"), *args], capture_output=True,
-                                    text=True, timeout=TIMEOUT, env=env, cwd=tmp_path)
+                                    text=True, timeout=TIMEOUT, cwd=tmp_path,
+                                    env=no_gpus if status in ("126", "127") else env)
             assert result.returncode == expected, (status, args, result.stderr)
             if status == "125":
                 assert result.stderr.splitlines()[-1].startswith("gemini-run: error: ")
