@@ -372,3 +372,17 @@ def test_the_version_the_readme_prints_is_the_packages() -> None:
                                 text=True, timeout=TIMEOUT, env=program_env())
         digest = paths.HOOK_LIBRARY_NAME.rsplit("-", 1)[1]
         assert result.stdout.strip() == span.replace("<digest>", digest), (span, __version__)
+
+
+def test_every_metric_the_readme_names_is_exported() -> None:
+    """Names as the README writes them, `{a,b}` expanded; a counter's `_total` is added by the
+    Prometheus client to the name the code declares."""
+    sources = "\n".join(p.read_text() for p in (REPO / "vgpu_runtime").rglob("*.py"))
+    names = []
+    for written in re.findall(r"gemini_vgpu_[a-z_{},]+", README):
+        match = re.search(r"\{([a-z_,]+)\}", written)
+        options = match.group(1).split(",") if match else [""]
+        names += [written.replace(match.group(0), o) if match else written for o in options]
+    assert len(names) >= 10
+    missing = [n for n in names if f'"{n.removesuffix("_total")}"' not in sources]
+    assert not missing, f"README.md names metrics the daemon does not export: {missing}"
