@@ -386,3 +386,18 @@ def test_every_metric_the_readme_names_is_exported() -> None:
     assert len(names) >= 10
     missing = [n for n in names if f'"{n.removesuffix("_total")}"' not in sources]
     assert not missing, f"README.md names metrics the daemon does not export: {missing}"
+
+
+def test_every_environment_variable_the_readme_names_is_read() -> None:
+    """`GEMINI_*` names: in the code (Python, the hook's C, the scripts, the tests' switches) or
+    in a program's help, where settings' variables are listed (`GEMINI_<NAME>` families aside)."""
+    roots = [REPO / "vgpu_runtime", REPO / "device_plugin", REPO / "scripts", REPO / "tests"]
+    sources = "\n".join(p.read_text(errors="replace") for root in roots
+                        for p in root.rglob("*") if p.is_file() and p.suffix in
+                        ("", ".py", ".c", ".h", ".def"))
+    helps = "\n".join(help_text(str(BIN / p)) for p in PROGRAMS)
+    named = set(re.findall(r"GEMINI_[A-Z0-9_]*[A-Z0-9]\b", README))
+    assert len(named) >= 10
+    known = set(re.findall(r"GEMINI_[A-Z0-9_]*[A-Z0-9]\b", sources + helps))
+    missing = sorted(named - known)
+    assert not missing, f"README.md names environment variables nothing reads: {missing}"
