@@ -401,3 +401,21 @@ def test_every_environment_variable_the_readme_names_is_read() -> None:
     known = set(re.findall(r"GEMINI_[A-Z0-9_]*[A-Z0-9]\b", sources + helps))
     missing = sorted(named - known)
     assert not missing, f"README.md names environment variables nothing reads: {missing}"
+
+
+@pytest.mark.parametrize("argv", [
+    ("gemini-device-plugin", "--slices-per-gpu", "0"),
+    ("gemini-scheduler", "--window", "abc"),
+    ("gemini-install-hook", "--hook-dir", "/proc/no-such-directory"),   # at run time
+    ("gemini-run", "--share", "2", "--", "true"),
+    ("gemini-vgpu", "status", "--state-dir", "/no-such-state-directory"),
+], ids=lambda argv: argv[0])
+def test_every_program_ends_an_error_with_its_prefix(argv: tuple[str, ...]) -> None:
+    """The README: every program prints its errors as `<program>: error: <message>` (its JSON
+    log may say more before it)."""
+    assert "`<program>: error: <message>`" in README
+    result = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
+                            timeout=TIMEOUT, env=program_env())
+    assert result.returncode != 0
+    assert result.stderr.splitlines()[-1].startswith(f"{argv[0]}: error: "), result.stderr
+    assert "Traceback" not in result.stderr
