@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         cli.error(PROG, str(err))
         return 2
-    logs.setup(config.log_level, config.log_format)
+    logs.setup(config.log_level, config.log_format, native_stderr=True)
     try:
         backend = make_backend(config)
         asyncio.run(serve(config, backend))

@@ -21,6 +21,7 @@ from device_plugin import placement
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable, brief_ids
+from device_plugin.socketdir import SocketDirError, why_unbindable
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -164,13 +165,19 @@ class PluginServer:
 
     async def start(self) -> None:
         await self.stop()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)  # a stale socket from a previous run
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)  # a stale socket from a previous run
+        except OSError as err:
+            raise SocketDirError(why_unbindable(self.socket_path) or str(err)) from None
         self.service.open_streams()
         server = grpc.aio.server()
         api_pb2_grpc.add_DevicePluginServicer_to_server(  # type: ignore[no-untyped-call]
             self.service, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
+        try:
+            server.add_insecure_port(f"unix://{self.socket_path}")
+        except RuntimeError as err:   # grpc's words name no cause
+            raise SocketDirError(why_unbindable(self.socket_path) or str(err)) from None
         await server.start()
         self._server = server
         log.info("serving", extra={"socket": str(self.socket_path)})
@@ -184,7 +191,7 @@ class PluginServer:
         log.info("stopped serving", extra={"socket": str(self.socket_path)})
 
     async def close(self) -> None:
-        """Stop and remove the socket (SIGTERM)."""
+        """Stop and remove the socket (SIGTERM); there is none where the directory is not one."""
         await self.stop()
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             os.unlink(self.socket_path)

@@ -1,10 +1,19 @@
-"""Shared pytest setup: GPU tests run only where a GPU answers."""
+"""Shared pytest setup: GPU tests run only where a GPU answers; a module that imports a test
+extra which is not installed (hypothesis) is skipped, saying which, instead of failing collection
+(the GPU machine carries only what its tests need)."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+# Test extras that whole modules import at their top.
+OPTIONAL_MODULES = ("hypothesis",)
 
 
 @functools.cache
@@ -28,3 +37,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+class _MissingExtra(pytest.Module):
+    missing = ""
+
+    def collect(self) -> Any:
+        pytest.skip(f"{self.missing} is not installed (a test extra: pip install -e '.[test]')",
+                    allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> Any:
+    text = module_path.read_text(errors="replace")
+    for name in OPTIONAL_MODULES:
+        if (re.search(rf"^(from|import) {name}\b", text, re.M)
+                and importlib.util.find_spec(name) is None):
+            module = _MissingExtra.from_parent(parent, path=module_path)
+            module.missing = name
+            return module
+    return None

@@ -144,6 +144,9 @@ def render(status: dict[str, Any]) -> str:
         gate = "open (one container owns it whole)" if gpu["gate"] == "open" else "token"
         lines.append("")
         lines.append(f"GPU {gpu['uuid']}  gate: {gate}  holder now: {holder}")
+        if not gpu["tenants"]:   # its last allocation ended
+            lines.append("  no containers now")
+            continue
         rows: list[tuple[str, ...]] = [COLUMNS]
         for t in gpu["tenants"]:
             rows.append((

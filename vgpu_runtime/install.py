@@ -238,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome = run(config)
     except (InstallError, OSError) as err:
         log.error("interposer not installed", extra={"reason": str(err)})
+        cli.error(PROG, f"interposer not installed: {err}")
         return 1
     log.info("interposer installed" if outcome.newly_installed else "interposer already present",
              extra={"library": str(outcome.library), "version": __version__})

@@ -45,8 +45,14 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup(level: str = "info", fmt: str = "json") -> None:
-    """Configure the root logger once, for a daemon's main()."""
+def setup(level: str = "info", fmt: str = "json", native_stderr: bool = False) -> None:
+    """Configure the root logger once, for a program's main(). A daemon passes native_stderr:
+    with JSON logs, what C libraries write to fd 2 is logged as JSON too (native_stderr.py).
+    Never in a program whose children share its stderr (gemini-run)."""
+    if native_stderr and fmt == "json":
+        from vgpu_runtime.common import native_stderr as native
+
+        native.capture()   # first: the handler below writes to the stream it keeps
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

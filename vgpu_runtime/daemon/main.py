@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except cfg.ConfigError as err:
         cli.error(PROG, str(err))
         return 2
-    logs.setup(config.log_level, config.log_format)
+    logs.setup(config.log_level, config.log_format, native_stderr=True)
     raise_open_file_limit()   # one socket per client process, past the usual 1024
     try:
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)

@@ -56,7 +56,8 @@ def gpu_of(device_id: str) -> str:
 
 def show_response(response: Any) -> None:
     interesting = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_PRELOAD",
-                   paths.ENV_SHARE, paths.ENV_MEMORY_LIMIT, paths.ENV_CHANNEL_DIR)
+                   paths.ENV_SHARE, paths.ENV_MEMORY_LIMIT, paths.ENV_ALLOCATION_ID,
+                   paths.ENV_CHANNEL_DIR)
     for key in interesting:
         if key in response.envs:
             print(f"      env    {key}={response.envs[key]}")
