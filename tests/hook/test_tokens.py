@@ -141,7 +141,7 @@ EARLY_MAIN = r"""
 
 
 def test_a_hello_made_before_the_hooks_constructors_still_maps_the_pages(
-        hooked: Hooked, node: Node, tmp_path: Path) -> None:
+        hooked: Hooked, node: DaemonNode, tmp_path: Path) -> None:
     """The families register for the hello at link time, not from constructors: a hello made
     from a linked library's constructor, before the hook's run, still hands the launch family
     its token pages, so later launches take the fast path instead of asking every time."""

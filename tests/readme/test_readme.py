@@ -240,9 +240,9 @@ def plugin_without_kubelet_dir() -> str:
 
 def test_the_troubleshooting_quotes_are_the_programs_messages(
         demo_outputs: dict[str, str]) -> None:
-    from vgpu_runtime.gpus.simulated import SimulatedBackend
     from device_plugin.placement import PlacementError, preferred
     from device_plugin.slices import SliceTable
+    from vgpu_runtime.gpus.simulated import SimulatedBackend
 
     table = SliceTable(SimulatedBackend(2).discover(), 10)
     with pytest.raises(PlacementError) as whole_gpus:
