@@ -98,11 +98,14 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = plugin_config.load(argv)
+        loaded = plugin_config.load_all(argv)
     except ConfigError as err:
         cli.error(PROG, str(err))
         return 2
+    config = loaded.config
     logs.setup(config.log_level, config.log_format)
+    for note in loaded.notes:
+        log.warning(note)
     try:
         backend = make_backend(config)
         asyncio.run(serve(config, backend))

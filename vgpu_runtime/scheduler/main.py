@@ -30,14 +30,17 @@ async def _serve(config: SchedulerConfig) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = cfg.load(SchedulerConfig, argv, prog=PROG,
-                          description="gemini.ai/vgpu node daemon: per-allocation channels"
-                                      ", the memory ledger and GPU-time tokens")
+        loaded = cfg.load_all(SchedulerConfig, argv, prog=PROG,
+                              description="gemini.ai/vgpu node daemon: per-allocation channels"
+                                          ", the memory ledger and GPU-time tokens")
+        config = loaded.config
         config.check()
     except cfg.ConfigError as err:
         cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format)
+    for note in loaded.notes:
+        log.warning(note)
     raise_open_file_limit()   # one socket per client process, past the usual 1024
     try:
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
