@@ -26,7 +26,8 @@ from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
 from device_plugin.statedir import prepare as prepare_state_dir
-from vgpu_runtime.common import cli, logs
+from vgpu_runtime.common import cli, configwatch, logs
+from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import DirectorySyncer
 
 log = logging.getLogger("device_plugin")
@@ -42,7 +43,9 @@ def make_backend(config: PluginConfig) -> Backend:
     return NvmlBackend()
 
 
-async def serve(config: PluginConfig, backend: Backend) -> None:
+async def serve(config: PluginConfig, backend: Backend,
+                loaded: cfg.Loaded[PluginConfig] | None = None) -> None:
+    """`loaded`: where the configuration came from; a change of the file stops the plugin."""
     gpus = backend.discover()
     if not gpus:
         log.warning("no usable GPU found: advertising no devices")
@@ -71,6 +74,9 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
 
     tasks = [asyncio.create_task(recheck_forever(tracker, backend,
                                                  config.health_recheck_interval))]
+    if loaded is not None:
+        tasks.append(asyncio.create_task(configwatch.watch(loaded, registrar.stop,
+                                                           plugin_config.check)))
     watcher: NvmlXidWatcher | None = None
     if isinstance(backend, SimulatedBackend):
         control = SimulatedControl(config.control_dir, backend, tracker)
@@ -108,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning(note)
     try:
         backend = make_backend(config)
-        asyncio.run(serve(config, backend))
+        asyncio.run(serve(config, backend, loaded))
     except DiscoveryError as err:
         log.error("cannot discover GPUs", extra={"error": str(err)})
         cli.error(PROG, str(err))

@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from vgpu_runtime.common import cli, logs
+from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.scheduler import lock
@@ -20,12 +20,18 @@ log = logging.getLogger("gemini-scheduler")
 PROG = "gemini-scheduler"
 
 
-async def _serve(config: SchedulerConfig) -> None:
-    daemon = Daemon(config)
+async def _serve(loaded: cfg.Loaded[SchedulerConfig]) -> None:
+    daemon = Daemon(loaded.config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
-    await daemon.run()
+    # A changed configuration file stops the daemon cleanly; kubelet starts it with the file.
+    watcher = asyncio.create_task(configwatch.watch(loaded, daemon.stop,
+                                                    SchedulerConfig.check))
+    try:
+        await daemon.run()
+    finally:
+        watcher.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(PROG, f"cannot use state directory {config.state_dir}: {err}")
         return 1
     try:
-        asyncio.run(_serve(config))
+        asyncio.run(_serve(loaded))
     finally:
         os.close(lock_fd)
     return 0
