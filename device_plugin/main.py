@@ -24,7 +24,7 @@ from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, rechec
 from device_plugin.healthfile import publish_health
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
-from device_plugin.slices import SliceTable
+from device_plugin.slicecounts import SETTLE_INTERVAL, SliceCounts
 from device_plugin.statedir import prepare as prepare_state_dir
 from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common import config as cfg
@@ -49,17 +49,19 @@ async def serve(config: PluginConfig, backend: Backend,
     gpus = backend.discover()
     if not gpus:
         log.warning("no usable GPU found: advertising no devices")
-    table = SliceTable(gpus, config.slices_per_gpu)
+    prepare_state_dir(config.state_dir)
+    counts = SliceCounts(config.state_dir, gpus, config.slices_per_gpu)
+    table = counts.start()
     tracker = HealthTracker((g.uuid for g in gpus), config.ignored_xids,
                             config.recovery_quiet_period)
-    prepare_state_dir(config.state_dir)
     publish_health(config.state_dir, tracker)   # for the node daemon's telemetry
     # Directory fsyncs after Allocate answers, batched (the rule: device_plugin.allocator);
     # its log line is written once the answer is on its way (the loop's next turn).
     syncer = DirectorySyncer()
     allocator = Allocator(config, table, tracker, syncer=syncer,
                           defer=asyncio.get_running_loop().call_soon)
-    devices = DeviceList(table, tracker)
+    devices = DeviceList(table, tracker, counts.draining)
+    allocator.draining = counts.draining
     service = DevicePluginService(devices, allocator, config.placement)
     server = PluginServer(config.plugin_socket, service)
     registrar = Registrar(server, config.kubelet_socket, config.resource_name)
@@ -74,6 +76,7 @@ async def serve(config: PluginConfig, backend: Backend,
 
     tasks = [asyncio.create_task(recheck_forever(tracker, backend,
                                                  config.health_recheck_interval))]
+    tasks.append(asyncio.create_task(settle_forever(counts, allocator, devices)))
     if loaded is not None:
         tasks.append(asyncio.create_task(configwatch.watch(loaded, registrar.stop,
                                                            plugin_config.check)))
@@ -100,6 +103,19 @@ async def serve(config: PluginConfig, backend: Backend,
             watcher.stop()
         await asyncio.to_thread(syncer.close)
     log.info("stopped cleanly")
+
+
+async def settle_forever(counts: SliceCounts, allocator: Allocator, devices: DeviceList,
+                         interval: float = SETTLE_INTERVAL) -> None:
+    """Give a GPU waiting to change slice count its new slices once nothing lives on it. The
+    scan and the switch run in one step of the loop, so no Allocate falls between them."""
+    while True:
+        await asyncio.sleep(interval)
+        table = counts.settle()
+        if table is not None:
+            allocator.table = devices.table = table
+            allocator.draining = devices.draining = counts.draining
+            devices.changed()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
