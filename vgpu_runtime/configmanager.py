@@ -17,12 +17,18 @@ init container's log say why.
 
 Exit status: 0 after SIGTERM or a --oneshot that wrote the file, 1 when --oneshot cannot
 choose a configuration, 2 for a configuration error of its own.
+
+For operators, two commands that need no cluster:
+    gemini-config-manager check FILE...          both programs' loaders on each node file
+    gemini-config-manager convert device-plugin.yaml scheduler.yaml > default.yaml
+                                                 the two-file ConfigMap's files as one v1 file
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -31,6 +37,9 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import yaml
 
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
@@ -91,11 +100,14 @@ class Unusable(Exception):
 
 def check_node_file(path: str) -> None:
     """Raises ConfigError unless both programs accept the file (version v1 required)."""
+    check_node_data(cfg.load_file(path), path)
+
+
+def check_node_data(data: dict[str, Any], path: str) -> None:
     from device_plugin.config import PluginConfig
     from device_plugin.config import check as check_plugin
     from vgpu_runtime.scheduler.config import SchedulerConfig
 
-    data = cfg.load_file(path)
     if "version" not in data:
         raise cfg.ConfigError(f"{path}: a named configuration needs version: {cfg.FILE_VERSION} "
                               "(flat files are for one program only)")
@@ -130,6 +142,56 @@ def read_named(source_dir: str, name: str) -> bytes:
     except cfg.ConfigError as err:
         raise Unusable("ConfigInvalid", f"configuration {name!r} is invalid: {err}") from None
     return payload
+
+
+def convert(plugin_path: str, scheduler_path: str) -> dict[str, Any]:
+    """A version v1 node file from the two flat files of the two-file ConfigMap: the shared keys
+    once under node (they must agree), the rest under their program's section."""
+    from device_plugin.config import PluginConfig
+    from vgpu_runtime.scheduler.config import SchedulerConfig
+
+    node: dict[str, Any] = {}
+    document: dict[str, Any] = {"version": cfg.FILE_VERSION, cfg.NODE_SECTION: node}
+    shared = {f.name for f in dataclasses.fields(cfg.NodeSettings)}
+    for path, cls in ((plugin_path, PluginConfig), (scheduler_path, SchedulerConfig)):
+        data = cfg.load_file(path)
+        if "version" in data:
+            raise cfg.ConfigError(f"{path} has a version already: it is not a flat file")
+        own: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in shared:
+                if key in node and node[key] != value:
+                    raise cfg.ConfigError(f"{path}: {key} is {value!r} here but {node[key]!r} in "
+                                          f"{plugin_path}; the node has one value")
+                node[key] = value
+            else:
+                own[key] = value
+        document[cfg.section_of(cls) or ""] = own
+    check_node_data(document, f"{plugin_path} + {scheduler_path}")
+    return document
+
+
+def _tool(argv: Sequence[str]) -> int | None:
+    """`check FILE...` and `convert PLUGIN_FILE SCHEDULER_FILE`, for operators; None for the
+    program's own command line."""
+    if not argv or argv[0] not in ("check", "convert"):
+        return None
+    command, files = argv[0], list(argv[1:])
+    try:
+        if command == "check" and files:
+            for path in files:
+                check_node_file(path)
+                print(f"{path}: valid for gemini-device-plugin and gemini-scheduler")
+            return 0
+        if command == "convert" and len(files) == 2:
+            sys.stdout.write(yaml.safe_dump(convert(*files), sort_keys=False))
+            return 0
+    except cfg.ConfigError as err:
+        cli.error(PROG, str(err))
+        return 2
+    cli.error(PROG, f"usage: {PROG} check FILE... | {PROG} convert DEVICE_PLUGIN_FILE "
+                    "SCHEDULER_FILE")
+    return 2
 
 
 class ConfigManager:
@@ -262,6 +324,9 @@ async def _serve(config: ManagerConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tool = _tool(sys.argv[1:] if argv is None else argv)
+    if tool is not None:
+        return tool
     try:
         config = cfg.load(ManagerConfig, argv, prog=PROG,
                           description="writes the node's gemini.ai/vgpu configuration, chosen "

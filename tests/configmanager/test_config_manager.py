@@ -221,3 +221,48 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
     stops = [json.loads(line) for line in log_path.read_text().splitlines()
              if "stopping so that the container restarts" in line]
     assert [entry["settings"] for entry in stops] == [["limit_policy"]]
+
+
+# ---- the operator's commands: check a node file, convert the two-file ConfigMap ----
+
+PLUGIN_FLAT = "slices_per_gpu: 4\nstate_dir: /srv/gemini\nplacement: spread\nmemory_reserve: 1GiB\n"
+SCHEDULER_FLAT = "slices_per_gpu: 4\nstate_dir: /srv/gemini\nlimit_policy: strict\nwindow: 5.0\n"
+
+
+def tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vgpu_runtime.configmanager", *args], cwd=REPO,
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+
+
+def test_convert_gives_each_program_the_settings_its_flat_file_gave(tmp_path: Path) -> None:
+    from device_plugin.config import PluginConfig
+    from vgpu_runtime.common import config as cfg
+    from vgpu_runtime.scheduler.config import SchedulerConfig
+
+    plugin_file, scheduler_file = tmp_path / "device-plugin.yaml", tmp_path / "scheduler.yaml"
+    plugin_file.write_text(PLUGIN_FLAT)
+    scheduler_file.write_text(SCHEDULER_FLAT)
+    done = tool("convert", str(plugin_file), str(scheduler_file))
+    assert done.returncode == 0, done.stderr
+    converted = tmp_path / "default.yaml"
+    converted.write_text(done.stdout)
+    assert "version: v1" in done.stdout and done.stdout.count("slices_per_gpu") == 1
+    for cls, flat in ((PluginConfig, plugin_file), (SchedulerConfig, scheduler_file)):
+        assert (cfg.load(cls, ["--config", str(converted)], environ={})
+                == cfg.load(cls, ["--config", str(flat)], environ={}))
+    assert tool("check", str(converted)).returncode == 0
+
+
+def test_convert_refuses_files_that_disagree_and_check_names_the_key(tmp_path: Path) -> None:
+    plugin_file, scheduler_file = tmp_path / "device-plugin.yaml", tmp_path / "scheduler.yaml"
+    plugin_file.write_text(PLUGIN_FLAT)
+    scheduler_file.write_text(SCHEDULER_FLAT.replace("slices_per_gpu: 4", "slices_per_gpu: 10"))
+    done = tool("convert", str(plugin_file), str(scheduler_file))
+    assert done.returncode == 2 and done.stdout == ""
+    assert "slices_per_gpu is 10 here but 4" in done.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(DEFAULT.replace("limit_policy", "limit_polcy"))
+    done = tool("check", str(broken))
+    assert done.returncode == 2
+    assert done.stderr.startswith("gemini-config-manager: error: ")
+    assert "section scheduler: unknown setting(s) limit_polcy" in done.stderr
