@@ -284,9 +284,16 @@ class ConfigManager:
                 update.cancel()
             if not self._stopping.is_set():
                 await self.apply(self.node)
+        stopping.cancel()
         return 0
 
     def _watch_forever(self, loop: asyncio.AbstractEventLoop, version: str) -> None:
+        try:
+            self._watch(loop, version)
+        except RuntimeError:   # the event loop closed: the program is exiting
+            return
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, version: str) -> None:
         delay = 1.0
         while True:
             try:

@@ -253,3 +253,10 @@ def test_the_programs_declare_every_shared_setting_in_the_node_section() -> None
             assert program[name].metadata["node"] is True
             assert program[name].metadata["parse"] is node[name].metadata["parse"]
     assert {PluginConfig.SECTION, SchedulerConfig.SECTION} == set(cfg.PROGRAM_SECTIONS)
+
+
+def test_the_install_step_takes_the_state_dir_from_the_node_section(tmp_path: Path) -> None:
+    from vgpu_runtime.install import InstallConfig
+
+    path = write(tmp_path, NODE_FILE)
+    assert cfg.load(InstallConfig, ["--config", path], environ={}).state_dir == "/srv/gemini"
