@@ -177,8 +177,8 @@ def node_setting(name: str, default: Any = dataclasses.MISSING, help: str | None
     meta["node"] = True
     if help is not None:
         meta["help"] = help
-    return dataclasses.field(default=source.default if default is dataclasses.MISSING else default,
-                 metadata=meta)
+    value = source.default if default is dataclasses.MISSING else default
+    return dataclasses.field(default=value, metadata=meta)
 
 
 def node_fields(cls: type[Any]) -> set[str]:
