@@ -27,7 +27,6 @@ from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slicecounts import SETTLE_INTERVAL, SliceCounts
 from device_plugin.statedir import prepare as prepare_state_dir
 from vgpu_runtime.common import cli, configwatch, logs
-from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import DirectorySyncer
 
 log = logging.getLogger("device_plugin")
@@ -44,8 +43,9 @@ def make_backend(config: PluginConfig) -> Backend:
 
 
 async def serve(config: PluginConfig, backend: Backend,
-                loaded: cfg.Loaded[PluginConfig] | None = None) -> None:
-    """`loaded`: where the configuration came from; a change of the file stops the plugin."""
+                watch: configwatch.ConfigWatch[PluginConfig] | None = None) -> None:
+    """`watch`: the configuration file's watch; a change of the plugin's settings there
+    stops it (and `main` starts it again)."""
     gpus = backend.discover()
     if not gpus:
         log.warning("no usable GPU found: advertising no devices")
@@ -77,9 +77,9 @@ async def serve(config: PluginConfig, backend: Backend,
     tasks = [asyncio.create_task(recheck_forever(tracker, backend,
                                                  config.health_recheck_interval))]
     tasks.append(asyncio.create_task(settle_forever(counts, allocator, devices)))
-    if loaded is not None:
-        tasks.append(asyncio.create_task(configwatch.watch(loaded, registrar.stop,
-                                                           plugin_config.check)))
+    if watch is not None:
+        watch.stop = registrar.stop
+        tasks.append(asyncio.create_task(watch.run()))
     watcher: NvmlXidWatcher | None = None
     if isinstance(backend, SimulatedBackend):
         control = SimulatedControl(config.control_dir, backend, tracker)
@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning(note)
     try:
         backend = make_backend(config)
-        asyncio.run(serve(config, backend, loaded))
+        watch = configwatch.ConfigWatch(loaded, lambda: None, plugin_config.check)
+        asyncio.run(serve(config, backend, watch))
     except DiscoveryError as err:
         log.error("cannot discover GPUs", extra={"error": str(err)})
         cli.error(PROG, str(err))
@@ -138,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:  # e.g. memory_reserve larger than a GPU, UUID too long
         cli.error(PROG, str(err))
         return 2
+    if watch.changed:
+        configwatch.restart()
     return 0
 
 

@@ -4,8 +4,8 @@ The ConfigMap holds several named configurations, `<name>.yaml`, each a version 
 (vgpu_runtime.common.config). A node labelled `gemini.ai/vgpu.config=<name>` takes the named
 one; an unlabelled node takes `default` (--default-config). This program, an init container
 (--oneshot) and a sidecar of the node pod, writes the chosen file atomically to --output, a
-file in an emptyDir that the device plugin and the node daemon read; they stop and are
-restarted by kubelet when it changes (vgpu_runtime.common.configwatch).
+file in an emptyDir that the device plugin and the node daemon read; they restart in place
+when the settings they use change there (vgpu_runtime.common.configwatch).
 
 It follows the label with a watch on its own Node (GET, then watch from that resourceVersion;
 again after any error) and reads the chosen configuration again every --source-interval

@@ -180,8 +180,9 @@ def test_the_sidecar_rereads_the_node_after_the_api_server_fails(
 
 def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, configs: Path,
                                                            tmp_path: Path) -> None:
-    """gemini-scheduler reads the sidecar's file: a change of another program's section leaves
-    it running, a change of its own settings stops it cleanly (kubelet starts it again)."""
+    """gemini-scheduler reads the sidecar's file: a change of another program's section or an
+    invalid file leaves it running; a change of its own settings restarts it in place (the
+    same pid) with the new file."""
     output = tmp_path / "config.yaml"
     assert oneshot(api, configs, output).returncode == 0
     state = tmp_path / "state"
@@ -209,8 +210,18 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
                 DEFAULT.replace("best-fit", "spread"))
             wait_for(lambda: logged("none of this program's settings did", 2), TIMEOUT,
                      "a second check")
-            assert daemon.poll() is None
+            assert not logged("restarting")
+            # Its own setting changes: it restarts, in this process, with the new file.
             api.set_node_labels(NODE, {CONFIG_LABEL: "strict"})
+            wait_for(lambda: logged("gemini-scheduler started", 2), TIMEOUT, "the restart")
+            assert daemon.poll() is None
+            # The restarted daemon runs on strict: a change of the plugin's section of the
+            # strict configuration leaves it be.
+            (configs / "..data").resolve().joinpath("strict.yaml").write_text(
+                STRICT.replace("best-fit", "spread"))
+            wait_for(lambda: logged("none of this program's settings did", 3), TIMEOUT,
+                     "a check after the restart")
+            daemon.terminate()
             assert daemon.wait(timeout=TIMEOUT) == 0
         finally:
             if daemon.poll() is None:
@@ -218,9 +229,9 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
                 daemon.wait()
             if sidecar is not None:
                 assert sidecar.stop() == 0, sidecar.logs()
-    stops = [json.loads(line) for line in log_path.read_text().splitlines()
-             if "stopping so that the container restarts" in line]
-    assert [entry["settings"] for entry in stops] == [["limit_policy"]]
+    restarts = [json.loads(line) for line in log_path.read_text().splitlines()
+                if "restarting with it" in line]
+    assert [entry["settings"] for entry in restarts] == [["limit_policy"]]
 
 
 # ---- the operator's commands: check a node file, convert the two-file ConfigMap ----

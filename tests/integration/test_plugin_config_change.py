@@ -1,6 +1,6 @@
 """The plugin as a process, reading the node's file: a change of another program's section or
-an invalid file leaves it serving; a change of its own settings stops it cleanly (exit 0), for
-kubelet to start it again with the file."""
+an invalid file leaves it serving; a change of its own settings restarts it in place (the same
+process, registered again) with the new file."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ scheduler:
 """
 
 
-async def test_the_plugin_stops_for_its_own_changed_settings_only(node: Node) -> None:
+async def test_the_plugin_restarts_for_its_own_changed_settings_only(node: Node) -> None:
     config = node.root / "config.yaml"
     config.write_text(NODE_FILE)
     plugin = await node.start_plugin(args=["--config", str(config)])
@@ -31,7 +31,14 @@ async def test_the_plugin_stops_for_its_own_changed_settings_only(node: Node) ->
     assert not plugin.exited()
     assert node.kubelet.allocatable() == 20
     config.write_text(NODE_FILE.replace("best-fit", "spread"))
-    await until(plugin.exited, START_TIMEOUT, "the plugin's exit")
+    await until(lambda: node.kubelet.registrations == 2, START_TIMEOUT, "a new registration")
+    await node.wait_registered(20)
+    assert not plugin.exited()
+    assert "restarting with it" in plugin.log_text()
+    assert "placement" in plugin.log_text().split("restarting with it")[1].splitlines()[0]
+    # It places as the new file says: spread puts the second pod on the other GPU, where
+    # best-fit would have packed both on one.
+    first = await node.kubelet.admit_pod("first", containers=[("main", 3)])
+    second = await node.kubelet.admit_pod("second", containers=[("main", 3)])
+    assert len({d.split("::")[0] for d in first.device_ids() | second.device_ids()}) == 2
     assert await plugin.stop() == 0
-    assert "stopping so that the container restarts with it" in plugin.log_text()
-    assert "placement" in plugin.log_text().split("stopping so that")[1].splitlines()[0]

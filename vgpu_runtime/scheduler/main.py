@@ -20,18 +20,19 @@ log = logging.getLogger("gemini-scheduler")
 PROG = "gemini-scheduler"
 
 
-async def _serve(loaded: cfg.Loaded[SchedulerConfig]) -> None:
+async def _serve(loaded: cfg.Loaded[SchedulerConfig]) -> list[str]:
+    """Serve until stopped; the settings whose change in the file stopped it, if any."""
     daemon = Daemon(loaded.config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
-    # A changed configuration file stops the daemon cleanly; kubelet starts it with the file.
-    watcher = asyncio.create_task(configwatch.watch(loaded, daemon.stop,
-                                                    SchedulerConfig.check))
+    watch = configwatch.ConfigWatch(loaded, daemon.stop, SchedulerConfig.check)
+    watcher = asyncio.create_task(watch.run())
     try:
         await daemon.run()
     finally:
         watcher.cancel()
+    return watch.changed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,9 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(PROG, f"cannot use state directory {config.state_dir}: {err}")
         return 1
     try:
-        asyncio.run(_serve(loaded))
+        changed = asyncio.run(_serve(loaded))
     finally:
         os.close(lock_fd)
+    if changed:
+        configwatch.restart()   # with the new file, in this process (the lock is released)
     return 0
 
 
