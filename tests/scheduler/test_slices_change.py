@@ -55,6 +55,10 @@ async def test_a_slices_change_waits_on_the_gpu_with_a_live_allocation(
     assert state[gpu0] == {"advertised": 10, "configured": 4, "waiting_for": [record.id]}
     assert state[gpu1] == {"advertised": 4, "configured": 4, "waiting_for": []}
     assert "slices_per_gpu change waits on this GPU" in pods.node.plugins[-1].log_text()
+    # gemini-vgpu status (the daemon's node status) shows each GPU's own count.
+    status = await pods.status()
+    assert {g["uuid"]: (g["slices"], g["slices_allocated"]) for g in status["node"]["gpus"]} == {
+        gpu0: (10, 3), gpu1: (4, 0)}
     (waiting,) = await until(lambda: node_events(api, "SlicesPerGpuChangeWaiting"), TIMEOUT,
                              "the Event")
     assert waiting["type"] == "Warning" and waiting["involvedObject"]["kind"] == "Node"
