@@ -226,7 +226,12 @@ class ConfigManager:
             return False
         self._reported = None
         if payload != self.current():
-            write_atomic(self.config.output, payload, durable=False)
+            try:
+                write_atomic(self.config.output, payload, durable=False)
+            except OSError as err:   # retried at the next change or source interval
+                log.error("cannot write the node's configuration", extra={
+                    "output": self.config.output, "error": str(err)})
+                return False
             log.info("configuration written", extra={
                 "config": name, "labelled": self.config.label in node.labels,
                 "output": self.config.output})
