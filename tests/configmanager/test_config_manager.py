@@ -277,3 +277,12 @@ def test_convert_refuses_files_that_disagree_and_check_names_the_key(tmp_path: P
     assert done.returncode == 2
     assert done.stderr.startswith("gemini-config-manager: error: ")
     assert "section scheduler: unknown setting(s) limit_polcy" in done.stderr
+
+
+def test_an_output_it_cannot_write_is_logged_and_fails_the_oneshot(
+        api: FakeApiServer, configs: Path, tmp_path: Path) -> None:
+    output = tmp_path / "missing-directory" / "config.yaml"
+    done = oneshot(api, configs, output)
+    assert done.returncode == 1
+    assert "cannot write the node's configuration" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr
