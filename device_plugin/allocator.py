@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.slices import Slice, SliceTable, brief_ids
 from vgpu_runtime import allocation, paths
@@ -39,6 +38,7 @@ from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
 from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
+from vgpu_runtime.pluginconfig import PluginConfig
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,8 @@ class Allocator:
         # event loop's call_soon, so it runs once the answer is on its way.
         self.defer = defer
         self._kept: dict[str, _Kept] = {}
+        # GPUs waiting to change slice count: no new allocation (device_plugin.slicecounts).
+        self.draining: frozenset[str] = frozenset()
         self._layout_cache = _Layout.of(config.state_dir)
         for gpu in table.gpus:
             if gpu.memory_total <= config.memory_reserve:
@@ -131,7 +133,7 @@ class Allocator:
         return gpu.memory_total - self.config.memory_reserve
 
     def per_slice_memory(self, gpu: GpuInfo) -> int:
-        return self.usable_memory(gpu) // self.table.per_gpu
+        return self.usable_memory(gpu) // self.table.count_of(gpu.uuid)
 
     # ---- validation ----
 
@@ -155,27 +157,25 @@ class Allocator:
                 "delete the pod so kubelet allocates again from the current devices") from None
         k = len(slices)
         if slices[0].gpu is slices[-1].gpu:     # in GPU order: one GPU (the usual request)
-            if k <= per_gpu:
-                return slices
-            by_gpu = {slices[0].gpu.uuid: slices}
-        else:
-            by_gpu = {}
-            for item in slices:
-                by_gpu.setdefault(item.gpu.uuid, []).append(item)
-        if k <= per_gpu and len(by_gpu) > 1:
+            return slices                       # distinct known IDs: at most all of its slices
+        by_gpu: dict[str, list[Slice]] = {}
+        for item in slices:
+            by_gpu.setdefault(item.gpu.uuid, []).append(item)
+        if k <= per_gpu:
             raise _precondition(
                 f"the {k} slices come from {len(by_gpu)} GPUs ({', '.join(by_gpu)}); a request of "
                 f"at most {per_gpu} slices must be on one GPU. Kubelet did not follow this "
                 "plugin's preferred allocation (is get_preferred_allocation_available honoured?)"
                 "; delete the pod to retry")
+        counts = {u: self.table.count_of(u) for u in by_gpu}
         if k > per_gpu:
-            if k % per_gpu:
+            if k % per_gpu and set(counts.values()) == {per_gpu}:
                 raise _precondition(
                     f"{k} slices is more than one GPU ({per_gpu} slices) and not a multiple of "
                     f"{per_gpu}: request at most {per_gpu} slices, or whole GPUs "
                     f"({per_gpu}, {2 * per_gpu}, ...)")
-            partial = [f"{u} ({len(s)} of {per_gpu})" for u, s in by_gpu.items()
-                       if len(s) != per_gpu]
+            partial = [f"{u} ({len(s)} of {counts[u]})" for u, s in by_gpu.items()
+                       if len(s) != counts[u]]
             if partial:
                 raise _precondition(
                     f"a request of {k} slices must take whole GPUs, but got part of "
@@ -183,6 +183,13 @@ class Allocator:
         return slices
 
     def _check_health(self, slices: list[Slice]) -> None:
+        """A new allocation needs healthy GPUs that are not waiting to change slice count."""
+        changing = sorted({s.gpu.uuid for s in slices if s.gpu.uuid in self.draining})
+        if changing:
+            raise _precondition(
+                f"GPU(s) {', '.join(changing)} take no new allocation: slices_per_gpu changed "
+                f"to {self.table.per_gpu} and each keeps its old slices until the allocations "
+                "live on it end; delete the pod so it is placed on another GPU")
         if self.health is None:
             return
         sick = sorted({s.gpu.uuid for s in slices if not self.health.is_healthy(s.gpu.uuid)})
@@ -197,14 +204,14 @@ class Allocator:
     def build_record(self, slices: list[Slice], created_at: float,
                      allocation_id: str | None = None) -> AllocationRecord:
         """`allocation_id`: id_for_devices of the slices, when the caller has it already."""
-        per_gpu = self.table.per_gpu
         device_ids = tuple(s.id for s in slices)
         if allocation_id is None:
             allocation_id = allocation.id_for_devices(device_ids)
         gpus: dict[str, GpuInfo] = {s.gpu.uuid: s.gpu for s in slices}
         k = len(slices)
-        if k <= per_gpu:
+        if len(gpus) == 1:
             gpu = next(iter(gpus.values()))
+            per_gpu = self.table.count_of(gpu.uuid)
             memory = k * self.per_slice_memory(gpu)
             shares: tuple[GpuShare, ...] = (GpuShare(gpu.uuid, gpu.index, k / per_gpu, memory,
                                                      memory),)

@@ -14,20 +14,20 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
-from device_plugin.config import ConfigError, PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, recheck_forever
 from device_plugin.healthfile import publish_health
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
-from device_plugin.slices import SliceTable
+from device_plugin.slicecounts import SETTLE_INTERVAL, SliceCounts
 from device_plugin.statedir import prepare as prepare_state_dir
-from vgpu_runtime.common import cli, logs
+from vgpu_runtime import pluginconfig as plugin_config
+from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common.atomicfile import DirectorySyncer
 from vgpu_runtime.gpus import Backend, DiscoveryError
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.pluginconfig import ConfigError, PluginConfig
 
 log = logging.getLogger("device_plugin")
 PROG = "gemini-device-plugin"
@@ -42,21 +42,26 @@ def make_backend(config: PluginConfig) -> Backend:
     return NvmlBackend()
 
 
-async def serve(config: PluginConfig, backend: Backend) -> None:
+async def serve(config: PluginConfig, backend: Backend,
+                watch: configwatch.ConfigWatch[PluginConfig] | None = None) -> None:
+    """`watch`: the configuration file's watch; a change of the plugin's settings there
+    stops it (and `main` starts it again)."""
     gpus = backend.discover()
     if not gpus:
         log.warning("no usable GPU found: advertising no devices")
-    table = SliceTable(gpus, config.slices_per_gpu)
+    prepare_state_dir(config.state_dir)
+    counts = SliceCounts(config.state_dir, gpus, config.slices_per_gpu)
+    table = counts.start()
     tracker = HealthTracker((g.uuid for g in gpus), config.ignored_xids,
                             config.recovery_quiet_period)
-    prepare_state_dir(config.state_dir)
     publish_health(config.state_dir, tracker)   # for the node daemon's telemetry
     # Directory fsyncs after Allocate answers, batched (the rule: device_plugin.allocator);
     # its log line is written once the answer is on its way (the loop's next turn).
     syncer = DirectorySyncer()
     allocator = Allocator(config, table, tracker, syncer=syncer,
                           defer=asyncio.get_running_loop().call_soon)
-    devices = DeviceList(table, tracker)
+    devices = DeviceList(table, tracker, counts.draining)
+    allocator.draining = counts.draining
     service = DevicePluginService(devices, allocator, config.placement)
     server = PluginServer(config.plugin_socket, service)
     registrar = Registrar(server, config.kubelet_socket, config.resource_name)
@@ -71,6 +76,10 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
 
     tasks = [asyncio.create_task(recheck_forever(tracker, backend,
                                                  config.health_recheck_interval))]
+    tasks.append(asyncio.create_task(settle_forever(counts, allocator, devices)))
+    if watch is not None:
+        watch.stop = registrar.stop
+        tasks.append(asyncio.create_task(watch.run()))
     watcher: NvmlXidWatcher | None = None
     if isinstance(backend, SimulatedBackend):
         control = SimulatedControl(config.control_dir, backend, tracker)
@@ -96,16 +105,33 @@ async def serve(config: PluginConfig, backend: Backend) -> None:
     log.info("stopped cleanly")
 
 
+async def settle_forever(counts: SliceCounts, allocator: Allocator, devices: DeviceList,
+                         interval: float = SETTLE_INTERVAL) -> None:
+    """Give a GPU waiting to change slice count its new slices once nothing lives on it. The
+    scan and the switch run in one step of the loop, so no Allocate falls between them."""
+    while True:
+        await asyncio.sleep(interval)
+        table = counts.settle()
+        if table is not None:
+            allocator.table = devices.table = table
+            allocator.draining = devices.draining = counts.draining
+            devices.changed()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = plugin_config.load(argv)
+        loaded = plugin_config.load_all(argv)
     except ConfigError as err:
         cli.error(PROG, str(err))
         return 2
+    config = loaded.config
     logs.setup(config.log_level, config.log_format, native_stderr=True)
+    for note in loaded.notes:
+        log.warning(note)
     try:
         backend = make_backend(config)
-        asyncio.run(serve(config, backend))
+        watch = configwatch.ConfigWatch(loaded, lambda: None, plugin_config.check)
+        asyncio.run(serve(config, backend, watch))
     except DiscoveryError as err:
         log.error("cannot discover GPUs", extra={"error": str(err)})
         cli.error(PROG, str(err))
@@ -113,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:  # e.g. memory_reserve larger than a GPU, UUID too long
         cli.error(PROG, str(err))
         return 2
+    if watch.changed:
+        configwatch.restart()
     return 0
 
 

@@ -6,7 +6,9 @@ The default scheduler only counts slices per node, so the plugin decides where t
   `spread` takes the GPU with the most available slices. Ties go to the lowest GPU index.
   Every must-include slice has to be on the chosen GPU.
 - k > N: whole GPUs only, so k must be a multiple of N and each chosen GPU must have all N
-  slices available. GPUs holding must-include slices are chosen first, then lowest index.
+  slices available (a GPU still cut into another count while it waits for a change of N,
+  device_plugin.slicecounts, is not one of them). GPUs holding must-include slices are chosen
+  first, then lowest index.
 Within a GPU, the must-include slices plus the lowest-numbered available ones, in order.
 """
 
@@ -78,7 +80,7 @@ def preferred(table: SliceTable, available_ids: Sequence[str], must_include_ids:
     index = {g.uuid: g.index for g in table.gpus}
     if size <= per_gpu:
         return _one_gpu(groups, index, must, size, per_gpu, policy)
-    return _whole_gpus(groups, index, must, size, per_gpu)
+    return _whole_gpus(groups, index, must, size, per_gpu, table.counts)
 
 
 def _pick(group: list[Slice], must: list[Slice], count: int) -> list[str]:
@@ -111,14 +113,15 @@ def _one_gpu(groups: dict[str, list[Slice]], index: dict[str, int], must: list[S
 
 
 def _whole_gpus(groups: dict[str, list[Slice]], index: dict[str, int], must: list[Slice],
-                size: int, per_gpu: int) -> list[str]:
+                size: int, per_gpu: int, counts: dict[str, int]) -> list[str]:
     if size % per_gpu:
         raise PlacementError(
             f"a request of {size} slices is more than one GPU ({per_gpu} slices) and not a "
             f"multiple of {per_gpu}: ask for at most {per_gpu} slices, or for whole GPUs "
             f"({per_gpu}, {2 * per_gpu}, ...)")
     wanted = size // per_gpu
-    free = sorted((u for u, g in groups.items() if len(g) == per_gpu), key=index.__getitem__)
+    free = sorted((u for u, g in groups.items() if len(g) == per_gpu == counts[u]),
+                  key=index.__getitem__)
     must_gpus = sorted({s.gpu.uuid for s in must}, key=index.__getitem__)
     busy = [u for u in must_gpus if u not in free]
     if busy:

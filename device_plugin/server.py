@@ -33,9 +33,13 @@ UNHEALTHY = "Unhealthy"
 class DeviceList:
     """The advertised devices with their health, and a wake-up for every open stream."""
 
-    def __init__(self, table: SliceTable, health: HealthTracker) -> None:
+    def __init__(self, table: SliceTable, health: HealthTracker,
+                 draining: frozenset[str] = frozenset()) -> None:
         self.table = table
         self.health = health
+        # GPUs waiting to change slice count: Unhealthy to kubelet, so that no new pod lands
+        # there (device_plugin.slicecounts); running pods keep their devices.
+        self.draining = draining
         self._waiters: set[asyncio.Event] = set()
         self._message = self._build()
         health.on_change(self.changed)
@@ -47,7 +51,8 @@ class DeviceList:
                         if item.gpu.numa_node is not None else None)
             devices.append(api_pb2.Device(
                 ID=item.id, topology=topology,
-                health=HEALTHY if self.health.is_healthy(item.gpu.uuid) else UNHEALTHY))
+                health=HEALTHY if self.health.is_healthy(item.gpu.uuid)
+                and item.gpu.uuid not in self.draining else UNHEALTHY))
         return api_pb2.ListAndWatchResponse(devices=devices)
 
     @property
@@ -55,7 +60,7 @@ class DeviceList:
         return self._message
 
     def changed(self) -> None:
-        """Called (on the event loop) after a health change."""
+        """Called (on the event loop) after a health change or a new table."""
         self._message = self._build()
         for waiter in self._waiters:
             waiter.set()

@@ -6,7 +6,7 @@ within kubelet's 63-character limit (an NVML UUID is 40 characters).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from vgpu_runtime.gpus import GpuInfo
@@ -51,12 +51,17 @@ def parse_slice_id(device_id: str) -> tuple[str, int]:
 
 
 class SliceTable:
-    """Every slice of the node, by ID and by GPU, in GPU index order."""
+    """Every slice of the node, by ID and by GPU, in GPU index order.
 
-    def __init__(self, gpus: Sequence[GpuInfo], per_gpu: int) -> None:
-        if per_gpu < 1:
+    `per_gpu` is the configured count; `counts` gives a GPU another one (a GPU that keeps its
+    old count until its live allocations end, device_plugin.slicecounts)."""
+
+    def __init__(self, gpus: Sequence[GpuInfo], per_gpu: int,
+                 counts: Mapping[str, int] | None = None) -> None:
+        if per_gpu < 1 or any(n < 1 for n in (counts or {}).values()):
             raise ValueError("a GPU needs at least one slice")
         self.per_gpu = per_gpu
+        self.counts = {g.uuid: (counts or {}).get(g.uuid, per_gpu) for g in gpus}
         self.gpus = sorted(gpus, key=lambda g: g.index)
         self._gpu_by_uuid = {g.uuid: g for g in self.gpus}
         if len(self._gpu_by_uuid) != len(self.gpus):
@@ -67,7 +72,7 @@ class SliceTable:
         # a C-level dict lookup per ID, where a (gpu.index, number) key was a tuple per ID.
         self._rank: dict[str, int] = {}
         for gpu in self.gpus:
-            row = [Slice(slice_id(gpu.uuid, n), gpu, n) for n in range(per_gpu)]
+            row = [Slice(slice_id(gpu.uuid, n), gpu, n) for n in range(self.counts[gpu.uuid])]
             longest = row[-1].id
             if len(longest) > MAX_ID_LENGTH:
                 raise ValueError(f"slice ID {longest!r} is longer than {MAX_ID_LENGTH} "
@@ -78,6 +83,10 @@ class SliceTable:
 
     def __len__(self) -> int:
         return len(self._by_id)
+
+    def count_of(self, uuid: str) -> int:
+        """The slices a GPU is cut into (its own count, else the configured one)."""
+        return self.counts.get(uuid, self.per_gpu)
 
     def all(self) -> list[Slice]:
         return [s for gpu in self.gpus for s in self._by_gpu[gpu.uuid]]

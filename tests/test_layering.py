@@ -30,6 +30,8 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.wire": 1,
     "vgpu_runtime.allocation": 1,
     "vgpu_runtime.hooklib": 1,
+    # The plugin's section of the node configuration file: the config manager checks it too.
+    "vgpu_runtime.pluginconfig": 1,
     # The time-sharing algorithm, pure.
     "vgpu_runtime.timeshare": 2,
     # The node daemon.
@@ -38,6 +40,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.run": 4,
     "vgpu_runtime.cli": 4,
     "vgpu_runtime.install": 4,
+    "vgpu_runtime.configmanager": 4,
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,
 }

@@ -63,9 +63,8 @@ class InstallError(RuntimeError):
 
 @dataclass(frozen=True)
 class InstallConfig:
-    state_dir: str = cfg.setting(paths.DEFAULT_STATE_DIR,
-                                 "node state directory (allocation records, channels)",
-                                 cfg.text, "DIR")
+    # The node file's node section (it has no section of its own).
+    state_dir: str = cfg.node_setting("state_dir")
     hook_dir: str | None = cfg.setting(None, "host directory holding the interposer library "
                                        "(default <state-dir>/lib)", cfg.optional(cfg.text), "DIR")
     library: str | None = cfg.setting(None, "interposer to install (default: the one packaged "

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -115,3 +117,146 @@ def test_help_shows_readable_defaults_and_none_as_nothing() -> None:
     assert "(env GEMINI_RESERVE; default 2GiB)" in text and "100% of it" in text
     assert "(env GEMINI_XIDS; default 13,31)" in text
     assert "(env GEMINI_HOOK_DIR)" in text and "None" not in text
+
+
+# ---- the node's versioned file: a node section and a section per program ----
+
+@dataclass(frozen=True)
+class PluginLike:
+    SECTION: ClassVar[str] = "devicePlugin"
+    state_dir: str = cfg.node_setting("state_dir")
+    slices_per_gpu: int = cfg.node_setting("slices_per_gpu")
+    placement: str = cfg.setting("best-fit", "policy", cfg.choice("best-fit", "spread"))
+
+
+@dataclass(frozen=True)
+class SchedulerLike:
+    SECTION: ClassVar[str] = "scheduler"
+    slices_per_gpu: int = cfg.node_setting("slices_per_gpu")
+    limit_policy: str = cfg.setting("work-conserving", "policy",
+                                    cfg.choice("work-conserving", "strict"))
+
+
+NODE_FILE = """\
+version: v1
+node:
+  slices_per_gpu: 4
+  state_dir: /srv/gemini
+devicePlugin:
+  placement: spread
+scheduler:
+  limit_policy: strict
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "node.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_each_program_reads_the_node_section_and_its_own(tmp_path: Path) -> None:
+    path = write(tmp_path, NODE_FILE)
+    plugin = cfg.load_all(PluginLike, ["--config", path], environ={})
+    assert plugin.config == PluginLike(state_dir="/srv/gemini", slices_per_gpu=4,
+                                       placement="spread")
+    assert plugin.notes == ()     # a v1 file is not deprecated
+    daemon = cfg.load(SchedulerLike, [], environ={"GEMINI_CONFIG": path})
+    assert daemon == SchedulerLike(slices_per_gpu=4, limit_policy="strict")
+
+
+def test_flags_and_env_still_beat_the_sections(tmp_path: Path) -> None:
+    path = write(tmp_path, NODE_FILE)
+    loaded = cfg.load(PluginLike, ["--config", path, "--placement", "best-fit"],
+                      environ={"GEMINI_SLICES_PER_GPU": "6"})
+    assert (loaded.slices_per_gpu, loaded.placement) == (6, "best-fit")
+
+
+def test_keys_of_another_section_are_ignored(tmp_path: Path) -> None:
+    """The scheduler section holds a key the plugin does not know (and a bad value for it):
+    the plugin neither rejects nor parses it."""
+    path = write(tmp_path, NODE_FILE.replace("limit_policy: strict", "limit_policy: whatever\n"
+                                             "  window: 10"))
+    assert cfg.load(PluginLike, ["--config", path], environ={}).placement == "spread"
+    with pytest.raises(cfg.ConfigError, match=r"section scheduler: unknown setting\(s\) window"):
+        cfg.load(SchedulerLike, ["--config", path], environ={})
+    write(tmp_path, NODE_FILE.replace("limit_policy: strict", "limit_policy: whatever"))
+    with pytest.raises(cfg.ConfigError, match="section scheduler key limit_policy"):
+        cfg.load(SchedulerLike, ["--config", path], environ={})
+
+
+@pytest.mark.parametrize("text, needle", [
+    (NODE_FILE.replace("placement: spread", "placment: spread"),
+     "node.yaml, section devicePlugin: unknown setting(s) placment; known: placement"),
+    (NODE_FILE.replace("state_dir: /srv/gemini", "stat_dir: /srv/gemini"),
+     "node.yaml, section node: unknown setting(s) stat_dir; known: "),
+    (NODE_FILE.replace("placement: spread", "slices_per_gpu: 3"),
+     "node.yaml, section devicePlugin: slices_per_gpu is a node setting; set it once, under "
+     "node:"),
+    (NODE_FILE.replace("placement: spread", "placement: random"),
+     "node.yaml, section devicePlugin key placement: must be one of best-fit, spread"),
+    (NODE_FILE.replace("slices_per_gpu: 4", "slices_per_gpu: 0"),
+     "node.yaml, section node key slices_per_gpu: must be at least 1"),
+    (NODE_FILE.replace("version: v1", "version: v2"),
+     "version 'v2' is not supported; this program reads version: v1"),
+    (NODE_FILE.replace("version: v1", "version: 1"),
+     "version 1 is not supported"),
+    (NODE_FILE.replace("devicePlugin:", "devicePlugn:"),
+     "unknown section(s) devicePlugn; a version v1 file has version, node, devicePlugin, "
+     "scheduler"),
+    ("version: v1\ndevicePlugin: [spread]\n",
+     "section devicePlugin: must be a mapping of settings, got list"),
+])
+def test_a_bad_node_file_names_file_section_and_key(tmp_path: Path, text: str,
+                                                    needle: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.load(PluginLike, ["--config", path], environ={})
+    assert needle in str(err.value)
+    assert path in str(err.value)
+
+
+def test_a_flat_file_without_version_is_read_as_before_with_a_deprecation_note(
+        tmp_path: Path) -> None:
+    path = write(tmp_path, "slices_per_gpu: 4\nplacement: spread\n")
+    loaded = cfg.load_all(PluginLike, ["--config", path], environ={})
+    assert loaded.config == PluginLike(slices_per_gpu=4, placement="spread")
+    (note,) = loaded.notes
+    assert path in note and "deprecated" in note and "version v1" in note
+    # A flat file still holds only the program's own keys.
+    write(tmp_path, "slices_per_gpu: 4\nlimit_policy: strict\n")
+    with pytest.raises(cfg.ConfigError, match="unknown setting"):
+        cfg.load(PluginLike, ["--config", path], environ={})
+
+
+def test_reread_sees_the_file_as_it_is_now_with_the_same_flags(tmp_path: Path) -> None:
+    path = write(tmp_path, NODE_FILE)
+    loaded = cfg.load_all(PluginLike, ["--config", path, "--placement", "best-fit"], environ={})
+    write(tmp_path, NODE_FILE.replace("slices_per_gpu: 4", "slices_per_gpu: 8"))
+    assert loaded.reread() == PluginLike(state_dir="/srv/gemini", slices_per_gpu=8,
+                                         placement="best-fit")
+
+
+def test_the_programs_declare_every_shared_setting_in_the_node_section() -> None:
+    """One declaration per shared setting: a key both programs read is a node setting (the log
+    settings excepted: each program has its own level), and each program's node keys are
+    NodeSettings' own, with its parser."""
+    from vgpu_runtime.daemon.config import DaemonConfig
+    from vgpu_runtime.pluginconfig import PluginConfig
+
+    node = {f.name: f for f in dataclasses.fields(cfg.NodeSettings)}
+    plugin = {f.name: f for f in dataclasses.fields(PluginConfig)}
+    daemon = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+    assert (set(plugin) & set(daemon)) - {"log_level", "log_format"} == set(node)
+    for program in (plugin, daemon):
+        for name in node:
+            assert program[name].metadata["node"] is True
+            assert program[name].metadata["parse"] is node[name].metadata["parse"]
+    assert {PluginConfig.SECTION, DaemonConfig.SECTION} == set(cfg.PROGRAM_SECTIONS)
+
+
+def test_the_install_step_takes_the_state_dir_from_the_node_section(tmp_path: Path) -> None:
+    from vgpu_runtime.install import InstallConfig
+
+    path = write(tmp_path, NODE_FILE)
+    assert cfg.load(InstallConfig, ["--config", path], environ={}).state_dir == "/srv/gemini"

@@ -12,7 +12,7 @@ import pytest
 from vgpu_runtime import __version__, paths
 
 PROGRAMS = ("gemini-device-plugin", "gemini-scheduler", "gemini-run", "gemini-vgpu",
-            "gemini-install-hook", "gemini-demo")
+            "gemini-install-hook", "gemini-config-manager", "gemini-demo")
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 
 
@@ -35,7 +35,7 @@ def test_version_names_the_package_and_the_interposer(program: str) -> None:
 
 @pytest.mark.parametrize("program, args", [
     ("gemini-device-plugin", ()), ("gemini-scheduler", ()), ("gemini-install-hook", ()),
-    ("gemini-run", ()), ("gemini-vgpu", ("status",)),
+    ("gemini-run", ()), ("gemini-vgpu", ("status",)), ("gemini-config-manager", ()),
 ])
 def test_help_shows_no_raw_defaults(program: str, args: tuple[str, ...]) -> None:
     result = run(program, *args, "--help")

@@ -30,13 +30,13 @@ import atheris
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-with atheris.instrument_imports(include=["vgpu_runtime", "device_plugin.config"]):
-    from device_plugin.config import PluginConfig
+with atheris.instrument_imports(include=["vgpu_runtime", "vgpu_runtime.pluginconfig"]):
     from vgpu_runtime import allocation, paths
     from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
     from vgpu_runtime.common.sizes import parse_size
     from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods import annotations as pod_annotations
+    from vgpu_runtime.pluginconfig import PluginConfig
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.promises import check_accepted_record, check_config_file  # noqa: E402

@@ -21,10 +21,11 @@ def check_accepted_record(record: AllocationRecord) -> None:
 
 
 def check_config_file(path: Path, config_class: type[Any]) -> None:
-    """The file loads as `config_class`, or gives a ConfigError naming the file or the key."""
+    """The file (flat, or a v1 node file) loads as `config_class` as the program loads it, or
+    gives a ConfigError naming the file or the key."""
     try:
-        values = cfg.load_file(str(path))
-        loaded = cfg.resolve(config_class, {}, {}, values, file_name=str(path))
+        values, where = cfg.file_settings(config_class, cfg.load_file(str(path)), str(path))
+        loaded = cfg.resolve(config_class, {}, {}, values, str(path), where)
     except cfg.ConfigError as err:
         assert str(path) in str(err) or "key" in str(err), err
         return

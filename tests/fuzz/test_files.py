@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from device_plugin.config import PluginConfig
 from tests.fuzz.promises import check_accepted_record, check_config_file
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
@@ -26,6 +25,7 @@ from vgpu_runtime.common.sizes import parse_size
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.daemon.records import RecordWatcher
+from vgpu_runtime.pluginconfig import PluginConfig
 
 GiB = 1 << 30
 
@@ -166,8 +166,20 @@ def test_truncated_or_damaged_record_is_refused_and_the_valid_ones_are_untouched
 
 # ---- configuration files ----
 
+setting_names = st.sampled_from(["slices_per_gpu", "memory_reserve", "state_dir", "placement",
+                                 "device_list_strategy", "simulate_gpus", "window", "min_quota",
+                                 "max_quota", "default_limit", "ignored_xids", "poll_interval",
+                                 "log_level", 1, "x"])
+# Version v1 node files: the sections (and misspelled ones) with settings of either program.
+node_files = st.dictionaries(
+    st.sampled_from(["version", "node", "devicePlugin", "scheduler", "devicePlugn", 2]),
+    st.one_of(st.sampled_from(["v1", "v2", 1, None]),
+              st.dictionaries(setting_names, values, max_size=3), values),
+    max_size=4).map(lambda d: json.dumps({"version": "v1", **d}, default=str))
+
 yaml_texts = st.one_of(
     st.text(max_size=200),
+    node_files,
     st.dictionaries(st.sampled_from(["slices_per_gpu", "memory_reserve", "state_dir",
                                      "placement", "device_list_strategy", "simulate_gpus",
                                      "window", "min_quota", "max_quota", "default_limit",

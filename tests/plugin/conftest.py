@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from device_plugin import config as plugin_config
-from device_plugin.config import PluginConfig
+from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.pluginconfig import PluginConfig
 
 GIB = 1 << 30
 

@@ -11,13 +11,13 @@ import grpc
 import pytest
 
 from device_plugin.allocator import AllocationError, Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.pluginconfig import PluginConfig
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -271,7 +271,7 @@ def test_full_state_dir_fails_clearly_and_damages_nothing(short_dir: Path) -> No
     script = f"""
 import os, resource, signal, json
 from device_plugin.allocator import AllocationError, Allocator
-from device_plugin.config import PluginConfig
+from vgpu_runtime.pluginconfig import PluginConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from vgpu_runtime.devkit.hookdir import install_hook

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from device_plugin import config as plugin_config
-from device_plugin.config import ConfigError, PluginConfig
 from vgpu_runtime import paths
+from vgpu_runtime import pluginconfig as plugin_config
+from vgpu_runtime.pluginconfig import ConfigError, PluginConfig
 
 
 def test_defaults() -> None:
@@ -70,3 +70,65 @@ def test_state_dir_too_long_for_channel_sockets_is_refused() -> None:
 def test_reserve_larger_than_simulated_gpu_is_refused() -> None:
     with pytest.raises(ConfigError, match="memory_reserve"):
         plugin_config.load(["--simulate-gpus", "1", "--simulate-memory", "1GiB"], environ={})
+
+
+# ---- the node's one file (version v1), read by both programs ----
+
+NODE_FILE = """\
+version: v1
+node:
+  slices_per_gpu: 4
+  state_dir: /srv/gemini
+devicePlugin:
+  placement: spread
+  memory_reserve: 1GiB
+scheduler:
+  limit_policy: strict
+  window: 5.0
+"""
+
+
+def test_both_programs_read_one_node_file(tmp_path: Path) -> None:
+    from vgpu_runtime.common import config as cfg
+    from vgpu_runtime.daemon.config import DaemonConfig
+
+    file = tmp_path / "config.yaml"
+    file.write_text(NODE_FILE)
+    plugin = plugin_config.load(["--config", str(file)], environ={})
+    assert (plugin.slices_per_gpu, plugin.state_dir) == (4, "/srv/gemini")
+    assert (plugin.placement, plugin.memory_reserve) == ("spread", 1 << 30)
+    daemon = cfg.load(DaemonConfig, ["--config", str(file)], environ={})
+    assert (daemon.slices_per_gpu, daemon.state_dir) == (4, "/srv/gemini")
+    assert (daemon.limit_policy, daemon.window) == ("strict", 5.0)
+
+
+def test_the_plugin_names_a_scheduler_key_put_in_its_section(tmp_path: Path) -> None:
+    file = tmp_path / "config.yaml"
+    file.write_text(NODE_FILE.replace("  placement: spread", "  limit_policy: strict"))
+    with pytest.raises(ConfigError) as err:
+        plugin_config.load(["--config", str(file)], environ={})
+    assert f"{file}, section devicePlugin: unknown setting(s) limit_policy" in str(err.value)
+
+
+def test_a_deprecated_flat_file_is_logged_once_by_the_running_program(tmp_path: Path) -> None:
+    """The daemon, as a process, with its old flat file: it runs on those settings and logs
+    one warning, in its JSON log, that says what to do."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.childenv import REPO, child_env
+
+    file = tmp_path / "scheduler.yaml"
+    file.write_text("limit_policy: strict\nidle_exit: 0.3\n")
+    state = tmp_path / "state"
+    done = subprocess.run(
+        [sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(state),
+         "--metrics-port", "0", "--log-format", "json", "--config", str(file)],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in (done.stdout + done.stderr).splitlines()
+             if line.startswith("{")]
+    notes = [entry for entry in lines if "deprecated" in entry.get("msg", "")]
+    assert len(notes) == 1, lines
+    assert notes[0]["level"] == "warning" and str(file) in notes[0]["msg"]

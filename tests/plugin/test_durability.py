@@ -17,7 +17,6 @@ import pytest
 
 from device_plugin import statedir
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.plugin.fake_kubelet import FakeKubelet
@@ -27,6 +26,7 @@ from vgpu_runtime.common.atomicfile import DirectorySyncer
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend, simulated_uuid
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from vgpu_runtime.pluginconfig import PluginConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
 from tests.plugin.fake_kubelet import FakeKubelet, wait_for
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.pluginconfig import PluginConfig
 
 
 @pytest.fixture

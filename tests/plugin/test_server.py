@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.health import HealthTracker
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from vgpu_runtime.pluginconfig import PluginConfig
 
 Plugin = tuple[api_pb2_grpc.DevicePluginStub, HealthTracker, SliceTable, PluginConfig]
 

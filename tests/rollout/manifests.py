@@ -58,9 +58,12 @@ def build(root: Path) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-def find(objects: list[Obj], kind: str, name: str | None = None) -> Obj:
+def find(objects: list[Obj], kind: str, name: str | None = None, prefix: str = "") -> Obj:
+    """The one object of `kind` named `name` (any name if None) that starts with `prefix`
+    (a generated ConfigMap's name carries a content hash)."""
     matches = [o for o in objects if o["kind"] == kind
-               and (name is None or o["metadata"]["name"] == name)]
+               and (name is None or o["metadata"]["name"] == name)
+               and o["metadata"]["name"].startswith(prefix)]
     assert len(matches) == 1, f"expected one {kind} {name or ''}, found {len(matches)}"
     return matches[0]
 

@@ -172,7 +172,8 @@ def test_the_push_reaches_the_registry_under_the_digest_it_prints(image: Image) 
 
 def test_the_image_runs_from_a_virtual_environment_without_a_compiler(image: Image,
                                                                       rootfs: Path) -> None:
-    for script in ("gemini-install-hook", "gemini-device-plugin", "gemini-scheduler"):
+    for script in ("gemini-install-hook", "gemini-device-plugin", "gemini-scheduler",
+                   "gemini-config-manager"):
         assert (rootfs / "opt" / "gemini" / "bin" / script).is_file()
     assert any(e.startswith("PATH=/opt/gemini/bin:") for e in image.env)
     assert not (rootfs / "usr" / "bin" / "gcc").exists(), "the builder's gcc leaked in"

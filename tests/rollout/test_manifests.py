@@ -19,8 +19,6 @@ import pytest
 import yaml
 
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
-from device_plugin.config import check as check_plugin_config
 from device_plugin.slices import SliceTable
 from tests.childenv import REPO
 from tests.rollout import manifests as m
@@ -30,6 +28,8 @@ from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
+from vgpu_runtime.pluginconfig import PluginConfig
+from vgpu_runtime.pluginconfig import check as check_plugin_config
 
 needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,
@@ -133,39 +133,61 @@ def test_a_broken_kustomization_fails_the_build(tmp_path: Path) -> None:
         m.build(tmp_path)
 
 
-# ---- the settings files are the programs' own, with the code's defaults ----
+# ---- the node configurations: one file per name, a section per program ----
 
-def settings(name: str) -> dict[str, Any]:
-    return cfg.load_file(str(m.BASE / "config" / name))
-
-
-def test_plugin_settings_file_loads_and_holds_the_plugin_defaults() -> None:
-    values = settings("device-plugin.yaml")
-    loaded = check_plugin_config(cfg.resolve(PluginConfig, {}, {}, values, "device-plugin.yaml"))
-    assert loaded == PluginConfig(), "the shipped file must spell out the defaults, not change them"
-    for key in ("slices_per_gpu", "memory_reserve", "device_list_strategy", "state_dir",
-                "kubelet_dir"):
-        assert key in values, f"operators look for {key} in the ConfigMap"
+DEFAULT_FILE = m.BASE / "config" / "default.yaml"
+FOUR_SLICES_FILE = m.DAEMONSET / "overlays" / "four-slices" / "config" / "four-slices.yaml"
 
 
-def test_scheduler_settings_file_loads_and_holds_the_daemon_defaults() -> None:
-    values = settings("scheduler.yaml")
-    loaded = cfg.resolve(DaemonConfig, {}, {}, values, "scheduler.yaml")
-    loaded.check()
+def program_config(config_class: type[Any], path: Path,
+                   environ: dict[str, str] | None = None) -> Any:
+    """What `config_class`'s program resolves from a node file (and env), through its loader."""
+    values, where = cfg.file_settings(config_class, cfg.load_file(str(path)), str(path))
+    return cfg.resolve(config_class, {}, environ or {}, values, str(path), where)
+
+
+def test_default_configuration_holds_each_programs_defaults() -> None:
+    data = cfg.load_file(str(DEFAULT_FILE))
+    assert data["version"] == cfg.FILE_VERSION
+    plugin = check_plugin_config(program_config(PluginConfig, DEFAULT_FILE))
+    assert plugin == PluginConfig(), "the shipped file must spell out the defaults, not change them"
+    daemon = program_config(DaemonConfig, DEFAULT_FILE)
+    daemon.check()
     # DaemonConfig's own default depends on the user (root: /var/lib/gemini); the node's is
     # the root one.
-    expected = dataclasses.replace(DaemonConfig(), state_dir=paths.DEFAULT_STATE_DIR)
-    assert loaded == expected
+    assert daemon == dataclasses.replace(DaemonConfig(), state_dir=paths.DEFAULT_STATE_DIR)
+    assert {"slices_per_gpu", "state_dir"} <= set(data["node"]), "named once, for both"
+    for key in ("memory_reserve", "device_list_strategy", "kubelet_dir", "placement"):
+        assert key in data["devicePlugin"], f"operators look for {key} in the ConfigMap"
     for key in ("limit_policy", "default_limit", "window", "min_quota", "max_quota", "cycle"):
-        assert key in values
+        assert key in data["scheduler"]
 
 
-def test_a_key_of_the_other_program_is_an_error() -> None:
-    """Why each program has its own file: the loader rejects keys it does not know."""
-    with pytest.raises(cfg.ConfigError, match="slices_per_gpu"):
-        cfg.resolve(DaemonConfig, {}, {}, settings("device-plugin.yaml"))
-    with pytest.raises(cfg.ConfigError, match="limit_policy"):
-        cfg.resolve(PluginConfig, {}, {}, settings("scheduler.yaml"))
+def test_four_slices_is_the_default_with_four_slices() -> None:
+    """The overlay's copy cannot drift from the base: only slices_per_gpu differs."""
+    default, four = cfg.load_file(str(DEFAULT_FILE)), cfg.load_file(str(FOUR_SLICES_FILE))
+    assert four["node"].pop("slices_per_gpu") == 4
+    assert default["node"].pop("slices_per_gpu") == 10
+    assert four == default
+    for config_class in (PluginConfig, DaemonConfig):
+        assert program_config(config_class, FOUR_SLICES_FILE).slices_per_gpu == 4
+
+
+@needs_kustomize
+def test_every_named_configuration_passes_the_config_managers_check(
+        built: dict[Path, list[m.Obj]], tmp_path: Path) -> None:
+    """What gemini-config-manager checks before writing a configuration for a node."""
+    from vgpu_runtime.configmanager import check_node_file
+
+    names = set()
+    for objects in built.values():
+        config_map = m.find(objects, "ConfigMap", None, prefix="gemini-vgpu-config")
+        for name, text in config_map["data"].items():
+            path = tmp_path / name
+            path.write_text(text)
+            check_node_file(str(path))
+            names.add(name)
+    assert names == {"default.yaml", "four-slices.yaml"}
 
 
 def check_env_settings(config_class: type[Any], values: dict[str, str]) -> None:
@@ -188,34 +210,41 @@ def test_telemetry_env_names_scheduler_settings() -> None:
 
 @needs_kustomize
 def test_container_env_names_settings_of_its_program(built: dict[Path, list[m.Obj]]) -> None:
+    from vgpu_runtime.configmanager import ManagerConfig
+
     programs: dict[str, type[Any]] = {"device-plugin": PluginConfig,
-                                      "scheduler": DaemonConfig}
+                                      "scheduler": DaemonConfig,
+                                      "config-manager": ManagerConfig,
+                                      "install-hook": InstallConfig}
     for objects in built.values():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
-            for name, container in m.containers(daemonset).items():
+            for name, container in {**m.containers(daemonset),
+                                    **m.containers(daemonset, init=True)}.items():
                 values = {k: e["value"] for k, e in m.env(container).items() if "value" in e}
                 check_env_settings(programs[name], values)
-                if name == "scheduler":
+                if name in ("scheduler", "config-manager"):
                     node_name = m.env(container)["GEMINI_NODE_NAME"]["valueFrom"]
                     assert node_name == {"fieldRef": {"fieldPath": "spec.nodeName"}}
 
 
-def resolved(container: m.Obj, config_class: type[Any], file_name: str) -> Any:
-    """A container's settings as its program resolves them: env over the ConfigMap's file."""
-    values = {k: e["value"] for k, e in m.env(container).items() if "value" in e}
-    return cfg.resolve(config_class, {}, values, settings(file_name), file_name)
-
-
 @needs_kustomize
-def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]]) -> None:
-    """The daemon labels the node with the count the plugin advertises."""
+def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]],
+                                                   tmp_path: Path) -> None:
+    """The daemon labels the node with the count the plugin advertises: for every named
+    configuration a node can take, with each container's environment over the file."""
     counts = set()
     for objects in built.values():
-        for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
-            pod = m.containers(daemonset)
-            plugin = resolved(pod["device-plugin"], PluginConfig, "device-plugin.yaml")
-            daemon = resolved(pod["scheduler"], DaemonConfig, "scheduler.yaml")
-            assert plugin.slices_per_gpu == daemon.slices_per_gpu, daemonset["metadata"]["name"]
+        (daemonset,) = (o for o in objects if o["kind"] == "DaemonSet")
+        pod = m.containers(daemonset)
+        config_map = m.find(objects, "ConfigMap", None, prefix="gemini-vgpu-config")
+        for name, text in config_map["data"].items():
+            path = tmp_path / name
+            path.write_text(text)
+            plugin, daemon = (
+                program_config(cls, path, {k: e["value"] for k, e in m.env(pod[c]).items()
+                                           if "value" in e})
+                for cls, c in ((PluginConfig, "device-plugin"), (DaemonConfig, "scheduler")))
+            assert plugin.slices_per_gpu == daemon.slices_per_gpu, name
             assert plugin.state_dir == daemon.state_dir == paths.DEFAULT_STATE_DIR
             counts.add(plugin.slices_per_gpu)
     assert counts == {10, 4}
@@ -227,7 +256,7 @@ def test_allocate_host_paths_are_mounted_at_the_same_path(node_ds: m.Obj) -> Non
     """Every directory a real Allocate response names, for every device-list strategy."""
     plugin = m.containers(node_ds)["device-plugin"]
     scheduler = m.containers(node_ds)["scheduler"]
-    file_config = cfg.resolve(PluginConfig, {}, {}, settings("device-plugin.yaml"))
+    file_config = program_config(PluginConfig, DEFAULT_FILE)
     gpus = SimulatedBackend(2).discover()
     for strategy in ("cdi", "envvar", "device-nodes"):
         config = dataclasses.replace(file_config, device_list_strategy=strategy)
@@ -306,7 +335,7 @@ def test_servicemonitor_scrapes_the_metrics_service(base: list[m.Obj]) -> None:
 def test_hook_dir_agrees_between_install_and_plugin(node_ds: m.Obj) -> None:
     init = m.containers(node_ds, init=True)["install-hook"]
     install_config = cfg.load(InstallConfig, init["args"], environ={})
-    plugin_config = cfg.resolve(PluginConfig, {}, {}, settings("device-plugin.yaml"))
+    plugin_config = program_config(PluginConfig, DEFAULT_FILE)
     assert install_config.host_hook_dir == plugin_config.host_hook_dir
     assert install_config.host_hook_dir == paths.default_hook_dir(paths.DEFAULT_STATE_DIR)
 
@@ -317,10 +346,11 @@ def test_commands_are_the_packages_console_scripts(node_ds: m.Obj) -> None:
                                                    **m.containers(node_ds, init=True)}.items()}
     assert commands == {"install-hook": ["gemini-install-hook"],
                         "device-plugin": ["gemini-device-plugin"],
-                        "scheduler": ["gemini-scheduler"]}
+                        "scheduler": ["gemini-scheduler"],
+                        "config-manager": ["gemini-config-manager"]}
     # gemini-install-hook = "vgpu_runtime.install:main" is requested for pyproject.toml; until it
     # is there, the image's build script (scripts/build-image) fails, so this is not hidden.
-    assert {"gemini-device-plugin", "gemini-scheduler"} <= scripts
+    assert {"gemini-device-plugin", "gemini-scheduler", "gemini-config-manager"} <= scripts
 
 
 def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> None:
@@ -353,14 +383,33 @@ def test_the_readmes_kustomize_step_replaces_every_image(tmp_path: Path) -> None
     assert images == {f"registry.example.com/gemini/vgpu-node:{__version__}@{digest}"}
 
 
-def test_config_volume_holds_both_settings_files(base: list[m.Obj], node_ds: m.Obj) -> None:
-    volume = next(v for v in node_ds["spec"]["template"]["spec"]["volumes"]
-                  if v["name"] == "config")
-    config_map = m.find(base, "ConfigMap", volume["configMap"]["name"])
-    assert set(config_map["data"]) == {"device-plugin.yaml", "scheduler.yaml"}
-    for name, container in m.containers(node_ds).items():
-        mount = next(v for v in container["volumeMounts"] if v["name"] == "config")
-        assert m.env(container)["GEMINI_CONFIG"]["value"] == f"{mount['mountPath']}/{name}.yaml"
+def test_the_config_manager_writes_the_file_the_programs_read(base: list[m.Obj],
+                                                              node_ds: m.Obj) -> None:
+    """The sidecar starts first, reads the ConfigMap where its source_dir default says, and
+    writes its output default into the emptyDir the plugin and daemon read (GEMINI_CONFIG)."""
+    from vgpu_runtime.configmanager import ManagerConfig
+
+    defaults = ManagerConfig()
+    pod = node_ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert set(m.find(base, "ConfigMap", volumes["configs"]["configMap"]["name"])["data"]) == {
+        "default.yaml"}
+    assert "emptyDir" in volumes["node-config"]
+    manager = pod["initContainers"][0]
+    assert manager["name"] == "config-manager" and manager["restartPolicy"] == "Always"
+    assert manager["startupProbe"]["exec"]["command"] == ["test", "-s", defaults.output]
+    assert "args" not in manager    # not --oneshot: it follows the label
+    mounts = {v["name"]: v for v in manager["volumeMounts"]}
+    assert mounts["configs"]["mountPath"] == defaults.source_dir
+    assert mounts["node-config"]["mountPath"] == os.path.dirname(defaults.output)
+    assert not mounts["node-config"].get("readOnly")
+    for name in ("device-plugin", "scheduler"):
+        container = m.containers(node_ds)[name]
+        assert m.env(container)["GEMINI_CONFIG"]["value"] == defaults.output
+        (mount,) = [v for v in container["volumeMounts"] if v["name"] == "node-config"]
+        assert mount == {"name": "node-config", "mountPath": os.path.dirname(defaults.output),
+                         "readOnly": True}
+        assert all(v["name"] != "configs" for v in container["volumeMounts"])
 
 
 # ---- the DaemonSet's rollout and privileges ----
@@ -395,7 +444,7 @@ def test_no_container_is_privileged_or_keeps_a_capability(node_ds: m.Obj) -> Non
     # Only the scheduler talks to the API server, so only it mounts a token.
     token_users = {c["name"] for c in pod["containers"] + pod["initContainers"]
                    if any(v["name"] == "api-token" for v in c.get("volumeMounts", []))}
-    assert token_users == {"scheduler"}
+    assert token_users == {"scheduler", "config-manager"}
     # Only the plugin and the daemon get the GPUs, for NVML alone (no CUDA capability).
     gpu_users = {c["name"] for c in pod["containers"] + pod["initContainers"]
                  if "NVIDIA_VISIBLE_DEVICES" in m.env(c)}
@@ -410,7 +459,7 @@ def test_rbac_grants_only_the_justified_verbs(base: list[m.Obj]) -> None:
     grants = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
               for resource in rule["resources"] for verb in rule["verbs"]}
     assert grants == {("", "pods", "get"), ("", "events", "create"), ("", "nodes", "get"),
-                      ("", "nodes", "patch")}
+                      ("", "nodes", "patch"), ("", "nodes", "watch")}
     binding = m.find(base, "ClusterRoleBinding", "gemini-vgpu-node")
     account = m.find(base, "ServiceAccount", "gemini-vgpu")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gemini-vgpu",
@@ -423,38 +472,26 @@ def test_every_rbac_verb_has_a_justifying_comment() -> None:
         assert rule.group(1).strip(), f"rule at offset {rule.start()} has no comment"
 
 
-# ---- the overlay: per-node slice counts ----
+# ---- the overlay: per-node slice counts, by label ----
 
 @needs_kustomize
-def test_overlay_adds_a_disjoint_pool_with_four_slices(built: dict[Path, list[m.Obj]]) -> None:
+def test_four_slices_overlay_adds_a_named_configuration_to_one_daemonset(
+        built: dict[Path, list[m.Obj]], node_ds: m.Obj) -> None:
     objects = built[m.DAEMONSET / "overlays" / "four-slices"]
-    default = m.find(objects, "DaemonSet", "gemini-vgpu-node")
-    pool = m.find(objects, "DaemonSet", "gemini-vgpu-node-four-slices")
-
-    def pool_rule(ds: m.Obj) -> dict[str, Any]:
-        (term,) = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        rule: dict[str, Any] = next(e for e in term["matchExpressions"]
-                                    if e["key"] == "gemini.ai/vgpu.pool")
-        return rule
-
-    assert pool_rule(default) == {"key": "gemini.ai/vgpu.pool", "operator": "DoesNotExist"}
-    assert pool_rule(pool) == {"key": "gemini.ai/vgpu.pool", "operator": "In",
-                               "values": ["four-slices"]}
-    assert default["spec"]["selector"] != pool["spec"]["selector"]
-    for ds in (default, pool):
-        assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"][
-            "metadata"]["labels"].items()
-    plugin_env = m.env(m.containers(pool)["device-plugin"])
-    loaded = cfg.resolve(PluginConfig, {}, {k: e["value"] for k, e in plugin_env.items()
-                                            if "value" in e}, settings("device-plugin.yaml"))
-    assert loaded.slices_per_gpu == 4
-    assert "GEMINI_SLICES_PER_GPU" not in m.env(m.containers(default)["device-plugin"])
-    # Both pools share one ConfigMap, ServiceAccount and metrics Service.
-    volumes = [{v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}["config"]
-               for ds in (default, pool)]
-    assert volumes[0] == volumes[1]
-    assert pool["spec"]["template"]["spec"]["serviceAccountName"] == "gemini-vgpu"
+    (daemonset,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    config_map = m.find(objects, "ConfigMap", None, prefix="gemini-vgpu-config")
+    assert set(config_map["data"]) == {"default.yaml", "four-slices.yaml"}
+    assert config_map["data"]["four-slices.yaml"] == FOUR_SLICES_FILE.read_text()
+    # The same DaemonSet as the base's but for the ConfigMap's name (its content hash rolls
+    # the pods out when the configurations change).
+    overlay_ds = copy.deepcopy(daemonset)
+    volume = next(v for v in overlay_ds["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "configs")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    volume["configMap"]["name"] = next(
+        v for v in node_ds["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "configs")["configMap"]["name"]
+    assert overlay_ds == node_ds
 
 
 # ---- the context charge from NVML: hostPID only where it is asked for ----
@@ -469,18 +506,19 @@ def pod_config_map(objects: list[m.Obj], daemonset: m.Obj, volume_name: str) -> 
     return m.find(objects, "ConfigMap", volumes[volume_name]["configMap"]["name"])
 
 
-def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj,
-                         scratch: Path) -> DaemonConfig:
-    """What gemini-scheduler would load in this DaemonSet's pod: its own loader, given the
-    container's env (and envFrom ConfigMap) and the mounted ConfigMap's scheduler.yaml."""
+def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj, scratch: Path,
+                         name: str = "default") -> DaemonConfig:
+    """What gemini-scheduler would load in this DaemonSet's pod on a node that takes the
+    configuration `name`: its own loader, given the container's env (and envFrom ConfigMap)
+    and that configuration, as the config manager writes it."""
     container = m.containers(daemonset)["scheduler"]
     environ: dict[str, str] = {}
     for source in container.get("envFrom", []):
         environ.update(m.find(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
     environ.update({k: e["value"] for k, e in m.env(container).items() if "value" in e})
-    settings_file = scratch / "scheduler.yaml"
-    settings_file.write_text(pod_config_map(objects, daemonset, "config")["data"][
-        "scheduler.yaml"])
+    settings_file = scratch / "config.yaml"
+    settings_file.write_text(pod_config_map(objects, daemonset, "configs")["data"][
+        f"{name}.yaml"])
     environ[cfg.CONFIG_FILE_ENV] = str(settings_file)
     config = cfg.load(DaemonConfig, [], environ)
     config.check()
@@ -497,31 +535,34 @@ def test_only_the_nvml_overlay_shares_the_hosts_pid_namespace(
             assert pod.get("hostPID", False) is (root == NVML_OVERLAY), (root, pod.get("hostPID"))
             assert not pod.get("hostNetwork") and not pod.get("hostIPC")
             daemonsets += 1
-    assert daemonsets == len(built) + 1   # one per build, and the four-slices pool
+    assert daemonsets == len(built)   # one per build: settings per node come from a label
+
+
+def nvml_env(daemonset: m.Obj) -> list[m.Obj]:
+    scheduler = m.containers(daemonset)["scheduler"]
+    return [e for e in scheduler["env"] if e["name"] == "GEMINI_PROCESS_MEMORY"]
 
 
 @needs_kustomize
 def test_nvml_overlay_changes_nothing_else_in_the_daemonset(
         built: dict[Path, list[m.Obj]], node_ds: m.Obj) -> None:
-    """hostPID and the ConfigMap's content hash (a rollout on apply) are the whole difference."""
+    """hostPID and the scheduler's GEMINI_PROCESS_MEMORY are the whole difference."""
     overlay_ds = copy.deepcopy(m.find(built[NVML_OVERLAY], "DaemonSet", "gemini-vgpu-node"))
     pod = overlay_ds["spec"]["template"]["spec"]
     assert pod.pop("hostPID") is True
-    config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
-    base_config = pod_config_map(built[m.DAEMONSET], node_ds, "config")["metadata"]["name"]
-    assert config_volume["configMap"]["name"] != base_config
-    config_volume["configMap"]["name"] = base_config
+    assert nvml_env(overlay_ds) == [{"name": "GEMINI_PROCESS_MEMORY", "value": "nvml"}]
+    scheduler = m.containers(overlay_ds)["scheduler"]
+    scheduler["env"] = [e for e in scheduler["env"] if e["name"] != "GEMINI_PROCESS_MEMORY"]
     assert overlay_ds == node_ds
-    others = [o for o in built[NVML_OVERLAY] if o["kind"] not in ("DaemonSet", "ConfigMap")]
-    assert others == [o for o in built[m.DAEMONSET] if o["kind"] not in ("DaemonSet",
-                                                                          "ConfigMap")]
+    others = [o for o in built[NVML_OVERLAY] if o["kind"] != "DaemonSet"]
+    assert others == [o for o in built[m.DAEMONSET] if o["kind"] != "DaemonSet"]
 
 
 @needs_kustomize
 def test_daemon_loads_process_memory_nvml_in_the_overlay_and_auto_in_the_base(
         built: dict[Path, list[m.Obj]], node_ds: m.Obj, tmp_path: Path) -> None:
-    """Through the daemon's loader, from the ConfigMap the pods mount: the overlay's settings
-    are the base's with process_memory=nvml, so the copied file has not drifted."""
+    """Through the daemon's loader, from the ConfigMap and env of the pods: the overlay's
+    settings are the base's with process_memory=nvml."""
     in_base = daemon_config_in_pod(built[m.DAEMONSET], node_ds, tmp_path)
     overlay = built[NVML_OVERLAY]
     overlay_ds = m.find(overlay, "DaemonSet", "gemini-vgpu-node")
@@ -530,40 +571,35 @@ def test_daemon_loads_process_memory_nvml_in_the_overlay_and_auto_in_the_base(
     assert in_overlay.process_memory == "nvml"
     assert in_overlay.process_memory in PROCESS_MEMORY_SOURCES
     assert in_overlay == dataclasses.replace(in_base, process_memory="nvml")
-    # The plugin's file is the base's, untouched by the merge.
-    assert (pod_config_map(overlay, overlay_ds, "config")["data"]["device-plugin.yaml"]
-            == pod_config_map(built[m.DAEMONSET], node_ds, "config")["data"][
-                "device-plugin.yaml"])
-
-
-def test_a_misspelled_process_memory_in_the_overlay_file_is_refused_by_name(
-        tmp_path: Path) -> None:
-    """The loader the last test relies on rejects a value the daemon would not run with."""
-    text = (NVML_COMPONENT / "config" / "scheduler.yaml").read_text()
-    assert text.count("process_memory: nvml\n") == 1
-    broken = tmp_path / "scheduler.yaml"
-    broken.write_text(text.replace("process_memory: nvml\n", "process_memory: nvlm\n"))
-    with pytest.raises(cfg.ConfigError, match="process_memory"):
-        cfg.load(DaemonConfig, [], {cfg.CONFIG_FILE_ENV: str(broken)})
 
 
 @needs_kustomize
-def test_nvml_component_composes_with_the_four_slices_pool(tmp_path: Path) -> None:
-    """As the README says: a pool overlay that takes the component gets hostPID on every node
-    DaemonSet and one ConfigMap with process_memory=nvml."""
+def test_a_misspelled_process_memory_in_the_component_is_refused_by_name(
+        built: dict[Path, list[m.Obj]], tmp_path: Path) -> None:
+    """The loader the last test relies on rejects a value the daemon would not run with."""
+    overlay = copy.deepcopy(built[NVML_OVERLAY])
+    overlay_ds = m.find(overlay, "DaemonSet", "gemini-vgpu-node")
+    (entry,) = nvml_env(overlay_ds)
+    entry["value"] = "nvlm"
+    with pytest.raises(cfg.ConfigError, match="GEMINI_PROCESS_MEMORY"):
+        daemon_config_in_pod(overlay, overlay_ds, tmp_path)
+
+
+@needs_kustomize
+def test_nvml_component_composes_with_the_four_slices_overlay(tmp_path: Path) -> None:
+    """As the README says: an overlay that takes the component gets hostPID and
+    process_memory=nvml on its DaemonSet, whichever configuration a node takes."""
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
         "resources": [os.path.relpath(m.DAEMONSET / "overlays" / "four-slices", tmp_path)],
         "components": [os.path.relpath(NVML_COMPONENT, tmp_path)]}))
     objects = m.build(tmp_path)
-    daemonsets = [o for o in objects if o["kind"] == "DaemonSet"]
-    assert sorted(d["metadata"]["name"] for d in daemonsets) == [
-        "gemini-vgpu-node", "gemini-vgpu-node-four-slices"]
-    for daemonset in daemonsets:
-        validate(daemonset)
-        assert daemonset["spec"]["template"]["spec"]["hostPID"] is True
-        config = daemon_config_in_pod(objects, daemonset, tmp_path)
-        assert config.process_memory == "nvml"
+    (daemonset,) = [o for o in objects if o["kind"] == "DaemonSet"]
+    validate(daemonset)
+    assert daemonset["spec"]["template"]["spec"]["hostPID"] is True
+    for name, slices in (("default", 10), ("four-slices", 4)):
+        config = daemon_config_in_pod(objects, daemonset, tmp_path, name)
+        assert (config.process_memory, config.slices_per_gpu) == ("nvml", slices)
 
 
 # ---- examples ----

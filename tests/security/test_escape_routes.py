@@ -22,18 +22,18 @@ from pathlib import Path
 
 import pytest
 
-from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.slices import SliceTable
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
 from vgpu_runtime import paths
+from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.hook import build
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
+from vgpu_runtime.pluginconfig import PluginConfig
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]

@@ -23,19 +23,19 @@ from typing import Any
 
 import pytest
 
-from device_plugin import config as plugin_config
 from device_plugin.allocator import Allocator
-from device_plugin.config import PluginConfig
 from device_plugin.slices import SliceTable
 from tests.daemon.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from tests.gpu.replay import need_runtime, replayed
 from vgpu_runtime import allocation, paths, wire
+from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.pluginconfig import PluginConfig
 
 C = wire.const
 GIB = 1 << 30

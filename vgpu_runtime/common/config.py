@@ -4,6 +4,19 @@ A daemon declares its settings once, as a frozen dataclass whose fields carry a 
 help text (`setting()`). From that one declaration come the flags (`--slices-per-gpu`), the
 environment variables (`GEMINI_SLICES_PER_GPU`) and the file keys (`slices_per_gpu`). A bad
 value stops start-up with a ConfigError that names the field and where the value came from.
+
+The node's file (version v1) has a section per program and a `node` section for the settings
+every program must agree on, named once:
+
+    version: v1
+    node: {slices_per_gpu: 10, state_dir: /var/lib/gemini}
+    devicePlugin: {placement: best-fit}
+    scheduler: {limit_policy: work-conserving}
+
+The `node` keys are NodeSettings' fields; a program takes those it declares (`node_setting()`)
+and its own section (the class's SECTION), and ignores the other sections. A node setting in a
+program's section, or an unknown key in either, stops the program with the file, section and
+key. A file without `version:` is read as the older flat file of one program's keys.
 """
 
 from __future__ import annotations
@@ -12,15 +25,27 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import yaml
 
+from vgpu_runtime import paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import exact_size, parse_size
 
 ENV_PREFIX = "GEMINI_"
 CONFIG_FILE_ENV = "GEMINI_CONFIG"
+FILE_VERSION = "v1"
+NODE_SECTION = "node"
+# The program sections of a version v1 file and whose they are; any other top-level key is an
+# error, so a misspelled section cannot leave a program silently on its defaults.
+PROGRAM_SECTIONS = {"devicePlugin": "gemini-device-plugin", "scheduler": "gemini-scheduler"}
+MAX_SLICES_PER_GPU = 1000  # keeps "<uuid>::<n>" well under kubelet's 63-character device IDs
+DEPRECATED_FLAT_FILE = (
+    "configuration file {path} has no version: read as a flat file of this program's settings, "
+    "which is deprecated; move its keys under the program's section of a version v1 file "
+    "(daemonset/README.md, 'Configuration')")
 
 T = TypeVar("T")
 Parser = Callable[[Any], Any]
@@ -126,6 +151,106 @@ def optional(parse: Parser) -> Parser:
     return parse_optional
 
 
+# ---- the node section ----
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """The `node` section: what every program on the node must agree on, named once."""
+    state_dir: str = setting(paths.DEFAULT_STATE_DIR,
+                             "node state directory (allocation records, channels)", text, "DIR")
+    slices_per_gpu: int = setting(10, "devices (slices) advertised per GPU",
+                                  integer(1, MAX_SLICES_PER_GPU), "N")
+    simulate_gpus: int = setting(0, "simulate N GPUs instead of using NVML (0 = NVML)",
+                                 integer(0, 256), "N")
+    simulate_model: str = setting("Simulated NVIDIA H200", "model name of simulated GPUs", text,
+                                  "NAME")
+
+
+_NODE_FIELDS = {f.name: f for f in dataclasses.fields(NodeSettings)}
+
+
+def node_setting(name: str, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
+    """A program's copy of a node setting: NodeSettings' parser, help and default (or
+    `default`), read from the file's `node` section and refused in the program's own."""
+    source = _NODE_FIELDS[name]
+    meta = dict(source.metadata)
+    meta["node"] = True
+    if help is not None:
+        meta["help"] = help
+    value = source.default if default is dataclasses.MISSING else default
+    return dataclasses.field(default=value, metadata=meta)
+
+
+def node_fields(cls: type[Any]) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.metadata.get("node")}
+
+
+def section_of(cls: type[Any]) -> str | None:
+    """The class's own section of a v1 file (its SECTION class attribute), if it has one."""
+    section: str | None = getattr(cls, "SECTION", None)
+    return section
+
+
+def file_settings(cls: type[Any], data: Mapping[str, Any], path: str,
+                  notes: list[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The settings a file gives `cls`, and where each came from ("<file>, section node").
+
+    A v1 file gives the node keys `cls` declares and its own section's keys; a file without
+    `version:` is the flat file of one program (a deprecation note is added to `notes`)."""
+    if "version" not in data:
+        if data and notes is not None:
+            notes.append(DEPRECATED_FLAT_FILE.format(path=path))
+        return dict(data), {str(key): path for key in data}
+    version = data["version"]
+    if version != FILE_VERSION:
+        raise ConfigError(f"{path}: version {version!r} is not supported; this program reads "
+                          f"version: {FILE_VERSION} (or a flat file without version:, "
+                          "deprecated)")
+    known_sections = ["version", NODE_SECTION, *PROGRAM_SECTIONS]
+    unknown = sorted(str(key) for key in data if key not in known_sections)
+    if unknown:
+        raise ConfigError(f"{path}: unknown section(s) {', '.join(unknown)}; a version "
+                          f"{FILE_VERSION} file has {', '.join(known_sections)}")
+    node = _section(data, NODE_SECTION, path)
+    _check_keys(node, set(_NODE_FIELDS), path, NODE_SECTION)
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}
+    wanted = node_fields(cls)
+    for key, value in node.items():
+        if key in wanted:
+            values[key], where[key] = value, f"{path}, section {NODE_SECTION}"
+    own_section = section_of(cls)
+    if own_section is not None:
+        own = _section(data, own_section, path)
+        shared = sorted(str(key) for key in own if key in _NODE_FIELDS)
+        if shared:
+            raise ConfigError(f"{path}, section {own_section}: {', '.join(shared)} "
+                              f"{'is a node setting' if len(shared) == 1 else 'are node settings'}"
+                              f"; set {'it' if len(shared) == 1 else 'them'} once, under "
+                              f"{NODE_SECTION}:")
+        _check_keys(own, {f.name for f in dataclasses.fields(cls)} - wanted, path, own_section)
+        for key, value in own.items():
+            values[key], where[key] = value, f"{path}, section {own_section}"
+    return values, where
+
+
+def _section(data: Mapping[str, Any], name: str, path: str) -> Mapping[str, Any]:
+    section = data.get(name)
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}, section {name}: must be a mapping of settings, got "
+                          f"{type(section).__name__}")
+    return section
+
+
+def _check_keys(values: Mapping[str, Any], known: set[str], path: str, section: str) -> None:
+    unknown = sorted(str(key) for key in values if key not in known)
+    if unknown:
+        raise ConfigError(f"{path}, section {section}: unknown setting(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+
+
 # ---- loading ----
 
 def flag_name(field: str) -> str:
@@ -196,8 +321,10 @@ def resolve(
     environ: Mapping[str, str],
     file_values: Mapping[str, Any],
     file_name: str = "configuration file",
+    where: Mapping[str, str] | None = None,
 ) -> T:
-    """Build `cls` from the three sources, flags first."""
+    """Build `cls` from the three sources, flags first. `file_values` are flat settings;
+    `where` names the file (and section) of each, else `file_name` does."""
     known = {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(str(key) for key in set(file_values) - known)  # YAML keys may be numbers
     if unknown:
@@ -205,6 +332,7 @@ def resolve(
             f"{file_name}: unknown setting(s) {', '.join(unknown)}; "
             f"known: {', '.join(sorted(known))}"
         )
+    where = where or {}
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         parse: Parser = field.metadata["parse"]
@@ -213,7 +341,8 @@ def resolve(
         elif env_name(field.name) in environ:
             source, raw = f"environment {env_name(field.name)}", environ[env_name(field.name)]
         elif field.name in file_values:
-            source, raw = f"{file_name} key {field.name}", file_values[field.name]
+            source = f"{where.get(field.name, file_name)} key {field.name}"
+            raw = file_values[field.name]
         else:
             values[field.name] = field.default
             continue
@@ -224,6 +353,45 @@ def resolve(
     return cls(**values)
 
 
+@dataclass(frozen=True)
+class Loaded(Generic[T]):
+    """A configuration and what it was resolved from, so the file can be read again."""
+    config: T
+    path: str | None
+    flags: Mapping[str, Any]
+    environ: Mapping[str, str]
+    notes: tuple[str, ...] = ()
+
+    def reread(self) -> T:
+        """The configuration the file now gives, with the same flags and environment."""
+        cls = type(self.config)
+        values, where = file_settings(cls, load_file(self.path), self.path) if self.path else (
+            {}, {})
+        return resolve(cls, self.flags, self.environ, values, self.path or "", where)
+
+
+def load_all(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    prog: str | None = None,
+    description: str | None = None,
+) -> Loaded[T]:
+    """Parse argv, the environment and the file into `cls`; raises ConfigError."""
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    if prog:
+        cli.add_version(parser)
+    add_arguments(parser, cls)
+    namespace = vars(parser.parse_args(argv))
+    config_path = namespace.pop("config", None) or environ.get(CONFIG_FILE_ENV) or None
+    notes: list[str] = []
+    values, where = (file_settings(cls, load_file(config_path), config_path, notes)
+                     if config_path else ({}, {}))
+    config = resolve(cls, namespace, environ, values, config_path or "", where)
+    return Loaded(config, config_path, namespace, environ, tuple(notes))
+
+
 def load(
     cls: type[T],
     argv: Sequence[str] | None = None,
@@ -232,12 +400,4 @@ def load(
     description: str | None = None,
 ) -> T:
     """Parse argv and the environment into `cls`; raises ConfigError on a bad value."""
-    environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    if prog:
-        cli.add_version(parser)
-    add_arguments(parser, cls)
-    namespace = vars(parser.parse_args(argv))
-    config_path = namespace.pop("config", None) or environ.get(CONFIG_FILE_ENV)
-    file_values = load_file(config_path) if config_path else {}
-    return resolve(cls, namespace, environ, file_values, file_name=config_path or "")
+    return load_all(cls, argv, environ, prog, description).config

@@ -63,13 +63,14 @@ import dataclasses
 import os
 import socket
 from dataclasses import dataclass
+from typing import ClassVar
 
 from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 _ALGORITHM = TimeshareSettings()
-MAX_SLICES_PER_GPU = 1000   # the plugin's bound (device_plugin.config)
+MAX_SLICES_PER_GPU = cfg.MAX_SLICES_PER_GPU
 
 
 def default_node_name() -> str:
@@ -81,9 +82,10 @@ PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    state_dir: str = cfg.setting(
-        paths.default_state_dir(), "state directory holding allocations/ and channels/",
-        cfg.text, "DIR")
+    SECTION: ClassVar[str] = "scheduler"
+
+    # The node's root default (/var/lib/gemini) for root; elsewhere the user's own.
+    state_dir: str = cfg.node_setting("state_dir", paths.default_state_dir())
     poll_interval: float = cfg.setting(
         0.2, "seconds between scans of the allocation records", cfg.number(0.01, 10), "SECONDS")
     default_limit: float = cfg.setting(
@@ -165,14 +167,11 @@ class DaemonConfig:
     node_label_interval: float = cfg.setting(
         300.0, "seconds between checks of this node's gemini.ai labels",
         cfg.number(0.05, 86400), "SECONDS")
-    slices_per_gpu: int = cfg.setting(
-        10, "slices each GPU is advertised as (the plugin's setting of the same name)",
-        cfg.integer(1, MAX_SLICES_PER_GPU), "N")
-    simulate_gpus: int = cfg.setting(
-        0, "simulated GPUs for labels and metrics instead of NVML (the plugin's setting)",
-        cfg.integer(0, 256), "N")
-    simulate_model: str = cfg.setting(
-        "Simulated NVIDIA H200", "model name of simulated GPUs", cfg.text, "NAME")
+    slices_per_gpu: int = cfg.node_setting(
+        "slices_per_gpu", help="slices each GPU is advertised as (the node label's value)")
+    simulate_gpus: int = cfg.node_setting(
+        "simulate_gpus", help="simulated GPUs for labels and metrics instead of NVML")
+    simulate_model: str = cfg.node_setting("simulate_model")
     # ---- per-process memory (the context charge) ----
     process_memory: str = cfg.setting(
         "auto", "per-process GPU memory figures for the context charge: auto (NVML when it "

@@ -30,7 +30,13 @@ from vgpu_runtime.daemon.channel.entitlements import entitlements_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
-from vgpu_runtime.daemon.pods.node import HealthFile, discover_gpus, node_labels
+from vgpu_runtime.daemon.pods.node import (
+    HealthFile,
+    SliceCount,
+    SliceCountsFile,
+    discover_gpus,
+    node_labels,
+)
 from vgpu_runtime.daemon.pods.podresources import PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
 from vgpu_runtime.daemon.records import RecordWatcher
@@ -62,6 +68,7 @@ class Daemon:
         self.ready = False
         self.node_gpus: list[GpuInfo] = []
         self.health = HealthFile(self.state_dir)
+        self.slice_counts = SliceCountsFile(self.state_dir)
         self.kube: KubeApi | None = None
         self.metrics: MetricsServer | None = None
         self.mqtt: MqttPublisher | None = None
@@ -164,6 +171,8 @@ class Daemon:
             self.pods.kube = self.kube
         self._spawn(self.pods.run())
         self._spawn(self._discover_and_label())
+        if self.kube is not None:
+            self._spawn(self._report_slice_counts())
         if config.metrics_port:
             from vgpu_runtime.daemon.telemetry.metrics import MetricsServer
 
@@ -205,6 +214,45 @@ class Daemon:
                     "node": self.config.node_name, "error": str(err)})
                 delay = min(30.0, self.config.node_label_interval)
             await asyncio.sleep(delay)
+
+    async def _report_slice_counts(self, interval: float = 1.0) -> None:
+        """An Event on the Node when a GPU's change of slices_per_gpu waits for allocations
+        (the plugin, which has no API access, says so in slices.json) and when it is done."""
+        assert self.kube is not None
+        reported: dict[str, SliceCount] = {}
+        uid: str | None = None
+        while True:
+            for uuid, count in self.slice_counts.read().items():
+                before = reported.get(uuid)
+                waiting = count.advertised != count.configured
+                if before == count or (before is None and not waiting):
+                    reported[uuid] = count
+                    continue
+                if waiting:
+                    reason, kind = "SlicesPerGpuChangeWaiting", "Warning"
+                    message = (f"GPU {uuid} keeps {count.advertised} slices, not the configured "
+                               f"{count.configured}, until allocation(s) "
+                               f"{', '.join(count.waiting_for) or '(unreadable records)'} end: "
+                               "kubelet names its devices in running pods; it takes no new pod "
+                               "meanwhile")
+                elif before is not None and before.advertised != count.advertised:
+                    reason, kind = "SlicesPerGpuChanged", "Normal"
+                    message = f"GPU {uuid} is now cut into {count.configured} slices"
+                else:
+                    reported[uuid] = count
+                    continue
+                try:
+                    if uid is None:
+                        uid = (await self.kube.node(self.config.node_name)).uid
+                    await self.kube.post_node_event(self.config.node_name, uid, reason, message,
+                                                    kind=kind)
+                except Exception as err:
+                    log.warning("cannot post an Event on the node; trying again", extra={
+                        "error": str(err), "reason": reason})
+                    break
+                log.info("node event posted", extra={"reason": reason, "gpu": uuid})
+                reported[uuid] = count
+            await asyncio.sleep(interval)
 
     async def sync(self) -> None:
         """Bring the served channels in line with the records on disk."""
@@ -352,12 +400,14 @@ class Daemon:
         """The node's GPUs: discovered ones, plus any GPU an allocation names."""
         per_gpu = self.config.slices_per_gpu
         health = self.health.read()
+        counts = self.slice_counts.read()   # a GPU waiting to change count keeps its old one
         allocated: dict[str, int] = {}
         shares: dict[str, float] = {}
         indexes = {g.uuid: g.index for g in self.node_gpus}
         for channel in self.channels.values():
             for gpu in channel.record.gpus:
-                allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * per_gpu)
+                slices = counts[gpu.uuid].advertised if gpu.uuid in counts else per_gpu
+                allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * slices)
                 shares[gpu.uuid] = shares.get(gpu.uuid, 0.0) + gpu.share
                 indexes.setdefault(gpu.uuid, gpu.index)
         found = {g.uuid: g for g in self.node_gpus}
@@ -369,7 +419,8 @@ class Daemon:
             gpus.append({"uuid": uuid, "index": indexes[uuid],
                          "model": node_gpu.model if node_gpu else "",
                          "memory_total": node_gpu.memory_total if node_gpu else None,
-                         "slices": per_gpu, "slices_allocated": allocated.get(uuid, 0),
+                         "slices": counts[uuid].advertised if uuid in counts else per_gpu,
+                         "slices_allocated": allocated.get(uuid, 0),
                          "share_allocated": round(shares.get(uuid, 0.0), 6),
                          "healthy": healthy, "reason": reason})
         return {"name": self.config.node_name, "slices_per_gpu": per_gpu, "gpus": gpus,

@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from vgpu_runtime.common import cli, logs
+from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.daemon import lock
@@ -20,24 +20,34 @@ log = logging.getLogger("gemini-scheduler")
 PROG = "gemini-scheduler"
 
 
-async def _serve(config: DaemonConfig) -> None:
-    daemon = Daemon(config)
+async def _serve(loaded: cfg.Loaded[DaemonConfig]) -> list[str]:
+    """Serve until stopped; the settings whose change in the file stopped it, if any."""
+    daemon = Daemon(loaded.config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, daemon.stop)
-    await daemon.run()
+    watch = configwatch.ConfigWatch(loaded, daemon.stop, DaemonConfig.check)
+    watcher = asyncio.create_task(watch.run())
+    try:
+        await daemon.run()
+    finally:
+        watcher.cancel()
+    return watch.changed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        config = cfg.load(DaemonConfig, argv, prog=PROG,
-                          description="gemini.ai/vgpu node daemon: per-allocation channels"
-                                      ", the memory ledger and GPU-time tokens")
+        loaded = cfg.load_all(DaemonConfig, argv, prog=PROG,
+                              description="gemini.ai/vgpu node daemon: per-allocation channels"
+                                          ", the memory ledger and GPU-time tokens")
+        config = loaded.config
         config.check()
     except cfg.ConfigError as err:
         cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format, native_stderr=True)
+    for note in loaded.notes:
+        log.warning(note)
     raise_open_file_limit()   # one socket per client process, past the usual 1024
     try:
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
@@ -49,9 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(PROG, f"cannot use state directory {config.state_dir}: {err}")
         return 1
     try:
-        asyncio.run(_serve(config))
+        changed = asyncio.run(_serve(loaded))
     finally:
         os.close(lock_fd)
+    if changed:
+        configwatch.restart()   # with the new file, in this process (the lock is released)
     return 0
 
 

@@ -4,6 +4,8 @@
     POST  /api/v1/namespaces/{ns}/events          why an annotation was ignored
     GET   /api/v1/nodes/{node}                    this node's labels
     PATCH /api/v1/nodes/{node}                    gemini.ai/* labels (as GPU feature discovery)
+    GET   /api/v1/nodes?watch=true&fieldSelector=metadata.name={node}   (gemini-config-manager)
+    POST  /api/v1/namespaces/default/events       an Event on this node
 
 The client is synchronous (urllib3), so every call runs in a worker thread and never stalls the
 event loop that serves the channels. `kubernetes` is imported only here, and only when the
@@ -16,7 +18,7 @@ import asyncio
 import datetime
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,13 @@ REQUEST_TIMEOUT = 5.0
 
 class KubeError(RuntimeError):
     """An API call failed; the message names the call."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    uid: str
+    labels: dict[str, str]
+    resource_version: str
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,54 @@ class KubeApi:
             reporting_component=COMPONENT, reporting_instance=node)
         await self._call(f"POST event on pod {pod.namespace}/{pod.name}",
                          self.core.create_namespaced_event, pod.namespace, event)
+
+    async def post_node_event(self, node: str, uid: str, reason: str, message: str,
+                              component: str = COMPONENT, kind: str = "Warning") -> None:
+        """An Event on a Node: in the default namespace, as kubelet posts its own, so that
+        `kubectl describe node` shows it."""
+        c = self._client
+        now = datetime.datetime.now(datetime.timezone.utc)
+        event = c.CoreV1Event(
+            metadata=c.V1ObjectMeta(name=f"{node}.{secrets.token_hex(8)}", namespace="default"),
+            involved_object=c.V1ObjectReference(kind="Node", api_version="v1", name=node,
+                                                uid=uid or None),
+            reason=reason, message=message, type=kind, count=1,
+            first_timestamp=now, last_timestamp=now,
+            source=c.V1EventSource(component=component, host=node),
+            reporting_component=component, reporting_instance=node)
+        await self._call(f"POST event on node {node}", self.core.create_namespaced_event,
+                         "default", event)
+
+    async def node(self, node: str) -> NodeInfo:
+        found = await self._call(f"GET node {node}", self.core.read_node, node)
+        meta = found.metadata
+        return NodeInfo(meta.uid or "", dict(meta.labels or {}), meta.resource_version or "")
+
+    def watch_node(self, node: str, resource_version: str, timeout: float
+                   ) -> Iterator[tuple[str, NodeInfo]]:
+        """Blocking: (event type, the node) for each change after `resource_version`, until
+        the API server ends the watch (about `timeout` seconds). Raises KubeError."""
+        from kubernetes import watch as _watch
+        from kubernetes.client.exceptions import ApiException
+
+        watch: Any = _watch   # untyped
+        try:
+            for event in watch.Watch().stream(
+                    self.core.list_node, field_selector=f"metadata.name={node}",
+                    resource_version=resource_version, timeout_seconds=int(timeout),
+                    _request_timeout=timeout + REQUEST_TIMEOUT):
+                kind, obj = event["type"], event["object"]
+                if kind == "ERROR":
+                    raise KubeError(f"watch node {node}: {event.get('raw_object')}")
+                meta = obj.metadata
+                yield kind, NodeInfo(meta.uid or "", dict(meta.labels or {}),
+                                     meta.resource_version or "")
+        except ApiException as err:
+            raise KubeError(f"watch node {node}: HTTP {err.status} {err.reason}") from None
+        except KubeError:
+            raise
+        except Exception as err:   # connection refused, reset, timeouts, bad answers
+            raise KubeError(f"watch node {node}: {err}") from None
 
     async def node_labels(self, node: str) -> dict[str, str]:
         found = await self._call(f"GET node {node}", self.core.read_node, node)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from vgpu_runtime import __version__
@@ -22,6 +23,7 @@ from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 log = logging.getLogger(__name__)
 
 HEALTH_FILE_NAME = "health.json"   # written by device_plugin.healthfile
+SLICES_FILE_NAME = "slices.json"   # written by device_plugin.slicecounts
 LABEL_MODEL = "gemini.ai/gpu.model"
 LABEL_COUNT = "gemini.ai/gpu.count"
 LABEL_SLICES = "gemini.ai/vgpu.slices-per-gpu"
@@ -90,3 +92,41 @@ class HealthFile:
         self._signature = signature
         self.health = health
         return health
+
+
+@dataclass(frozen=True)
+class SliceCount:
+    advertised: int
+    configured: int
+    waiting_for: tuple[str, ...]
+
+
+class SliceCountsFile:
+    """Reads slices.json (each GPU's advertised and configured slice count, and the allocations
+    a waiting change waits for) again only when it changed; a bad file keeps the last view."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / SLICES_FILE_NAME
+        self._signature: tuple[int, int] | None = None
+        self.counts: dict[str, SliceCount] = {}
+
+    def read(self) -> dict[str, SliceCount]:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return self.counts
+        signature = (st.st_ino, st.st_mtime_ns)
+        if signature == self._signature:
+            return self.counts
+        try:
+            data = json.loads(self.path.read_bytes())
+            counts = {str(uuid): SliceCount(int(entry["advertised"]), int(entry["configured"]),
+                                            tuple(str(i) for i in entry.get("waiting_for", ())))
+                      for uuid, entry in data.items()}
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            log.warning("ignoring unreadable slice counts", extra={"path": str(self.path),
+                                                                   "error": str(err)})
+            return self.counts
+        self._signature = signature
+        self.counts = counts
+        return counts

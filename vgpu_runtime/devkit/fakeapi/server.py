@@ -4,6 +4,8 @@
     POST  /api/v1/namespaces/{ns}/events
     GET   /api/v1/nodes/{name}
     PATCH /api/v1/nodes/{name}        merge or strategic-merge patch of metadata.labels
+    GET   /api/v1/nodes?watch=true&fieldSelector=metadata.name={name}&resourceVersion=N
+                                      MODIFIED events, chunked, until timeoutSeconds
 
 Objects are built with the official client's models and serialized by its ApiClient, so the
 daemon's client parses exactly what a real API server would send. Every request is recorded
@@ -15,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -24,6 +28,7 @@ _api: Any = k8s.ApiClient()
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
+_NODES = "/api/v1/nodes"
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -38,7 +43,10 @@ class FakeApiServer:
         self.events: list[dict[str, Any]] = []
         self.patches: list[tuple[str, str, dict[str, Any]]] = []   # node, content type, body
         self.requests: list[tuple[str, str]] = []
+        self.watches = 0          # node watches opened
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)   # notified on every node change
+        self._version = 0
         self.fail_all = False    # answer 503 to everything (API server away)
         fake = self
 
@@ -55,6 +63,9 @@ class FakeApiServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
+        # HTTP/1.1 for the chunked watch stream; every other answer has a Content-Length.
+        Handler.protocol_version = "HTTP/1.1"
+
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -65,8 +76,19 @@ class FakeApiServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self._closing = True
+            self.changed.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    _closing = False
+
+    def _bump(self, node: dict[str, Any]) -> None:
+        """Called with the lock held after a change of `node`."""
+        self._version += 1
+        node["metadata"]["resourceVersion"] = str(self._version)
+        self.changed.notify_all()
 
     # ---- objects ----
 
@@ -83,6 +105,19 @@ class FakeApiServer:
                           status=k8s.V1NodeStatus(capacity={}, allocatable={}))
         with self.lock:
             self.nodes[name] = _api.sanitize_for_serialization(node)
+            self._bump(self.nodes[name])
+
+    def set_node_labels(self, name: str, labels: dict[str, str | None]) -> None:
+        """What `kubectl label node` does: None removes a label."""
+        with self.lock:
+            node = self.nodes[name]
+            current = node["metadata"].setdefault("labels", {})
+            for key, value in labels.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            self._bump(node)
 
     def set_node_resources(self, name: str, capacity: dict[str, str],
                            allocatable: dict[str, str]) -> None:
@@ -101,10 +136,21 @@ class FakeApiServer:
             return [e for e in self.events if e["involvedObject"]["namespace"] == namespace
                     and e["involvedObject"]["name"] == name]
 
+    def node_events(self, name: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [e for e in self.events if e["involvedObject"].get("kind") == "Node"
+                    and e["involvedObject"]["name"] == name]
+
     # ---- HTTP ----
 
     def _handle(self, request: BaseHTTPRequestHandler, method: str) -> None:
-        path = request.path.split("?", 1)[0]
+        path, _, query = request.path.partition("?")
+        params = dict(urllib.parse.parse_qsl(query))
+        if method == "GET" and path == _NODES and params.get("watch") in ("true", "1"):
+            with self.lock:
+                self.requests.append(("WATCH", path))
+            self._watch_nodes(request, params)
+            return
         length = int(request.headers.get("Content-Length") or 0)
         raw = request.rfile.read(length) if length else b""
         with self.lock:
@@ -132,8 +178,12 @@ class FakeApiServer:
                 return 404, _status(404, "NotFound", f'pods "{m.group(2)}" not found')
             return 200, pod
         if method == "POST" and (m := _EVENTS.match(path)):
-            if not isinstance(body, dict) or body.get("involvedObject", {}).get(
-                    "namespace") != m.group(1):
+            # As the API server validates: a namespaced object's Event is in its namespace; a
+            # cluster object's (a Node's) has no involvedObject namespace and lives in default.
+            involved = body.get("involvedObject", {}) if isinstance(body, dict) else {}
+            expected = "" if m.group(1) == "default" and involved.get("kind") == "Node" else (
+                m.group(1))
+            if not isinstance(body, dict) or (involved.get("namespace") or "") != expected:
                 return 400, _status(400, "BadRequest", "event namespace does not match")
             self.events.append(body)
             return 201, body
@@ -152,8 +202,58 @@ class FakeApiServer:
                         labels.pop(key, None)
                     else:
                         labels[key] = value
+                self._bump(node)
             return 200, node
         return 404, _status(404, "NotFound", f"the fake API does not serve {method} {path}")
+
+
+    def _watch_nodes(self, request: BaseHTTPRequestHandler, params: dict[str, str]) -> None:
+        """A watch of one node (fieldSelector metadata.name=X, as the only selector served):
+        each change after resourceVersion as a MODIFIED event, until timeoutSeconds."""
+        selector = params.get("fieldSelector", "")
+        name = selector.removeprefix("metadata.name=")
+        since = int(params.get("resourceVersion") or 0)
+        deadline = time.monotonic() + float(params.get("timeoutSeconds") or 300)
+        with self.lock:
+            self.watches += 1
+            refuse = self.fail_all or not selector.startswith("metadata.name=")
+        if refuse:
+            body = json.dumps(_status(503, "ServiceUnavailable", "no watch")).encode()
+            request.send_response(503)
+            request.send_header("Content-Type", "application/json")
+            request.send_header("Content-Length", str(len(body)))
+            request.end_headers()
+            request.wfile.write(body)
+            return
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def chunk(data: bytes) -> None:
+            request.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            request.wfile.flush()
+
+        try:
+            while True:
+                with self.lock:
+                    while True:
+                        node = self.nodes.get(name)
+                        version = int(node["metadata"]["resourceVersion"]) if node else 0
+                        left = deadline - time.monotonic()
+                        if version > since or left <= 0 or self._closing or self.fail_all:
+                            break
+                        self.changed.wait(left)
+                    if version <= since or self._closing or self.fail_all:
+                        break
+                    event = {"type": "MODIFIED", "object": json.loads(json.dumps(node))}
+                since = version
+                chunk(json.dumps(event).encode() + b"\n")
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            pass   # the client went away
+        request.close_connection = True
 
 
 def describe_node(node: dict[str, Any]) -> str:

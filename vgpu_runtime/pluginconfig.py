@@ -26,7 +26,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
@@ -37,7 +37,7 @@ DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 PLACEMENTS = ("best-fit", "spread")
 STRATEGIES = ("envvar", "cdi", "device-nodes")
 INJECTIONS = ("ld-preload", "preload-file", "both")
-MAX_SLICES_PER_GPU = 1000  # keeps "<uuid>::<n>" well under kubelet's 63-character device IDs
+MAX_SLICES_PER_GPU = cfg.MAX_SLICES_PER_GPU
 
 
 def _file_name(value: Any) -> str:
@@ -57,22 +57,20 @@ def _resource_name(value: Any) -> str:
 
 @dataclass(frozen=True)
 class PluginConfig:
+    SECTION: ClassVar[str] = "devicePlugin"
+
     kubelet_dir: str = setting(paths.DEFAULT_KUBELET_DIR,
                                "directory where kubelet serves kubelet.sock", cfg.text, "DIR")
-    state_dir: str = setting(paths.DEFAULT_STATE_DIR,
-                             "node state directory (allocation records, channels)", cfg.text, "DIR")
+    state_dir: str = cfg.node_setting("state_dir")
     socket_name: str = setting(DEFAULT_SOCKET_NAME,
                                "file name of the plugin's socket in the kubelet dir", _file_name)
     resource_name: str = setting(paths.RESOURCE_NAME, "extended resource advertised",
                                  _resource_name)
-    slices_per_gpu: int = setting(10, "devices (slices) advertised per GPU",
-                                  cfg.integer(1, MAX_SLICES_PER_GPU), "N")
+    slices_per_gpu: int = cfg.node_setting("slices_per_gpu")
     placement: str = setting("best-fit", "GetPreferredAllocation policy: best-fit|spread",
                              cfg.choice(*PLACEMENTS), "POLICY")
-    simulate_gpus: int = setting(0, "simulate N GPUs instead of using NVML (0 = NVML)",
-                                 cfg.integer(0, 256), "N")
-    simulate_model: str = setting("Simulated NVIDIA H200", "model name of simulated GPUs",
-                                  cfg.text, "NAME")
+    simulate_gpus: int = cfg.node_setting("simulate_gpus")
+    simulate_model: str = cfg.node_setting("simulate_model")
     simulate_memory: int = setting(141 * 1000**3, "memory of each simulated GPU, e.g. 141GiB",
                                    cfg.size, "SIZE")
     simulate_control_dir: str | None = setting(
@@ -133,14 +131,20 @@ def check(config: PluginConfig) -> PluginConfig:
     return config
 
 
+def load_all(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+             ) -> cfg.Loaded[PluginConfig]:
+    """Flags > environment > YAML file (--config or $GEMINI_CONFIG); raises ConfigError."""
+    loaded = cfg.load_all(PluginConfig, argv, os.environ if environ is None else environ,
+                          prog="gemini-device-plugin",
+                          description="Kubernetes device plugin advertising every GPU as N "
+                                      "gemini.ai/vgpu slices")
+    check(loaded.config)
+    return loaded
+
+
 def load(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
          ) -> PluginConfig:
-    """Flags > environment > YAML file (--config or $GEMINI_CONFIG); raises ConfigError."""
-    loaded = cfg.load(PluginConfig, argv, os.environ if environ is None else environ,
-                      prog="gemini-device-plugin",
-                      description="Kubernetes device plugin advertising every GPU as N "
-                                  "gemini.ai/vgpu slices")
-    return check(loaded)
+    return load_all(argv, environ).config
 
 
-__all__ = ["ConfigError", "PluginConfig", "check", "load"]
+__all__ = ["ConfigError", "PluginConfig", "check", "load", "load_all"]
