@@ -4,7 +4,7 @@ process, registered again) with the new file."""
 
 from __future__ import annotations
 
-from tests.integration.conftest import START_TIMEOUT, Node
+from tests.integration.conftest import START_TIMEOUT, PluginNode
 from vgpu_runtime.devkit.podnode import until
 
 NODE_FILE = """\
@@ -18,7 +18,7 @@ scheduler:
 """
 
 
-async def test_the_plugin_restarts_for_its_own_changed_settings_only(node: Node) -> None:
+async def test_the_plugin_restarts_for_its_own_changed_settings_only(node: PluginNode) -> None:
     config = node.root / "config.yaml"
     config.write_text(NODE_FILE)
     plugin = await node.start_plugin(args=["--config", str(config)])

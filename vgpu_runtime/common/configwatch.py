@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Generic, NoReturn, TypeVar
 
+from vgpu_runtime.common import native_stderr
 from vgpu_runtime.common.config import ConfigError, Loaded
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class ConfigWatch(Generic[T]):
 def restart() -> NoReturn:
     """Start this program again in this process: the same pid (PID 1 of its container stays),
     command line and environment; descriptors close on exec (Python opens them O_CLOEXEC)."""
+    native_stderr.release()   # fd 2 would stay a pipe whose reader the exec ends
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

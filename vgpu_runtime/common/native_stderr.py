@@ -85,3 +85,11 @@ def capture() -> None:
     if _installed is None:
         _installed = NativeStderr()
         _installed.start()
+
+
+def release() -> None:
+    """fd 2 is the original stream again (before an exec: the pipe's reader does not survive it)."""
+    global _installed
+    if _installed is not None:
+        _installed.stop()
+        _installed = None
