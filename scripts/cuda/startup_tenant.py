@@ -1,4 +1,4 @@
-"""One tenant of scripts/bench-share's startup case: issue 10's start-up shape, as a real job.
+"""One tenant of scripts/bench-share's startup case: the start-up shape, as a real job.
 
 Usage: startup_tenant.py SIZE SYNC_EVERY WARMUP_SIZE ALLOC START_AT DURATION OUT
   SIZE         matrix size of the loop (8192)

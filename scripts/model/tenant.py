@@ -5,7 +5,7 @@ Usage: tenant.py loop KERNEL_NS SYNC_EVERY START_AT DURATION OUT
        tenant.py startup KERNEL_NS SYNC_EVERY WARMUP_NS ALLOC START_AT DURATION OUT
   loop     a saturating loop: SYNC_EVERY launches of KERNEL_NS each, then a stream sync
   infer    one request at a time: KERNELS launches of KERNEL_NS, a sync, THINK_S of think time
-  startup  issue 10's start-up shape: at once, one WARMUP_NS kernel (longer than a quota and
+  startup  the start-up shape: at once, one WARMUP_NS kernel (longer than a quota and
            its grace: revoked) and a sync; idle until START_AT; a short copy the hook does not
            gate (PyTorch queues such work, e.g. an event record or a memset); then the loop
            from the first instant, no ramp. ALLOC=1: a 64 MiB cuMemAlloc/cuMemFree every step

@@ -1,4 +1,4 @@
-"""Issue 10's invariants on the daemon's GpuTokens (real pages, a clock the test moves), over
+"""The time-share invariants on the daemon's GpuTokens (real pages, a clock the test moves), over
 generated sequences of asks with any report (none, work just ended, a bogus report that claims
 all the time since the release), releases, closed connections and time passing (0 to 3 s, so
 quotas expire and tokens are revoked).

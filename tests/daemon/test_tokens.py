@@ -160,7 +160,7 @@ def test_quota_end_then_asking_again_hands_over(daemon: DaemonProcess,
                                                  state_dir: Path) -> None:
     # b has work in flight from before its grant: were it idle, the daemon (2 ms idle release)
     # would hand the token straight back to a waiting a, and on a slow box the page reads
-    # below would see a's next grant (issue 10: reproduced with a 20 ms pause before them).
+    # below would see a's next grant.
     a = Tenant(make_record(state_dir))
     b = Tenant(make_record(state_dir))
     try:

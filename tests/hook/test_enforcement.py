@@ -1,4 +1,4 @@
-"""Enforcement is not configured by the workload (issue 13, S5), and its fallback is bounded.
+"""Enforcement is not configured by the workload, and its fallback is bounded.
 
 The settings come from the daemon's hello reply; the environment may only make them safer.
 Without a grant (no daemon, no hello, a daemon away) the hook gates itself at its share: no

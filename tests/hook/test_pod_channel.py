@@ -56,7 +56,7 @@ def run_in_pod(hooked: Hooked, node: DaemonNode, code: str, env: dict[str, str],
 
 
 def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: DaemonNode) -> None:
-    """S3 / issue 11: on the old hook a read-only channel cost a token request per launch."""
+    """A read-only channel directory once cost a token request per launch."""
     loop = Loop(hooked, pod_env(node), 0.5, pod_channel=node.record.channel_dir)
     loop.go()
     result = loop.result()

@@ -1,4 +1,4 @@
-"""A client stuck in a long kernel (issue 6), through the REAL path: the node daemon, two hooked
+"""A client stuck in a long kernel, through the REAL path: the node daemon, two hooked
 clients over the fake libcuda, whose launches take GPU time (fake_cuda_set_kernel_ns).
 
 L launches one kernel far longer than its quota and waits for it (its host thread is stuck in
@@ -219,7 +219,7 @@ def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
     assert after["stats"]["drain_ns"] == 0         # nothing was left to wait for
 
 
-# The H200's start-up shape (issue 10): work, a sync, a long idle, then stream work the hook
+# The start-up shape: work, a sync, a long idle, then stream work the hook
 # does not gate (a copy here; an event record or a memset in PyTorch) right before the next
 # launch, so the ask finds the stream busy.
 COPY_THEN_LAUNCH = ONE_MS_KERNELS + """
@@ -238,10 +238,8 @@ COPY_THEN_LAUNCH = ONE_MS_KERNELS + """
 @pytest.mark.timeout(60)
 def test_ungated_work_queued_after_idling_does_not_charge_the_idle_time(
         hooked: Hooked, hooked_node: tuple[DaemonNode, Charges]) -> None:
-    # Root cause of the H200 starvation (issue 10): each starved tenant's ask at the start
-    # instant drained ~0.14 ms of stream work and its hook reported "now" as the end of its
-    # warm-up grant's work, so the daemon charged the 8 s idle gap since that grant's release.
-    # A synchronisation returned after the process's last gated launch: that grant's work was
+    # The bug: a hook that drained ungated stream work at its ask reported "now" as the end of
+    # its last grant's work, so the daemon charged the idle gap since that grant. A synchronisation returned after the process's last gated launch: that grant's work was
     # done by then, whatever was queued on the stream since.
     node, charges = hooked_node
     rival = Rival(node.allocate(0.5))

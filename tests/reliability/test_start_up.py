@@ -1,4 +1,4 @@
-"""Issue 10's start-up shape through the REAL path: the node daemon and two hooked processes
+"""The start-up shape through the REAL path: the node daemon and two hooked processes
 (0.3 and 0.7) over the fake libcuda's kernel time.
 
 Each warms up at once with one kernel longer than its quota and grace (revoked), synchronises,

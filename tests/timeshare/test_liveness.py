@@ -1,6 +1,6 @@
-"""Issue 10's invariants, checked with hypothesis on the pure scheduler over generated phases.
+"""The time-share invariants, checked with hypothesis on the pure scheduler over generated phases.
 
-Each generated case is the H200's start-up shape or a variation of it: every tenant warms up
+Each generated case is the start-up shape or a variation of it: every tenant warms up
 (optionally with a first burst longer than quota + grace, so its first grant is revoked and the
 rest is reported as overuse), idles until a common start instant 0-15 s later, then loops with
 a sync every 1, 4 or 16 kernels. 2 to 8 tenants, limits equal to requests or none, requests

@@ -22,7 +22,7 @@ processes does not reach; past a cap the one connection is refused or dropped, w
   64 KiB chunk at a time and answers it before the next, so what it has in flight is bounded by
   the two together; nothing the daemon does waits longer on one client's socket.
 
-Pod awareness and telemetry (issue 5):
+Pod awareness and telemetry:
 
 * `bind_timeout` (5 s): how long a kubelet allocation's HELLO waits for its pod to be known
   (PodResources, then the pod's annotations), so that per-pod limits hold from the first CUDA
@@ -138,7 +138,7 @@ class DaemonConfig:
     client_write_timeout: float = cfg.setting(
         5.0, "seconds the daemon waits for one client to read its replies before dropping "
         "the connection", cfg.number(0.01, 600), "SECONDS")
-    # ---- pod awareness (issue 5) ----
+    # ---- pod awareness ----
     node_name: str = cfg.setting(
         default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "
         "name)", cfg.text, "NAME")

@@ -5,7 +5,7 @@ again; clients reconnect and re-declare what they hold with MEM_SET, so nothing 
 new daemon starts from an empty ledger. Tokens start afresh too: every page is cleared, and a
 hook whose token vanished asks again.
 
-Around that core (issue 5), each optional and none on the token path: the pod watch (pods.py:
+Around that core, each optional and none on the token path: the pod watch (pods.py:
 binding, annotations, collection), node labels through the Kubernetes API (node.py, kube.py),
 the metrics port (metrics.py) and MQTT telemetry (mqtt.py).
 """

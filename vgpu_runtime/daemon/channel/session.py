@@ -11,7 +11,7 @@ with a reason, after the valid frames before it were served; then that connectio
 closed; everything it held is released in the ledger, and a token its allocation held is passed
 on if this was the allocation's last connection.
 
-Tokens (issue 4): TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
+Tokens: TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
 valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
 USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
 
@@ -21,7 +21,7 @@ settings of the node and the allocation's pages, passed with SCM_RIGHTS (the tok
 read-only); a version-1 hook gets the version-1 reply and no pages, and asks for every launch:
 its requests count as its activity (`has_activity_page` is False).
 
-Contexts (issue 3): from HELLO on, the connection is charged for its process's contexts from
+Contexts: from HELLO on, the connection is charged for its process's contexts from
 NVML's per-process figure where the daemon sees one (process_memory.py has the rule), else
 from the hook's MEM_SET of kind context.
 """
