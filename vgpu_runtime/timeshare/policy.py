@@ -2,60 +2,38 @@
 
 Exactly one tenant (a container: all of its processes) holds the GPU's token at a time, for a
 quota sized from its estimated kernel burst. Every tenant has a request (guaranteed share, k/N)
-and a limit (cap). GPU time is charged per tenant over a sliding window:
+and a limit (cap). GPU time is charged per tenant over a sliding window. The rules (why each is
+so, with the measurements behind it: README.md beside this file):
 
 * the holder pays from grant to release at least; overuse (work that ran past the release,
   measured by the hook) is added, and can only lengthen a charge, never shorten it. An
-  instant is charged once: overuse that ran into the tenant's own next grant adds only what
-  that grant did not cover. A hook that does not wait for its work (report mode) says so when
-  work queued before its previous ask is still running: that work has run since the release
-  before that ask (`work_since`), through other tenants' grants, and is charged up to now,
-  then to its end;
+  instant is charged once. A hook that does not wait for its work (report mode) says so when
+  work queued before its previous ask is still running: that work is charged from the release
+  before that ask (`work_since`) up to now, then to its end;
 * a token not returned by its expiry plus a grace period is revoked, and charged in full;
-* the next holder is the waiting tenant furthest behind its request, measured as weighted fair
-  queuing measures it: every tenant has a virtual time, the GPU time charged to it divided by
-  its request, and the waiting tenant with the smallest virtual time goes next. A tenant below
-  its request is behind the others by exactly its deficit, so tenants under their request come
-  first, the largest deficit first; capacity left by idle tenants is shared in proportion to
-  requests among those that want it, up to each one's limit; a tenant that is not waiting
-  holds nobody back;
+* the next holder is the waiting tenant with the smallest virtual time (GPU time charged /
+  request), as in weighted fair queuing: tenants under their request come first, spare
+  capacity is shared in proportion to requests up to each one's limit, and a tenant that is not
+  waiting holds nobody back;
 * a limit below 1 is a rate: the tenant's credit fills at `limit` seconds per second, up to
   limit x cycle, every charge spends it, and the tenant waits while it has none. Over any
-  interval T it gets at most limit x T + limit x cycle, so over the window at most
-  limit + limit x cycle / window (0.309 for a 0.3 cap). A cap on the hard window alone let a
-  tenant that had been idle spend its whole window's allowance at once and then stall for most
-  of a window: measured on the H200, 0.041 of the GPU in the 6 s after a 3 s start at full
-  speed, for a strict 0.3 tenant alone;
+  interval T it gets at most limit x T + limit x cycle;
 * a tenant that becomes active again (asks after being idle), or has waited at its limit,
-  starts no further behind than the least advanced active tenant: idle time is not banked
-  (CFS's rule for a waking task), and time borrowed while others were idle is not paid back.
-  Two measures that were tried first failed on the H200: a hard window forgets a burst of use
-  all at once, one window later (an echo: 0.377 for a 0.3 tenant that had started 2 s early),
-  and a decaying average over all time banked the idle seconds before a tenant's first launch
-  (0.250 for a 0.2 tenant that had connected first). Reported shares use the hard window;
-* with `preempt_after` set (off by default until measured on a GPU), a tenant that starts
-  waiting while another holds the token (it was idle at the grant: an inference server's next
-  request) and is behind the holder in virtual time cuts the holder's quota short: the holder
-  keeps the token for `preempt_after` at least, then gives way at its next launch. Tenants
-  that were already waiting at the grant never do (the round decided between them), so busy
-  tenants keep their quotas. CFS's wakeup preemption; measured on the H200 without it, an
-  inference loop next to a trainer waited up to a whole quota (p99 157 ms);
+  starts no further behind than the least advanced active tenant: idle time is not banked,
+  and time borrowed while others were idle is not paid back. Reported shares use the hard
+  window;
+* with `preempt_after` set (off by default), a tenant that starts waiting while another holds
+  the token and is behind the holder in virtual time cuts the holder's quota short, to
+  `preempt_after` at least; tenants already waiting at the grant never do, so busy tenants keep
+  their quotas;
 * requests that add up to more than 1.0 (only `gemini-run --overcommit` allows it) are scaled
   down in proportion, so each tenant is guaranteed request / sum(requests);
-* debt is bounded (`TimeshareSettings.debt`, D = cycle + max_quota + revoke_grace, 0.55 s by
-  default): a tenant is never more than D GPU seconds ahead of the least advanced active
-  tenant (virtual-time lead <= D / request) and, under a cap, its credit never falls below
-  -max(limit x D, revoke_grace + min_quota) (`credit_floor`: at most D of waiting, and a
-  revoked grant always paid in full). Every grant is charged at most max_quota +
-  revoke_grace, so neither bound touches a tenant that only ever held its quotas; what they
-  cut is a single charge longer than that (a long kernel, a warm-up, an overuse report),
-  which is still charged in full to the window that shares are reported over. Without them
-  a tenant charged 8 s (a warm-up followed by idling, on the H200) waited while the others ran
-  11 s, and a capped one 27 s;
-* so a busy tenant waits at most D x (1 - r) / r of the others' GPU time for its lead, one
-  grant plus grace of each other tenant level with it, and, capped, the refill from its
-  credit floor (`TimeshareSettings.longest_wait`); and the GPU is never left idle while a
-  waiting tenant has credit (or no cap), since every event dispatches.
+* debt is bounded (`TimeshareSettings.debt`, D = cycle + max_quota + revoke_grace): a tenant is
+  never more than D GPU seconds ahead of the least advanced active tenant and, under a cap, its
+  credit never falls below `credit_floor`. A single charge longer than a grant (a long kernel,
+  a warm-up, an overuse report) is still charged in full to the reported window;
+* so a busy tenant's wait is bounded (`TimeshareSettings.longest_wait`), and the GPU is never
+  left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -73,34 +51,7 @@ from vgpu_runtime.timeshare.window import UsageWindow
 
 @dataclass(frozen=True)
 class TimeshareSettings:
-    """Why each default is what it is (measurements: BENCHMARKS.md, H200, 2026-12-02).
-
-    * window 10 s: shares are reported (status, metrics) over it: about 33 rounds, so one quota
-      more or less moves a share by at most 0.02, and a change shows within seconds.
-    * min_quota 20 ms: a handoff costs about 0.5 ms of GPU time (measured: the slope of
-      aggregate against handoffs per second), so the shortest quota loses at most 2.5 %. 5 ms
-      quotas cut an inference tenant's p99 wait from 157 ms to 13 ms but cost its neighbour a
-      third of its throughput: a per-node trade, hence a setting.
-    * max_quota 200 ms: the longest anyone waits for one other tenant.
-    * cycle 0.3 s: the round a tenant's base quota is its part of. With two or three busy
-      tenants that is 7-12 handoffs a second, 0.5 % of the GPU; at 0.2 s the model
-      (tests/timeshare/sim.py) lost 0.8 % more in aggregate on three tenants.
-    * catch_up 0.25: a tenant behind the others gets a quarter of its lag added to its next
-      quota, so a lag closes within a few rounds without making quotas jumpy.
-    * revoke_grace 50 ms: a holder notices its quota ended at its next launch, after its
-      current burst; bursts up to 50 ms past the end finish, longer overruns are revoked
-      (charged in full either way).
-    * preempt_after 0 (off): how long a holder keeps the token once a tenant that woke up
-      behind it waits. On the modelled GPU (scripts/bench-share-model: the real daemon and hook
-      over the fake driver's kernel time) 2 ms with the daemon's idle release at 0.5 ms brings
-      an inference loop's p99 next to a trainer from 157 ms to 8.7 ms, the trainer from 0.97 to
-      0.77 of the GPU, at ~225 handoffs/s (about 11 % of an H200 at 0.5 ms each). Alone it does
-      nothing there: the loop keeps the token through its think time, is charged for it and
-      runs ahead of the trainer. Off until the H200 measures that trade; the README gives the
-      pair for nodes serving inference.
-    * burst_merge_gap 2 ms (Gemini's), burst_history 3 s (about ten rounds): the daemon's own
-      burst estimate from usage reports, used only when the hook sends no figure.
-    """
+    """The scheduler's settings; why each default is what it is: README.md beside this file."""
 
     window: float = 10.0          # seconds of history a share is measured over
     min_quota: float = 0.02       # shortest token: bounds the number of handoffs per second
@@ -109,14 +60,13 @@ class TimeshareSettings:
     catch_up: float = 0.25        # of the virtual-time lag, in quota: a tenant behind gets longer
     revoke_grace: float = 0.05    # a holder may overrun its quota this long before revocation
     preempt_after: float = 0.0    # > 0: a holder gives way to a waking tenant after this
-    burst_merge_gap: float = 0.002
-    burst_history: float = 3.0
+    burst_merge_gap: float = 0.002  # the daemon's own burst estimate, used only when the hook
+    burst_history: float = 3.0      # sends no figure: gaps merged, seconds remembered
 
     @property
     def debt(self) -> float:
         """The most GPU seconds a tenant can be ahead of the others, or in debt under its cap:
-        one round and one longest grant, revoked late. Paid back within seconds, never by a
-        whole window of waiting (a single long kernel used to be)."""
+        one round and one longest grant, revoked late, so it is paid back within seconds."""
         return self.cycle + self.max_quota + self.revoke_grace
 
     def credit_floor(self, limit: float) -> float:
@@ -296,8 +246,8 @@ class TokenScheduler:
         return {t.id: t.share * scale for t in self.tenants.values()}
 
     def used(self, tenant: str, now: float) -> float:
-        """Share of the window charged, the holder's grant in progress included: it is charged
-        only when it ends, and a 200 ms grant left out moved a sampled share by 0.02-0.03."""
+        """Share of the window charged, the holder's grant in progress included (it is charged
+        only when it ends, and leaving it out would make sampled shares jump)."""
         span = self._span(now)
         if span <= 0:
             return 0.0
