@@ -1,60 +1,14 @@
 """gemini-scheduler's settings: flags > environment (GEMINI_*) > YAML file.
 
 The token scheduler's constants are settings too, with the algorithm's defaults
-(`vgpu_runtime.timeshare.policy.TimeshareSettings`, where each default is explained). Why the
-daemon's own additions are what they are:
+(`vgpu_runtime.timeshare.policy.TimeshareSettings`). Why each of the daemon's own defaults is
+what it is: README.md beside this package. Two rules hold whatever the values:
 
-* `limit_policy`: `work-conserving` caps an allocation without a limit of its own at
-  `default_limit` (1.0: an idle GPU is lent to whoever wants it), `strict` at its request.
-* `idle_release` (2 ms): the Gemini burst-merge gap. Launches less than that apart belong to one
-  burst, so a holder whose last burst ended with a host sync and that launched nothing for that
-  long has finished its burst; keeping the token longer only makes a waiting tenant wait. The
-  holder is charged until the release: an inference loop whose think time is about this long
-  pays for holding the token idle after every request (0.5 ms with --preempt-after 0.002 serves
-  it within 10 ms on the modelled GPU; see the README's GPU-time section).
-
-What one allocation may use (security, S2), each capped, with defaults a pod of many CUDA
-processes does not reach; past a cap the one connection is refused or dropped, with one log line:
-
-* `max_connections` (1024): connections held at once (one per CUDA process, usually).
-* `client_send_buffer` (64 KiB) and `client_write_timeout` (5 s): replies queued to a client
-  that does not read them, and how long the daemon waits for it to read. A connection reads one
-  64 KiB chunk at a time and answers it before the next, so what it has in flight is bounded by
-  the two together; nothing the daemon does waits longer on one client's socket.
-
-Pod awareness and telemetry:
-
-* `bind_timeout` (5 s): how long a kubelet allocation's HELLO waits for its pod to be known
-  (PodResources, then the pod's annotations), so that per-pod limits hold from the first CUDA
-  call. Below the hook's 10 s I/O timeout; past it the defaults hold and binding goes on.
-* `pod_resources_min_interval` (0.1 s): kubelet rate-limits PodResources (about 100 qps, burst
-  10); the daemon asks on demand, never more often than this, and every
-  `pod_resources_interval` (5 s) to notice ended pods.
-* `collect_grace` (60 s): an allocation whose pod has been absent from every successful,
-  non-empty List this long is collected. A failed or empty List (kubelet restarting) proves
-  nothing and restarts the clock.
-* `process_memory` (auto): where per-process GPU memory figures come from, for the context
-  charge (see process_memory.py): `auto` uses NVML when it loads and the daemon shares the
-  host's pid namespace (SO_PEERCRED pids are then NVML's pids), `nvml` insists on NVML,
-  `simulated` reads `process_memory_file` (tests, demos), `off` keeps the hook's own
-  measurements. `process_memory_interval` (1 s): NVML's figures move with every allocation;
-  once a second bounds a stale context charge to a second and costs one NVML call per GPU.
-* `interposer_*`: the interposer's enforcement settings, sent to every hook in its hello reply
-  (a pod's environment, GEMINI_HOOK_*, may only make them safer, never weaker; the daemon's own
-  environment names them GEMINI_INTERPOSER_*, so a gemini-run user's hook variables, which the
-  daemon it starts inherits, never configure the node). `interposer_token_timeout` (30 s): how
-  long a launch waits for a grant before the hook falls back to gating itself at its share;
-  `interposer_fallback_retry` (1 s): how often a self-gating hook asks the daemon again, so
-  gating resumes within about a second of the daemon's return; `interposer_io_timeout` (10 s):
-  the socket's send and receive timeout; `interposer_context_bytes` (0) and
-  `interposer_context_max_bytes` (1 GiB): what a context is charged when unmeasured, and at most
-  (a context costs about 0.5 GiB on an H200).
-* `idle_exit` (0 = never): a daemon with no allocation (and no unreadable record) this long exits.
-  A node's daemon never does; the one `gemini-run` starts on demand is given 600 s, so it does
-  not outlive its last command by more than ten minutes. A `gemini-run` that finds the daemon
-  gone while it waits starts another.
-* `metrics_port` (9401, 0 = off): `/metrics`, `/healthz`, `/readyz`. A port already taken (a
-  second daemon, e.g. gemini-run's) is logged and the daemon runs on without it.
+* every resource one allocation's clients may use is capped (security, S2): past a cap the one
+  connection is refused or dropped, with one log line;
+* the `interposer_*` settings reach every hook in its hello reply; a pod's environment
+  (GEMINI_HOOK_*) may only make them safer, and the daemon's own environment names them
+  GEMINI_INTERPOSER_*, so hook variables a daemon inherits never configure the node.
 """
 
 from __future__ import annotations
