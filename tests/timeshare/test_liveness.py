@@ -168,5 +168,5 @@ def test_invariants_hold_over_generated_start_up_phases(phases: list[Phase],
 @pytest.mark.parametrize("capped", [False, True], ids=["no-limit", "limit=request"])
 def test_the_h200_start_up_shape(capped: bool) -> None:
     """0.3/0.7, a 1.5 s first burst each (revoked), idle until 8 s, then sync-every-4:
-    on the old scheduler the 0.3 tenant's overuse put it seconds ahead and it waited."""
+    the bug: the 0.3 tenant's overuse put it seconds ahead of the 0.7, and it waited."""
     check([Phase(3, capped, 1.5, 0), Phase(7, capped, 1.5, 0)], 8.0)

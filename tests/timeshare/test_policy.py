@@ -17,7 +17,7 @@ from vgpu_runtime.timeshare.estimator import BurstEstimator
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 from vgpu_runtime.timeshare.window import UsageWindow
 
-# Shapes of the H200 anchor loads (REFERENCE.md §4): kernel length, kernels per sync, host gap.
+# Shapes of the benchmark's anchor loads: kernel length, kernels per sync, host gap.
 LOADS = {
     "matmul-8192-stream": Workload(0.0017, 4),
     "matmul-2048-stream": Workload(0.000216, 32),
@@ -46,10 +46,10 @@ def test_shares_converge_within_the_error_bound(shares: tuple[float, ...], load:
 
 @pytest.mark.parametrize("starts", [(0.0, 2.0), (2.0, 0.0)], ids=["small-first", "large-first"])
 def test_staggered_starts_leave_no_echo(starts: tuple[float, float]) -> None:
-    """The H200 benchmark's situation: one tenant runs alone for 2 s before the other starts,
-    and shares are measured from 6.5 s. A hard 10 s window let the first tenant's solo run
-    leave the window at 12 s and made it look owed (0.372 / 0.620 here, 0.377 / 0.619 on the
-    H200); the order of service follows a decaying measure that has no such edge."""
+    """The share benchmark's situation: one tenant runs alone for 2 s before the other starts,
+    and shares are measured from 6.5 s. The bug: a hard 10 s window let the first tenant's solo
+    run leave the window at 12 s and made it look owed (0.372 / 0.620); the order of service
+    follows a decaying measure that has no such edge."""
     sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("t0", 0.3, 1.0, LOADS["matmul-8192-stream"], start=starts[0])
     sim.add("t1", 0.7, 1.0, LOADS["matmul-8192-stream"], start=starts[1])
@@ -82,8 +82,8 @@ def test_strict_cap_holds_even_when_alone() -> None:
 
 def test_strict_cap_is_a_rate_with_no_stall_after_a_late_start() -> None:
     # The tenant connects 8 s after the GPU's scheduler started (PyTorch importing): a cap on
-    # the hard window alone let it spend 0.3 x 8 s at full speed, then stall for seconds
-    # (0.041 measured on the H200 in the 6 s that followed). As a rate, every second is 0.3.
+    # the hard window alone let it spend 0.3 x 8 s at full speed, then stall for seconds. As a
+    # rate, every second is 0.3.
     sim = Simulation(TimeshareSettings(), handoff=HANDOFF)
     sim.add("capped", 0.3, 0.3, LOADS["matmul-8192-stream"], start=8.0)
     sim.run(20.0)
@@ -274,9 +274,8 @@ def grant_time_when_both_busy(idle_one_first: float) -> dict[str, float]:
 
 @pytest.mark.parametrize("alone", [0.0, 5.0, 60.0])
 def test_idle_time_is_not_banked_and_borrowed_time_not_paid_back(alone: float) -> None:
-    # Measured on the H200 before this rule: a 0.2 tenant that connected first and idled
-    # while PyTorch loaded got 0.250 (a decaying average over all time banked the idle
-    # seconds). Here b idles while a uses the whole GPU; from the moment both are busy they
+    # The bug: a decaying average over all time banked a tenant's idle seconds (a 0.2 tenant
+    # that connected first and idled while PyTorch loaded got 0.250). Here b idles while a uses the whole GPU; from the moment both are busy they
     # split it evenly: b is owed nothing for its idle time, a owes nothing for what it used.
     got = grant_time_when_both_busy(alone)
     total = got["a"] + got["b"]
@@ -413,7 +412,7 @@ def test_without_work_since_only_time_past_the_last_release_is_charged() -> None
 
 def test_a_report_while_the_tenant_holds_a_valid_grant_is_charged() -> None:
     # Another process of the tenant asked first and was granted: this process's request is
-    # answered with that grant, and what it reports still counts (it was dropped before).
+    # answered with that grant, and what it reports still counts.
     sched = two_busy_tenants()
     first = quota_round(sched, "a")
     expires = until_holder(sched, "a")
