@@ -275,8 +275,9 @@ def grant_time_when_both_busy(idle_one_first: float) -> dict[str, float]:
 @pytest.mark.parametrize("alone", [0.0, 5.0, 60.0])
 def test_idle_time_is_not_banked_and_borrowed_time_not_paid_back(alone: float) -> None:
     # The bug: a decaying average over all time banked a tenant's idle seconds (a 0.2 tenant
-    # that connected first and idled while PyTorch loaded got 0.250). Here b idles while a uses the whole GPU; from the moment both are busy they
-    # split it evenly: b is owed nothing for its idle time, a owes nothing for what it used.
+    # that connected first and idled while PyTorch loaded got 0.250). Here b idles while a uses
+    # the whole GPU; from the moment both are busy they split it evenly: b is owed nothing for
+    # its idle time, a owes nothing for what it used.
     got = grant_time_when_both_busy(alone)
     total = got["a"] + got["b"]
     assert abs(got["a"] / total - 0.5) <= 0.02 and abs(got["b"] / total - 0.5) <= 0.02, got
