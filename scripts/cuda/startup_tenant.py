@@ -11,9 +11,8 @@ Usage: startup_tenant.py SIZE SYNC_EVERY WARMUP_SIZE ALLOC START_AT DURATION OUT
 At once: the loop's tensors and a first allocating matmul (context, cuBLAS), then the long
 warm-up matmul, a synchronisation, and nothing at all until START_AT (data loading, compiling,
 waiting for peers). At START_AT every tenant records a timing event (stream work the hook does
-not gate) and loops from that instant, with no ramp: the shape under which the H200 starved
-tenants for 10-19 s (measurements/2026-12-02-h200). Unlike tenant.py it does not warm up
-together with the others first.
+not gate) and loops from that instant, with no ramp: the shape that once starved tenants for
+seconds (BENCHMARKS.md). Unlike tenant.py it does not warm up together with the others first.
 Writes {"matmuls": n, "seconds": s, "tflops": ...} to OUT.
 """
 

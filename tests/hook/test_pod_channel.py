@@ -70,7 +70,7 @@ def test_a_read_only_channel_keeps_the_token_fast_path(hooked: Hooked, node: Dae
 def test_two_pods_take_turns_on_their_pages_without_idle_releases(
         hooked: Hooked, pair_node: DaemonNode) -> None:
     """The daemon sees each pod's launches on its activity page: it does not take the token
-    back 2 ms into every grant (on the old hook: 1,004 idle releases in 1,005 grants)."""
+    back 2 ms into every grant (the bug: an idle release in almost every grant)."""
     node = pair_node
     other = node.others[0]
     loops = [Loop(hooked, pod_env(node, record), 1.5, pod_channel=record.channel_dir)

@@ -239,7 +239,8 @@ COPY_THEN_LAUNCH = ONE_MS_KERNELS + """
 def test_ungated_work_queued_after_idling_does_not_charge_the_idle_time(
         hooked: Hooked, hooked_node: tuple[DaemonNode, Charges]) -> None:
     # The bug: a hook that drained ungated stream work at its ask reported "now" as the end of
-    # its last grant's work, so the daemon charged the idle gap since that grant. A synchronisation returned after the process's last gated launch: that grant's work was
+    # its last grant's work, so the daemon charged the idle gap since that grant. A
+    # synchronisation returned after the process's last gated launch: that grant's work was
     # done by then, whatever was queued on the stream since.
     node, charges = hooked_node
     rival = Rival(node.allocate(0.5))
