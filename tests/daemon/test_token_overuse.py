@@ -128,7 +128,7 @@ async def test_a_connection_asking_inside_its_own_grant_is_not_charged_for_it(
         tmp_path: Path) -> None:
     # A client that asks ahead, while the grant it was sent is still valid, reports the end of
     # work done in that grant: the grant is charged when it ends, and b's turn before it is
-    # not a's (measured end to end before this rule: a 0.3 tenant held 0.17).
+    # not a's (the bug, end to end: a 0.3 tenant held 0.17).
     node = Node(tmp_path)
     x, b = Connection(), Connection()
     node.ask("a", x)

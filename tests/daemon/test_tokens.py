@@ -559,7 +559,7 @@ def test_usage_reports_are_accepted(long_daemon: DaemonProcess, state_dir: Path)
 
 def test_two_saturating_tenants_get_their_shares_end_to_end(daemon: DaemonProcess,
                                                             state_dir: Path) -> None:
-    """Loose bound (0.05): the tight ones are the algorithm tests' and the H200 benchmark's."""
+    """Loose bound (0.05): the tight ones are the algorithm tests' and the share benchmark's."""
     shares = (0.3, 0.7)
     records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, s),)) for s in shares]
     seconds = 3.0

@@ -190,8 +190,8 @@ def switches(a: list[int], b: list[int]) -> int:
 def patient_node() -> Iterator[DaemonNode]:
     """A node whose daemon takes the token from an idle holder after 50 ms, not 2 ms: on a
     starved box (two busy loops on two cores) a holder descheduled for a few ms looked idle,
-    and the handoffs that followed were the idle release's, not the quota's (measured: 62-100
-    switches in 0.8 s, before and after the change that first showed it)."""
+    and the handoffs that followed were the idle release's, not the quota's (62-100 switches
+    in 0.8 s)."""
     started = start_node(0.5, "--idle-release", "0.05")
     yield started
     stop_node(started)

@@ -196,8 +196,8 @@ def test_idle_time_after_a_released_grant_is_not_charged_as_overuse(
         hooked: Hooked, hooked_node: tuple[DaemonNode, Charges], drain: str) -> None:
     # A tenant does 1 ms of work, synchronises and idles; a rival's request makes the daemon
     # release it (idle release). Asking again 1 s later, its hook must not report "now" as the
-    # end of its last grant's work: that charged the idle second as overuse (found with
-    # scripts/bench-share-model: a 0.2 tenant served 0.14 after idling at start-up).
+    # end of its last grant's work: that charged the idle second as overuse (a 0.2 tenant that
+    # idled at start-up was served 0.14).
     node, charges = hooked_node
     rival = Rival(node.allocate(0.5))
     proc = hooked.start(IDLER, node.env(GEMINI_HOOK_DRAIN=drain))
@@ -325,8 +325,8 @@ def test_a_long_kernel_launched_through_without_a_sync_is_charged_whole(
     # L's 1.5 s kernel runs on while S holds the token between L's grants. In report mode L's
     # hook does not wait for it: each ask finds the events it recorded at the previous one
     # still running and says so, and the daemon charges L from the release before that ask
-    # (found by reading the code: before GM_TOKEN_WORK_RUNNING, L was charged its own grants
-    # only, about half the kernel). In sync mode the ask waits for the kernel instead.
+    # (the bug: L was charged its own grants only, about half the kernel). In sync mode the ask
+    # waits for the kernel instead.
     _long_kernel_is_charged_whole(hooked, hooked_node, drain, NO_SYNC)
 
 

@@ -217,8 +217,8 @@ def test_sigterm_is_forwarded_and_the_record_removed(state_dir: Path,
 
 def test_an_inherited_ignored_sigchld_neither_hangs_nor_loses_the_status(
         state_dir: Path, hook_library: Path) -> None:
-    # Before the fix gemini-run waited forever: with SIGCHLD ignored the kernel reaps the
-    # child and sends no signal, and waitpid's ECHILD read as status 0.
+    # The bug: gemini-run waited forever. With SIGCHLD ignored the kernel reaps the child and
+    # sends no signal, and waitpid's ECHILD read as status 0.
     proc = gemini_run(state_dir, hook_library, command=["sh", "-c", "exit 3"],
                       preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN))
     code, err = finish(proc)
