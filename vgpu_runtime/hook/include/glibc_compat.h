@@ -5,7 +5,7 @@
  * Built on a new glibc, a library that calls dlsym/dlopen/pthread_once... records the
  * GLIBC_2.34 versions (libdl and libpthread were merged into libc there) and then refuses
  * to load on CUDA 11 images (glibc 2.31). Each symbol below is bound to the version it had
- * in the architecture's first glibc instead; tests/hook/test_glibc_versions.py checks
+ * in the architecture's first glibc instead; tests/hook/test_build.py checks
  * that nothing newer than 2.17 is required.
  */
 #ifndef GEMINI_GLIBC_COMPAT_H
