@@ -187,6 +187,9 @@ class TokenScheduler:
         self.holder: Grant | None = None
         self.generation = 0
         self.preemptions = 0
+        # Effective shares, kept with the membership (the only thing they depend on): every
+        # grant and charge reads them, and the token path is the daemon's hot path.
+        self._shares: dict[str, float] = {}
 
     # ---- membership ----
 
@@ -200,6 +203,7 @@ class TokenScheduler:
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
             vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
+        self._rescale()
         return self._dispatch(now)
 
     def remove(self, tenant: str, now: float) -> Grant | None:
@@ -207,6 +211,7 @@ class TokenScheduler:
         if self.holder and self.holder.tenant == tenant:
             self._end_grant(now)
         self.tenants.pop(tenant, None)
+        self._rescale()
         return self._dispatch(now)
 
     def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
@@ -291,9 +296,12 @@ class TokenScheduler:
 
     def shares(self) -> dict[str, float]:
         """Effective shares: scaled down in proportion where they add up to more than 1."""
+        return dict(self._shares)
+
+    def _rescale(self) -> None:
         total = sum(t.share for t in self.tenants.values())
         scale = 1.0 / total if total > 1.0 else 1.0
-        return {t.id: t.share * scale for t in self.tenants.values()}
+        self._shares = {t.id: t.share * scale for t in self.tenants.values()}
 
     def used(self, tenant: str, now: float) -> float:
         """Share of the window charged, the holder's grant in progress included: it is charged
@@ -306,7 +314,7 @@ class TokenScheduler:
         return self.tenants[tenant].usage.usage(now, running) / span
 
     def snapshot(self, now: float) -> list[TenantView]:
-        shares = self.shares()
+        shares = self._shares
         views = []
         for t in self.tenants.values():
             waits = sorted(t.waits)
@@ -357,7 +365,7 @@ class TokenScheduler:
                 or not self._has_credit(waiter, now)):
             return
         holder = self.tenants[grant.tenant]
-        running = holder.vtime + (now - grant.granted_at) / self.shares()[holder.id]
+        running = holder.vtime + (now - grant.granted_at) / self._shares[holder.id]
         if waiter.vtime >= running:
             return
         expires = max(now, grant.granted_at + self.config.preempt_after)
@@ -370,7 +378,7 @@ class TokenScheduler:
         added = state.usage.charge(start, end)   # what was not charged already
         if added <= 0:
             return
-        state.vtime += added / self.shares()[state.id]
+        state.vtime += added / self._shares[state.id]
         self._refill(state, end)
         # Overuse is paid back in waiting, but never more than the debt bound's worth.
         state.credit = max(state.credit - added, self.config.credit_floor(state.limit))
@@ -380,7 +388,7 @@ class TokenScheduler:
         """At most `debt` GPU seconds ahead of `floor` (the least advanced active tenant)."""
         if floor is not None:
             state.vtime = min(state.vtime,
-                              floor + self.config.debt / self.shares()[state.id])
+                              floor + self.config.debt / self._shares[state.id])
 
     def _capacity(self, tenant: Tenant) -> float:
         return max(tenant.limit * self.config.cycle, self.config.min_quota)
@@ -416,7 +424,7 @@ class TokenScheduler:
         """GPU seconds the tenant is behind the most advanced waiting tenant, at its request."""
         waiting = [t.vtime for t in self.tenants.values() if t.waiting_since is not None]
         ahead = max(waiting, default=tenant.vtime)
-        return max(0.0, ahead - tenant.vtime) * self.shares()[tenant.id]
+        return max(0.0, ahead - tenant.vtime) * self._shares[tenant.id]
 
     def _eligible_at(self, tenant: Tenant, now: float) -> float:
         """Earliest time the tenant has credit for a grant, if nothing more is charged."""
@@ -450,7 +458,7 @@ class TokenScheduler:
         if len(self.tenants) == 1:
             quota = cfg.max_quota   # alone: no one to hand over to, so hand over rarely
         else:
-            shares = self.shares()
+            shares = self._shares
             # Spare capacity is shared in proportion too, so size the round on the
             # tenant's part of all requests rather than its request alone.
             part = shares[tenant.id] / sum(shares.values())

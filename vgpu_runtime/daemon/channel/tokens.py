@@ -19,6 +19,7 @@ connections:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import time
@@ -75,9 +76,7 @@ class WaitHistogram:
     count: int = 0
 
     def observe(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(WAIT_BUCKETS) if seconds <= bound),
-                     len(WAIT_BUCKETS))
-        self.counts[index] += 1
+        self.counts[bisect.bisect_left(WAIT_BUCKETS, seconds)] += 1   # first bound >= it
         self.total += seconds
         self.count += 1
 
@@ -121,7 +120,7 @@ class GpuTokens:
         self.slots: dict[str, TenantSlot] = {}
         self.published: Grant | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._deadline_at: float | None = None    # what the pending deadline timer is for
+        self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_backoff = config.idle_release
         self.grants = 0
@@ -266,9 +265,10 @@ class GpuTokens:
             slot.wait_started = None
         for waiter, seq in waiters.items():
             waiter.send_grant(seq, slot.index, grant.generation, valid_until)
-        log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
-                                           "generation": grant.generation,
-                                           "quota_ms": round(grant.quota * 1000, 3)})
+        if log.isEnabledFor(logging.DEBUG):   # the fields cost more than the grant's frames
+            log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
+                                               "generation": grant.generation,
+                                               "quota_ms": round(grant.quota * 1000, 3)})
 
     def _update_gates(self) -> None:
         gate = GATE_TOKEN if self.scheduler.needs_token() else GATE_OPEN
@@ -280,19 +280,25 @@ class GpuTokens:
         self._gate = gate
 
     def _arm_deadline(self, now: float) -> None:
+        """A timer that runs no later than the next deadline. One that runs earlier is kept:
+        tick() is right at any time and `_on_deadline` arms the next, so a hand-off (whose
+        deadline is later than its predecessor's) costs no timer, only an early tick now and
+        then."""
         deadline = self.scheduler.next_deadline(now)
         if self._deadline_timer is not None:
-            if deadline == self._deadline_at:
-                return   # most requests come while the token is held: same deadline, same timer
+            if deadline is not None and self._deadline_fires <= deadline:
+                return
             self._deadline_timer.cancel()
             self._deadline_timer = None
+            self._deadline_fires = math.inf
         if deadline is not None:
             delay = max(deadline - now, MIN_TIMER_DELAY)
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
-            self._deadline_at = deadline
+            self._deadline_fires = now + delay
 
     def _on_deadline(self) -> None:
         self._deadline_timer = None
+        self._deadline_fires = math.inf
         now = self.clock()
         holder = self.scheduler.holder
         revocations = self.scheduler.tenants[holder.tenant].revocations if holder else 0
@@ -370,6 +376,7 @@ class GpuTokens:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
+            self._deadline_fires = math.inf
 
     # ---- status ----
 
