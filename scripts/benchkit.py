@@ -4,6 +4,7 @@ fake driver) both need: a node daemon per configuration, and results saved as th
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,59 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 15.0   # seconds; a loaded host starts Python slowly
+TOKEN_RTT_CLIENT = REPO / "scripts" / "cuda" / "token_rtt.c"
+
+
+def have_gpu() -> bool:
+    """nvidia-smi is there and lists a GPU; else token benchmarks run on a simulated one."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return done.returncode == 0 and "GPU" in done.stdout
+
+
+def build_token_rtt(out: Path) -> Path:
+    """scripts/cuda/token_rtt.c, the token client in C (as the hook's), built into `out`."""
+    binary = out / "token_rtt"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror",
+                    f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(TOKEN_RTT_CLIENT),
+                    "-o", str(binary)], check=True)
+    return binary
+
+
+def token_rtt_in_allocation(state: Path, client: Path, count: int, hold_us: int, out: Path,
+                            share: float = 0.5, simulate: bool = False) -> subprocess.Popen[bytes]:
+    """The C token client inside a gemini-run allocation: COUNT rounds, each holding HOLD_US;
+    OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round."""
+    from vgpu_runtime import paths
+    command = (f'exec "{client}" "${paths.ENV_CHANNEL_DIR}/{paths.CHANNEL_SOCKET_NAME}" '
+               f'{count} {hold_us} "{out}" hello')
+    return subprocess.Popen([sys.executable, "-m", "vgpu_runtime.run", "--state-dir",
+                             str(state), *(["--simulate-gpus", "1"] if simulate else []),
+                             "--share", str(share), "--", "sh", "-c", command])
+
+
+def token_rounds(out: Path) -> list[tuple[int, int, int]]:
+    """What token_rtt wrote: (asked, granted, released) per round."""
+    rounds = []
+    for line in out.read_text().splitlines():
+        asked, granted, released = (int(x) for x in line.split())
+        rounds.append((asked, granted, released))
+    return rounds
+
+
+def handoffs(rounds: list[list[tuple[int, int, int]]]) -> list[int]:
+    """Per grant that directly follows another client's release: release -> grant, ns."""
+    events = sorted([(r[2], 0, who) for who, rs in enumerate(rounds) for r in rs]     # releases
+                    + [(r[1], 1, who) for who, rs in enumerate(rounds) for r in rs])  # grants
+    found, last_release = [], None
+    for at, kind, who in events:
+        if kind == 0:
+            last_release = (at, who)
+        elif last_release is not None and last_release[1] != who:
+            found.append(at - last_release[0])
+            last_release = None
+    return found
 
 
 class Daemon:
