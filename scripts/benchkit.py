@@ -123,3 +123,22 @@ def parse_mix(text: str) -> list[float]:
     if not shares or min(shares) <= 0 or sum(shares) > 1.0 + 1e-9:
         raise SystemExit(f"mix {text!r} must be positive slices adding up to at most 10")
     return shares
+
+
+def profile_table(profiles: dict[str, dict[str, int]]) -> str:
+    """Per case of a run with the hook's profiling build (its GEMINI_HOOK_STATS counters,
+    launch/profile.h): launches by entry point, and ns per launch before, in and after the
+    driver's call; `ns_per_launch` (what the program measured) where a case has it."""
+    lines = ["| case (profiling build) | ns/launch | launches by entry point | before driver ns | "
+             "driver ns | after driver ns |", "|---|---|---|---|---|---|"]
+    for name, stats in profiles.items():
+        counts = {key.removeprefix("profile_launches_"): value for key, value in stats.items()
+                  if key.startswith("profile_launches_") and value}
+        total = sum(counts.values()) or 1
+        per = {part: stats.get(f"profile_{part}_ns", 0) / total
+               for part in ("before_driver", "driver", "after_driver")}
+        shown = ", ".join(f"{entry} {count}" for entry, count in counts.items()) or "none"
+        lines.append(f"| {name} | {stats.get('ns_per_launch', '-')} | {shown} | "
+                     f"{per['before_driver']:.1f} | {per['driver']:.1f} | "
+                     f"{per['after_driver']:.1f} |")
+    return "\n".join(lines)
