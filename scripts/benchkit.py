@@ -4,6 +4,7 @@ fake driver) both need: a node daemon per configuration, and results saved as th
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -35,15 +36,41 @@ def build_token_rtt(out: Path) -> Path:
 
 
 def token_rtt_in_allocation(state: Path, client: Path, count: int, hold_us: int, out: Path,
-                            share: float = 0.5, simulate: bool = False) -> subprocess.Popen[bytes]:
+                            share: float = 0.5, simulate: bool = False,
+                            handshake: bool = False) -> subprocess.Popen[bytes]:
     """The C token client inside a gemini-run allocation: COUNT rounds, each holding HOLD_US;
-    OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round."""
+    OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round. With `handshake` its
+    stdin and stdout are pipes (see `rounds_cpu`)."""
     from vgpu_runtime import paths
     command = (f'exec "{client}" "${paths.ENV_CHANNEL_DIR}/{paths.CHANNEL_SOCKET_NAME}" '
-               f'{count} {hold_us} "{out}" hello')
+               f'{count} {hold_us} "{out}" hello{" handshake" if handshake else ""}')
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if handshake else {}
     return subprocess.Popen([sys.executable, "-m", "vgpu_runtime.run", "--state-dir",
                              str(state), *(["--simulate-gpus", "1"] if simulate else []),
-                             "--share", str(share), "--", "sh", "-c", command])
+                             "--share", str(share), "--", "sh", "-c", command], **pipes)
+
+
+def cpu_ns(pid: int) -> int:
+    """User + system CPU time of a process so far (/proc, clock ticks), in ns."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def rounds_cpu(client: subprocess.Popen[bytes], server_pid: int) -> int:
+    """A client started with `handshake`: the server's CPU time over its rounds alone (not
+    its connection or hello), in ns; the client is then let go."""
+    assert client.stdin is not None and client.stdout is not None
+    if client.stdout.readline().strip() != b"ready":
+        raise RuntimeError("token_rtt did not get ready")
+    before = cpu_ns(server_pid)
+    client.stdin.write(b"go\n")
+    client.stdin.flush()
+    if client.stdout.readline().strip() != b"done":
+        raise RuntimeError("token_rtt did not finish its rounds")
+    used = cpu_ns(server_pid) - before
+    client.stdin.write(b"bye\n")
+    client.stdin.close()
+    return used
 
 
 def token_rounds(out: Path) -> list[tuple[int, int, int]]:

@@ -2,9 +2,12 @@
  * token_rtt.c: token round trips over an allocation's channel, as the hook's C client makes
  * them (one blocking socket, whole frames), with nothing of Python on the client side.
  *
- * Usage: token_rtt SOCKET COUNT HOLD_US OUT [hello]
+ * Usage: token_rtt SOCKET COUNT HOLD_US OUT [hello|plain] [handshake]
  * With `hello` it says HELLO first (version 2; the page descriptors it is passed are closed), as
- * on a daemon's channel; without, it talks to a bare echo server. Then COUNT times: TOKEN_REQUEST
+ * on a daemon's channel; without (or `plain`), it talks to a bare echo server. With `handshake`
+ * it prints "ready" and reads a line from stdin before the rounds, and prints "done" and reads
+ * another after them, so a benchmark can read the server's CPU time around the rounds alone.
+ * Then COUNT times: TOKEN_REQUEST
  * for GPU 0, block for the TOKEN_GRANT, hold HOLD_US (a spin on the clock, so the process stays
  * on the CPU as a launching one would), TOKEN_RELEASE. OUT gets one line per round:
  * "asked granted released" in CLOCK_MONOTONIC nanoseconds.
@@ -82,6 +85,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "token_rtt: hello refused\n");
         return 1;
     }
+    int handshake = argc > 6 && strcmp(argv[6], "handshake") == 0;
+    char line[64];
+    if (handshake && (printf("ready\n") < 0 || fflush(stdout) != 0 ||
+                      fgets(line, sizeof line, stdin) == NULL))
+        return 1;
     int64_t(*rounds)[3] = calloc((size_t)count, sizeof *rounds);
     for (long i = 0; i < count; i++) {
         struct gm_token_request request = {.gpu = 0, .burst_ns = -1, .work_end_ns = -1};
@@ -101,6 +109,9 @@ int main(int argc, char **argv) {
         rounds[i][2] = now_ns();
         if (send(fd, &release, sizeof release, MSG_NOSIGNAL) != (ssize_t)sizeof release) return 1;
     }
+    if (handshake && (printf("done\n") < 0 || fflush(stdout) != 0 ||
+                      fgets(line, sizeof line, stdin) == NULL))
+        return 1;
     FILE *out = fopen(argv[4], "w");
     if (out == NULL) return 1;
     for (long i = 0; i < count; i++)
