@@ -85,7 +85,7 @@ def test_auto_without_uvloop_runs_on_asyncio(state_dir: Path, tmp_path: Path) ->
 def test_uvloop_asked_for_but_not_installed_is_a_clear_error(state_dir: Path,
                                                               tmp_path: Path) -> None:
     done = subprocess.run(
-        [*no_uvloop(tmp_path), sys.executable, "-m", "vgpu_runtime.scheduler", "--state-dir",
+        [*no_uvloop(tmp_path), sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir",
          str(state_dir), "--event-loop", "uvloop"],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr

@@ -99,8 +99,9 @@ def compile_command(output: Path, compiler: str = "gcc", strict: bool = False,
     prefix_map = [f"-ffile-prefix-map={HOOK_DIR}=vgpu_runtime/hook"]
     werror = ["-Werror"] if strict else []
     defines = ["-DGM_PROFILE"] if profile else []
-    return [compiler, *CFLAGS, *prefix_map, *werror, *defines, *includes, f"-Wl,-soname,{library_name()}",
-            *map(str, source_files()), "-o", str(output), *LDFLAGS]
+    return [compiler, *CFLAGS, *prefix_map, *werror, *defines, *includes,
+            f"-Wl,-soname,{library_name()}", *map(str, source_files()), "-o", str(output),
+            *LDFLAGS]
 
 
 def build_library(out_dir: Path, compiler: str | None = None, strict: bool = False,
