@@ -40,7 +40,17 @@ NS = 1_000_000_000
 # Upper bounds (seconds) of the token-wait histogram buckets (Prometheus `le`), +Inf implied.
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                 2.5, 5.0)
-MIN_TIMER_DELAY = 0.00005   # a deadline already passed is retried this soon, never in a spin
+# Timers run on whole milliseconds, rounded up: asyncio's loop waits in epoll with a timeout
+# rounded up to one, uvloop rounds to the nearest and ran timers up to 0.5 ms early (an idle
+# release on time where asyncio's came up to 1 ms late, and sub-millisecond re-arms ran at once,
+# a spin). Rounded up, both loops keep the timing the settings were measured with, and a
+# deadline already passed is retried 1 ms later, never in a spin.
+TIMER_RESOLUTION = 0.001
+
+
+def timer_delay(delay: float) -> float:
+    """`delay` rounded up to whole milliseconds, at least one."""
+    return max(math.ceil(delay / TIMER_RESOLUTION - 1e-6), 1) * TIMER_RESOLUTION
 
 
 def now_s() -> float:
@@ -292,7 +302,7 @@ class GpuTokens:
             self._deadline_timer = None
             self._deadline_fires = math.inf
         if deadline is not None:
-            delay = max(deadline - now, MIN_TIMER_DELAY)
+            delay = timer_delay(deadline - now)
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
             self._deadline_fires = now + delay
 
@@ -340,7 +350,7 @@ class GpuTokens:
             return
         self._cancel_idle_check()
         self._idle_timer = asyncio.get_running_loop().call_later(
-            max(at - now, MIN_TIMER_DELAY), self._on_idle_check)
+            timer_delay(at - now), self._on_idle_check)
 
     def _cancel_idle_check(self) -> None:
         if self._idle_timer is not None:
