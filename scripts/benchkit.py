@@ -154,18 +154,19 @@ def parse_mix(text: str) -> list[float]:
 
 def profile_table(profiles: dict[str, dict[str, int]]) -> str:
     """Per case of a run with the hook's profiling build (its GEMINI_HOOK_STATS counters,
-    launch/profile.h): launches by entry point, and ns per launch before, in and after the
-    driver's call; `ns_per_launch` (what the program measured) where a case has it."""
-    lines = ["| case (profiling build) | ns/launch | launches by entry point | before driver ns | "
-             "driver ns | after driver ns |", "|---|---|---|---|---|---|"]
+    launch/profile.h): launches by entry point, and per launch the median ns before, in and
+    after the driver's call (the means beside them take in preemptions); `ns_per_launch` (what
+    the program measured) where a case has it."""
+    lines = ["| case (profiling build) | ns/launch | launches by entry point | before driver ns: "
+             "median (mean) | driver ns | after driver ns |", "|---|---|---|---|---|---|"]
     for name, stats in profiles.items():
         counts = {key.removeprefix("profile_launches_"): value for key, value in stats.items()
                   if key.startswith("profile_launches_") and value}
         total = sum(counts.values()) or 1
-        per = {part: stats.get(f"profile_{part}_ns", 0) / total
-               for part in ("before_driver", "driver", "after_driver")}
+        cells = [f"{stats.get(f'profile_{part}_p50_ps', 0) / 1000:.1f} "
+                 f"({stats.get(f'profile_{part}_ns', 0) / total:.1f})"
+                 for part in ("before_driver", "driver", "after_driver")]
         shown = ", ".join(f"{entry} {count}" for entry, count in counts.items()) or "none"
         lines.append(f"| {name} | {stats.get('ns_per_launch', '-')} | {shown} | "
-                     f"{per['before_driver']:.1f} | {per['driver']:.1f} | "
-                     f"{per['after_driver']:.1f} |")
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
