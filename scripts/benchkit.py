@@ -4,6 +4,8 @@ fake driver) both need: a node daemon per configuration, and results saved as th
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,85 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 15.0   # seconds; a loaded host starts Python slowly
+TOKEN_RTT_CLIENT = REPO / "scripts" / "cuda" / "token_rtt.c"
+
+
+def have_gpu() -> bool:
+    """nvidia-smi is there and lists a GPU; else token benchmarks run on a simulated one."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return done.returncode == 0 and "GPU" in done.stdout
+
+
+def build_token_rtt(out: Path) -> Path:
+    """scripts/cuda/token_rtt.c, the token client in C (as the hook's), built into `out`."""
+    binary = out / "token_rtt"
+    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror",
+                    f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(TOKEN_RTT_CLIENT),
+                    "-o", str(binary)], check=True)
+    return binary
+
+
+def token_rtt_in_allocation(state: Path, client: Path, count: int, hold_us: int, out: Path,
+                            share: float = 0.5, simulate: bool = False,
+                            handshake: bool = False) -> subprocess.Popen[bytes]:
+    """The C token client inside a gemini-run allocation: COUNT rounds, each holding HOLD_US;
+    OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round. With `handshake` its
+    stdin and stdout are pipes (see `rounds_cpu`)."""
+    from vgpu_runtime import paths
+    command = (f'exec "{client}" "${paths.ENV_CHANNEL_DIR}/{paths.CHANNEL_SOCKET_NAME}" '
+               f'{count} {hold_us} "{out}" hello{" handshake" if handshake else ""}')
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if handshake else {}
+    return subprocess.Popen([sys.executable, "-m", "vgpu_runtime.run", "--state-dir",
+                             str(state), *(["--simulate-gpus", "1"] if simulate else []),
+                             "--share", str(share), "--", "sh", "-c", command], **pipes)
+
+
+def cpu_ns(pid: int) -> int:
+    """User + system CPU time of a process so far (/proc, clock ticks), in ns."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def rounds_cpu(client: subprocess.Popen[bytes], server_pid: int) -> int:
+    """A client started with `handshake`: the server's CPU time over its rounds alone (not
+    its connection or hello), in ns; the client is then let go."""
+    assert client.stdin is not None and client.stdout is not None
+    if client.stdout.readline().strip() != b"ready":
+        raise RuntimeError("token_rtt did not get ready")
+    before = cpu_ns(server_pid)
+    client.stdin.write(b"go\n")
+    client.stdin.flush()
+    if client.stdout.readline().strip() != b"done":
+        raise RuntimeError("token_rtt did not finish its rounds")
+    used = cpu_ns(server_pid) - before
+    client.stdin.write(b"bye\n")
+    client.stdin.close()
+    return used
+
+
+def token_rounds(out: Path) -> list[tuple[int, int, int]]:
+    """What token_rtt wrote: (asked, granted, released) per round."""
+    rounds = []
+    for line in out.read_text().splitlines():
+        asked, granted, released = (int(x) for x in line.split())
+        rounds.append((asked, granted, released))
+    return rounds
+
+
+def handoffs(rounds: list[list[tuple[int, int, int]]]) -> list[int]:
+    """Per grant that directly follows another client's release: release -> grant, ns."""
+    events = sorted([(r[2], 0, who) for who, rs in enumerate(rounds) for r in rs]     # releases
+                    + [(r[1], 1, who) for who, rs in enumerate(rounds) for r in rs])  # grants
+    found, last_release = [], None
+    for at, kind, who in events:
+        if kind == 0:
+            last_release = (at, who)
+        elif last_release is not None and last_release[1] != who:
+            found.append(at - last_release[0])
+            last_release = None
+    return found
 
 
 class Daemon:
@@ -69,3 +150,23 @@ def parse_mix(text: str) -> list[float]:
     if not shares or min(shares) <= 0 or sum(shares) > 1.0 + 1e-9:
         raise SystemExit(f"mix {text!r} must be positive slices adding up to at most 10")
     return shares
+
+
+def profile_table(profiles: dict[str, dict[str, int]]) -> str:
+    """Per case of a run with the hook's profiling build (its GEMINI_HOOK_STATS counters,
+    launch/profile.h): launches by entry point, and per launch the median ns before, in and
+    after the driver's call (the means beside them take in preemptions); `ns_per_launch` (what
+    the program measured) where a case has it."""
+    lines = ["| case (profiling build) | ns/launch | launches by entry point | before driver ns: "
+             "median (mean) | driver ns | after driver ns |", "|---|---|---|---|---|---|"]
+    for name, stats in profiles.items():
+        counts = {key.removeprefix("profile_launches_"): value for key, value in stats.items()
+                  if key.startswith("profile_launches_") and value}
+        total = sum(counts.values()) or 1
+        cells = [f"{stats.get(f'profile_{part}_p50_ps', 0) / 1000:.1f} "
+                 f"({stats.get(f'profile_{part}_ns', 0) / total:.1f})"
+                 for part in ("before_driver", "driver", "after_driver")]
+        shown = ", ".join(f"{entry} {count}" for entry, count in counts.items()) or "none"
+        lines.append(f"| {name} | {stats.get('ns_per_launch', '-')} | {shown} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)

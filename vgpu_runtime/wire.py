@@ -181,6 +181,26 @@ class Packer:
         return self._struct.pack(*self._before_seq, seq, *self._after_seq, *body)
 
 
+class Unpacker:
+    """Reads one frame type (hook to daemon: the same layout in every version) with one
+    struct.unpack_from call: its seq and its body values (the struct's fields after the header,
+    in declaration order: `fields`). No cffi object per frame, for the token frames."""
+
+    def __init__(self, msg_type: int) -> None:
+        cdecl = STRUCT_OF_TYPE[msg_type]
+        self._struct, names = flat_layout(cdecl)
+        header_names = tuple("h." + name for name in HEADER_FIELDS)
+        if names[:len(header_names)] != header_names:
+            raise TypeError(f"{cdecl} does not start with its header")
+        self.fields = names[len(header_names):]
+        self._body = len(header_names)
+
+    def unpack_from(self, data: bytes, offset: int = 0) -> tuple[int, tuple[Any, ...]]:
+        """(seq, body values) of the frame at `offset`, whose header check_header passed."""
+        values = self._struct.unpack_from(data, offset)
+        return values[_SEQ], values[self._body:]
+
+
 def new(msg_type: int, seq: int = 0, version: int = VERSION, **fields: Any) -> Any:
     """A zeroed frame of `msg_type` with its header filled in and the given fields set."""
     cdecl = struct_of(msg_type, version)

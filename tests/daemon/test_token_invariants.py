@@ -86,9 +86,8 @@ class Node:
     def wait(self, seconds: float) -> None:
         """Time passes; each deadline on the way runs at its time, as the daemon's timer."""
         until = self.now + seconds
-        while (self.tokens._deadline_timer is not None and self.tokens._deadline_at is not None
-               and self.tokens._deadline_at <= until):
-            self.now = max(self.now, self.tokens._deadline_at)
+        while self.tokens._deadline_timer is not None and self.tokens._deadline_fires <= until:
+            self.now = max(self.now, self.tokens._deadline_fires)
             self.tokens._deadline_timer.cancel()
             self.tokens._on_deadline()
         self.now = until

@@ -339,7 +339,10 @@ def test_revocation_is_seen_by_the_next_launch(hooked: Hooked, node: DaemonNode)
         rival.close()
 
 
-def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: DaemonNode) -> None:
+def test_processes_of_one_container_share_its_grant(hooked: Hooked) -> None:
+    # 5 s quotas: the second process starts within the first's grant on a busy box too (with
+    # the default 150 ms it asked whenever its start-up took longer, on the old code as well).
+    node = start_node(0.5, "--min-quota", "5", "--max-quota", "5")
     node.allocate(0.5)                                      # contended: quotas, not gate open
     first = hooked.start(f"""
         import sys
@@ -364,6 +367,7 @@ def test_processes_of_one_container_share_its_grant(hooked: Hooked, node: Daemon
     finally:
         first.kill()
         first.wait()
+        stop_node(node)
 
 
 def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: DaemonNode) -> None:

@@ -31,6 +31,7 @@ def default_node_name() -> str:
     """The Downward API's NODE_NAME in the DaemonSet; the host name elsewhere."""
     return os.environ.get("NODE_NAME") or socket.gethostname()
 LIMIT_POLICIES = ("work-conserving", "strict")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
 
 
@@ -81,6 +82,9 @@ class DaemonConfig:
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
+    event_loop: str = cfg.setting(
+        "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
+        "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "

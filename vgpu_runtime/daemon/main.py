@@ -20,6 +20,21 @@ log = logging.getLogger("gemini-scheduler")
 PROG = "gemini-scheduler"
 
 
+def use_event_loop(choice: str) -> None:
+    """Make asyncio.run use the loop `event_loop` names; auto is uvloop when installed. Each
+    token frame costs a loop wake-up, which uvloop makes about three times cheaper (config.py).
+    """
+    if choice == "asyncio":
+        return
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise cfg.ConfigError("event_loop uvloop: uvloop is not installed") from None
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 async def _serve(loaded: cfg.Loaded[DaemonConfig]) -> list[str]:
     """Serve until stopped; the settings whose change in the file stopped it, if any."""
     daemon = Daemon(loaded.config)
@@ -42,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           ", the memory ledger and GPU-time tokens")
         config = loaded.config
         config.check()
+        use_event_loop(config.event_loop)
     except cfg.ConfigError as err:
         cli.error(PROG, str(err))
         return 2

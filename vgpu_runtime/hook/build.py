@@ -89,30 +89,36 @@ def sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -> list[str]:
-    """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings)."""
+def compile_command(output: Path, compiler: str = "gcc", strict: bool = False,
+                    profile: bool = False) -> list[str]:
+    """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings);
+    profile adds -DGM_PROFILE (launch/profile.h: the launch path timed, for benchmarks only)."""
     includes = [f"-I{HOOK_DIR / 'include'}",
                 f"-include{HOOK_DIR / 'include' / 'glibc_compat.h'}"]
     # __FILE__ and any path the compiler records read relative to the hook's directory.
     prefix_map = [f"-ffile-prefix-map={HOOK_DIR}=vgpu_runtime/hook"]
     werror = ["-Werror"] if strict else []
-    return [compiler, *CFLAGS, *prefix_map, *werror, *includes, f"-Wl,-soname,{library_name()}",
-            *map(str, source_files()), "-o", str(output), *LDFLAGS]
+    defines = ["-DGM_PROFILE"] if profile else []
+    return [compiler, *CFLAGS, *prefix_map, *werror, *defines, *includes,
+            f"-Wl,-soname,{library_name()}", *map(str, source_files()), "-o", str(output),
+            *LDFLAGS]
 
 
-def build_library(out_dir: Path, compiler: str | None = None, strict: bool = False) -> Path:
-    """Compile into out_dir/<versioned name>; returns that path."""
+def build_library(out_dir: Path, compiler: str | None = None, strict: bool = False,
+                  profile: bool = False) -> Path:
+    """Compile into out_dir/<versioned name> (with `profile`, <versioned name>.profile: never
+    the name an installed library has); returns that path."""
     compiler = compiler or os.environ.get("CC", "gcc")
     if shutil.which(compiler) is None:
         raise HookBuildError(f"the interposer needs a C compiler: {compiler!r} was not found")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / library_name()
+    target = out_dir / (library_name() + (".profile" if profile else ""))
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=out_dir)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        command = compile_command(tmp, compiler, strict)
+        command = compile_command(tmp, compiler, strict, profile)
         proc = subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
             raise HookBuildError(f"building {target.name} failed:\n{proc.stderr}")
@@ -128,4 +134,7 @@ def build_library(out_dir: Path, compiler: str | None = None, strict: bool = Fal
 if __name__ == "__main__":
     import sys
 
-    print(build_library(Path(sys.argv[1] if len(sys.argv) > 1 else ".")))
+    # python -m vgpu_runtime.hook.build [--profile] [OUT_DIR]
+    arguments = [a for a in sys.argv[1:] if a != "--profile"]
+    print(build_library(Path(arguments[0] if arguments else "."),
+                        profile="--profile" in sys.argv[1:]))

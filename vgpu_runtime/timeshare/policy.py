@@ -137,6 +137,9 @@ class TokenScheduler:
         self.holder: Grant | None = None
         self.generation = 0
         self.preemptions = 0
+        # Effective shares, kept with the membership (the only thing they depend on): every
+        # grant and charge reads them, and the token path is the daemon's hot path.
+        self._shares: dict[str, float] = {}
 
     # ---- membership ----
 
@@ -150,6 +153,7 @@ class TokenScheduler:
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
             vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
+        self._rescale()
         return self._dispatch(now)
 
     def remove(self, tenant: str, now: float) -> Grant | None:
@@ -157,6 +161,7 @@ class TokenScheduler:
         if self.holder and self.holder.tenant == tenant:
             self._end_grant(now)
         self.tenants.pop(tenant, None)
+        self._rescale()
         return self._dispatch(now)
 
     def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
@@ -241,9 +246,12 @@ class TokenScheduler:
 
     def shares(self) -> dict[str, float]:
         """Effective shares: scaled down in proportion where they add up to more than 1."""
+        return dict(self._shares)
+
+    def _rescale(self) -> None:
         total = sum(t.share for t in self.tenants.values())
         scale = 1.0 / total if total > 1.0 else 1.0
-        return {t.id: t.share * scale for t in self.tenants.values()}
+        self._shares = {t.id: t.share * scale for t in self.tenants.values()}
 
     def used(self, tenant: str, now: float) -> float:
         """Share of the window charged, the holder's grant in progress included (it is charged
@@ -256,7 +264,7 @@ class TokenScheduler:
         return self.tenants[tenant].usage.usage(now, running) / span
 
     def snapshot(self, now: float) -> list[TenantView]:
-        shares = self.shares()
+        shares = self._shares
         views = []
         for t in self.tenants.values():
             waits = sorted(t.waits)
@@ -307,7 +315,7 @@ class TokenScheduler:
                 or not self._has_credit(waiter, now)):
             return
         holder = self.tenants[grant.tenant]
-        running = holder.vtime + (now - grant.granted_at) / self.shares()[holder.id]
+        running = holder.vtime + (now - grant.granted_at) / self._shares[holder.id]
         if waiter.vtime >= running:
             return
         expires = max(now, grant.granted_at + self.config.preempt_after)
@@ -320,7 +328,7 @@ class TokenScheduler:
         added = state.usage.charge(start, end)   # what was not charged already
         if added <= 0:
             return
-        state.vtime += added / self.shares()[state.id]
+        state.vtime += added / self._shares[state.id]
         self._refill(state, end)
         # Overuse is paid back in waiting, but never more than the debt bound's worth.
         state.credit = max(state.credit - added, self.config.credit_floor(state.limit))
@@ -330,7 +338,7 @@ class TokenScheduler:
         """At most `debt` GPU seconds ahead of `floor` (the least advanced active tenant)."""
         if floor is not None:
             state.vtime = min(state.vtime,
-                              floor + self.config.debt / self.shares()[state.id])
+                              floor + self.config.debt / self._shares[state.id])
 
     def _capacity(self, tenant: Tenant) -> float:
         return max(tenant.limit * self.config.cycle, self.config.min_quota)
@@ -366,7 +374,7 @@ class TokenScheduler:
         """GPU seconds the tenant is behind the most advanced waiting tenant, at its request."""
         waiting = [t.vtime for t in self.tenants.values() if t.waiting_since is not None]
         ahead = max(waiting, default=tenant.vtime)
-        return max(0.0, ahead - tenant.vtime) * self.shares()[tenant.id]
+        return max(0.0, ahead - tenant.vtime) * self._shares[tenant.id]
 
     def _eligible_at(self, tenant: Tenant, now: float) -> float:
         """Earliest time the tenant has credit for a grant, if nothing more is charged."""
@@ -400,7 +408,7 @@ class TokenScheduler:
         if len(self.tenants) == 1:
             quota = cfg.max_quota   # alone: no one to hand over to, so hand over rarely
         else:
-            shares = self.shares()
+            shares = self._shares
             # Spare capacity is shared in proportion too, so size the round on the
             # tenant's part of all requests rather than its request alone.
             part = shares[tenant.id] / sum(shares.values())

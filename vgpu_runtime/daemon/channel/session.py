@@ -65,6 +65,15 @@ HEADER_SIZE = wire.HEADER_SIZE
 # What one read may take from the socket: many frames (they are at most GM_MAX_FRAME bytes).
 READ_CHUNK = 64 * 1024
 
+# Token frames are read with struct (wire.Unpacker), not through a cffi view: they are the hot
+# path. The field names come from gemini_wire.h; the handlers below take them in this order.
+TOKEN_REQUEST = wire.Unpacker(MSG_TOKEN_REQUEST)
+TOKEN_RELEASE = wire.Unpacker(MSG_TOKEN_RELEASE)
+USAGE_REPORT = wire.Unpacker(MSG_USAGE_REPORT)
+assert TOKEN_REQUEST.fields == ("gpu", "flags", "burst_ns", "work_end_ns")
+assert TOKEN_RELEASE.fields == ("gpu", "reserved", "work_end_ns")
+assert USAGE_REPORT.fields == ("gpu", "reserved", "burst_start_ns", "burst_end_ns")
+WORK_RUNNING, OK = C("GM_TOKEN_WORK_RUNNING"), C("GM_OK")
 MEM_REPLY = {v: wire.Packer(MSG_MEM_REPLY, v) for v in wire.SUPPORTED_VERSIONS}
 TOKEN_GRANT = {v: wire.Packer(MSG_TOKEN_GRANT, v) for v in wire.SUPPORTED_VERSIONS}
 ERROR = {v: wire.Packer(MSG_ERROR, v) for v in wire.SUPPORTED_VERSIONS}
@@ -118,6 +127,10 @@ class Session(Waiter):
             MSG_RESERVE: self._memory,
             MSG_RELEASE: self._memory,
             MSG_SET: self._memory,
+        }
+        # Frames served without an await (no reply, or one queued without waiting), read from
+        # the bytes at an offset.
+        self.token_handlers: dict[int, Callable[[bytes, int], None]] = {
             MSG_TOKEN_REQUEST: self._token_request,
             MSG_TOKEN_RELEASE: self._token_release,
             MSG_USAGE_REPORT: self._usage_report,
@@ -164,7 +177,7 @@ class Session(Waiter):
         `pending` holds the start of a frame whose rest has not arrived; its header (once whole)
         has been validated already."""
         pending = b""
-        handlers = self.handlers
+        handlers, token_handlers = self.handlers, self.token_handlers
         while True:
             chunk = await self.reader.read(READ_CHUNK)
             if self.closing_status is not None:
@@ -180,6 +193,13 @@ class Session(Waiter):
                 length, msg_type = _check_header(data, offset, self.versions)
                 if end - offset < length:
                     break
+                token_handler = token_handlers.get(msg_type)
+                if token_handler is not None:
+                    token_handler(data, offset)
+                    offset += length
+                    if self.writer.transport.get_write_buffer_size():
+                        await self._drain()   # a flooding client waits on its own replies
+                    continue
                 handler = handlers.get(msg_type)
                 if handler is None:
                     raise ProtocolError(C("GM_ERR_MALFORMED"),
@@ -358,11 +378,10 @@ class Session(Waiter):
             frame.h.seq, C("GM_OK") if result.granted else C("GM_ERR_OVER_LIMIT"), gpu,
             result.used, result.limit))
 
-    def _token_gpu(self, frame: Any, what: str) -> int:
+    def _token_gpu(self, gpu: int, what: str) -> int:
         """The GPU index of a token frame, checked; raises ProtocolError."""
         if self.hello_pid is None:
             raise ProtocolError(C("GM_ERR_NOT_READY"), f"{what} before hello")
-        gpu = int(frame.gpu)
         if gpu >= len(self.channel.entitlements):
             raise ProtocolError(C("GM_ERR_BAD_GPU"), f"{what}: GPU index {gpu} is outside the "
                                 f"allocation ({len(self.channel.entitlements)} GPU(s))")
@@ -376,34 +395,35 @@ class Session(Waiter):
                                 "or -1 for unknown")
         return from_ns(value)
 
-    async def _token_request(self, frame: Any) -> None:
-        gpu = self._token_gpu(frame, "token request")
-        running = C("GM_TOKEN_WORK_RUNNING")
-        if frame.flags & ~running:
-            raise ProtocolError(C("GM_ERR_MALFORMED"), f"token request flags {frame.flags:#x}: "
-                                f"only GM_TOKEN_WORK_RUNNING ({running:#x}) is defined")
-        burst = self._time(int(frame.burst_ns), "burst_ns")
-        work_end = self._time(int(frame.work_end_ns), "work_end_ns")
-        if frame.flags & running and work_end is not None:
+    def _token_request(self, data: bytes, offset: int) -> None:
+        seq, (gpu, flags, burst_ns, work_end_ns) = TOKEN_REQUEST.unpack_from(data, offset)
+        self._token_gpu(gpu, "token request")
+        if flags & ~WORK_RUNNING:
+            raise ProtocolError(C("GM_ERR_MALFORMED"), f"token request flags {flags:#x}: "
+                                f"only GM_TOKEN_WORK_RUNNING ({WORK_RUNNING:#x}) is defined")
+        burst = self._time(burst_ns, "burst_ns")
+        work_end = self._time(work_end_ns, "work_end_ns")
+        if flags & WORK_RUNNING and work_end is not None:
             raise ProtocolError(C("GM_ERR_MALFORMED"), "token request says its work is still "
                                 "running and also when it ended (work_end_ns must be -1)")
-        self.channel.token_request(self, gpu, int(frame.h.seq), burst or None, work_end,
-                                   bool(frame.flags & running))
-        self._check_open()
-        await self._drain()   # a flooding client waits on its own replies, nobody else
+        self.channel.token_request(self, gpu, seq, burst or None, work_end,
+                                   bool(flags & WORK_RUNNING))
+        self._check_open()   # a grant sent into a dead socket ends the connection here
 
-    async def _token_release(self, frame: Any) -> None:
-        gpu = self._token_gpu(frame, "token release")
-        if frame.reserved != 0:
+    def _token_release(self, data: bytes, offset: int) -> None:
+        _seq, (gpu, reserved, work_end_ns) = TOKEN_RELEASE.unpack_from(data, offset)
+        self._token_gpu(gpu, "token release")
+        if reserved != 0:
             raise ProtocolError(C("GM_ERR_MALFORMED"), "token release reserved field not zero")
-        self.channel.token_release(gpu, self._time(int(frame.work_end_ns), "work_end_ns"))
+        self.channel.token_release(gpu, self._time(work_end_ns, "work_end_ns"))
 
-    async def _usage_report(self, frame: Any) -> None:
-        gpu = self._token_gpu(frame, "usage report")
-        if frame.reserved != 0:
+    def _usage_report(self, data: bytes, offset: int) -> None:
+        _seq, (gpu, reserved, start_ns, end_ns) = USAGE_REPORT.unpack_from(data, offset)
+        self._token_gpu(gpu, "usage report")
+        if reserved != 0:
             raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report reserved field not zero")
-        start = self._time(int(frame.burst_start_ns), "burst_start_ns")
-        end = self._time(int(frame.burst_end_ns), "burst_end_ns")
+        start = self._time(start_ns, "burst_start_ns")
+        end = self._time(end_ns, "burst_end_ns")
         if start is not None and end is not None:
             if end < start:
                 raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report: the burst ends "
@@ -415,8 +435,7 @@ class Session(Waiter):
         and at most one grant is owed per request, so the buffer stays small."""
         if self.closing_status is not None or self.writer.is_closing():
             return
-        self.writer.write(self._token_grant.pack(seq, gpu, C("GM_OK"), generation,
-                                                 valid_until_ns))
+        self.writer.write(self._token_grant.pack(seq, gpu, OK, generation, valid_until_ns))
 
     async def close(self, status: int, reason: str) -> None:
         """The allocation is going away: tell the client why, then close its connection.

@@ -19,6 +19,7 @@ connections:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import time
@@ -39,7 +40,17 @@ NS = 1_000_000_000
 # Upper bounds (seconds) of the token-wait histogram buckets (Prometheus `le`), +Inf implied.
 WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                 2.5, 5.0)
-MIN_TIMER_DELAY = 0.00005   # a deadline already passed is retried this soon, never in a spin
+# Timers run on whole milliseconds, rounded up: asyncio's loop waits in epoll with a timeout
+# rounded up to one, uvloop rounds to the nearest and ran timers up to 0.5 ms early (an idle
+# release on time where asyncio's came up to 1 ms late, and sub-millisecond re-arms ran at once,
+# a spin). Rounded up, both loops keep the timing the settings were measured with, and a
+# deadline already passed is retried 1 ms later, never in a spin.
+TIMER_RESOLUTION = 0.001
+
+
+def timer_delay(delay: float) -> float:
+    """`delay` rounded up to whole milliseconds, at least one."""
+    return max(math.ceil(delay / TIMER_RESOLUTION - 1e-6), 1) * TIMER_RESOLUTION
 
 
 def now_s() -> float:
@@ -75,9 +86,7 @@ class WaitHistogram:
     count: int = 0
 
     def observe(self, seconds: float) -> None:
-        index = next((i for i, bound in enumerate(WAIT_BUCKETS) if seconds <= bound),
-                     len(WAIT_BUCKETS))
-        self.counts[index] += 1
+        self.counts[bisect.bisect_left(WAIT_BUCKETS, seconds)] += 1   # first bound >= it
         self.total += seconds
         self.count += 1
 
@@ -121,7 +130,7 @@ class GpuTokens:
         self.slots: dict[str, TenantSlot] = {}
         self.published: Grant | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
-        self._deadline_at: float | None = None    # what the pending deadline timer is for
+        self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_backoff = config.idle_release
         self.grants = 0
@@ -266,9 +275,10 @@ class GpuTokens:
             slot.wait_started = None
         for waiter, seq in waiters.items():
             waiter.send_grant(seq, slot.index, grant.generation, valid_until)
-        log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
-                                           "generation": grant.generation,
-                                           "quota_ms": round(grant.quota * 1000, 3)})
+        if log.isEnabledFor(logging.DEBUG):   # the fields cost more than the grant's frames
+            log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
+                                               "generation": grant.generation,
+                                               "quota_ms": round(grant.quota * 1000, 3)})
 
     def _update_gates(self) -> None:
         gate = GATE_TOKEN if self.scheduler.needs_token() else GATE_OPEN
@@ -280,19 +290,25 @@ class GpuTokens:
         self._gate = gate
 
     def _arm_deadline(self, now: float) -> None:
+        """A timer that runs no later than the next deadline. One that runs earlier is kept:
+        tick() is right at any time and `_on_deadline` arms the next, so a hand-off (whose
+        deadline is later than its predecessor's) costs no timer, only an early tick now and
+        then."""
         deadline = self.scheduler.next_deadline(now)
         if self._deadline_timer is not None:
-            if deadline == self._deadline_at:
-                return   # most requests come while the token is held: same deadline, same timer
+            if deadline is not None and self._deadline_fires <= deadline:
+                return
             self._deadline_timer.cancel()
             self._deadline_timer = None
+            self._deadline_fires = math.inf
         if deadline is not None:
-            delay = max(deadline - now, MIN_TIMER_DELAY)
+            delay = timer_delay(deadline - now)
             self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
-            self._deadline_at = deadline
+            self._deadline_fires = now + delay
 
     def _on_deadline(self) -> None:
         self._deadline_timer = None
+        self._deadline_fires = math.inf
         now = self.clock()
         holder = self.scheduler.holder
         revocations = self.scheduler.tenants[holder.tenant].revocations if holder else 0
@@ -334,7 +350,7 @@ class GpuTokens:
             return
         self._cancel_idle_check()
         self._idle_timer = asyncio.get_running_loop().call_later(
-            max(at - now, MIN_TIMER_DELAY), self._on_idle_check)
+            timer_delay(at - now), self._on_idle_check)
 
     def _cancel_idle_check(self) -> None:
         if self._idle_timer is not None:
@@ -370,6 +386,7 @@ class GpuTokens:
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = None
+            self._deadline_fires = math.inf
 
     # ---- status ----
 

@@ -12,6 +12,9 @@
 #include "hook.h"
 
 struct gm_counters gm_counters;
+#ifdef GM_PROFILE
+GM_HIDDEN int gm_profile_dump(char *text, size_t size, int n);   /* launch/profile.c */
+#endif
 
 GM_EXPORT int gemini_hook_stats(struct gemini_hook_stats *out) {
     if (out == NULL) return -1;
@@ -53,6 +56,9 @@ __attribute__((destructor)) static void dump_stats_at_exit(void) {
                       (unsigned long long)s.name);
     GEMINI_HOOK_COUNTERS(DUMP)
 #undef DUMP
+#ifdef GM_PROFILE
+    n = gm_profile_dump(text, sizeof text, n);
+#endif
     if (n < 0) return;
     int fd = open(path, O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
     if (fd < 0) return;

@@ -13,6 +13,7 @@
  * open no stream can be capturing.
  */
 #include "gate.h"
+#include "profile.h"
 
 static _Atomic long captures_open;
 
@@ -72,6 +73,7 @@ static CUresult call_real(const struct gm_launch *l) {
 #define TIME_EVERY 16
 
 CUresult gm_gate(const struct gm_launch *launch) {
+    GM_PROFILE_POINT(entered);
     if (!gm_active()) return call_real(launch);
     if (stream_capturing(launch)) {
         GM_COUNT(captured_launches, 1);
@@ -83,8 +85,11 @@ CUresult gm_gate(const struct gm_launch *launch) {
     int64_t start = timed ? gm_now_ns() : 0;
     int64_t at = 0;
     int gpu = gm_token_gate(&at);   /* blocks while another container holds the token */
+    GM_PROFILE_POINT(before_real);
     CUresult result = call_real(launch);
+    GM_PROFILE_POINT(after_real);
     if (gpu >= 0) gm_token_launched(gpu, launch, at);
     if (timed) GM_COUNT(gate_ns, (uint64_t)(gm_now_ns() - start) * TIME_EVERY);
+    GM_PROFILE_LAUNCH(launch, entered, before_real, after_real);
     return result;
 }
