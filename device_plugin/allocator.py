@@ -4,8 +4,10 @@ The record (vgpu_runtime.allocation) is keyed by the set of slice IDs, so Alloca
 idempotent: kubelet hands an init container's slices to the app containers and replays kept
 responses, and the same IDs always give the same record id, channel directory and response.
 
-Memory: each slice of a GPU gets (GPU memory - memory_reserve) // N bytes; k slices get k times
-that; whole GPUs get all of it (GPU memory - memory_reserve).
+The record holds the entitlement (share, memory limit, the GPU's slice count) and nothing
+else: the daemon keeps the pod binding and the pod's overrides in its own file. Memory: k of N
+slices get floor((GPU memory - memory_reserve) x k / N) bytes, whole GPUs all of it
+(vgpu_runtime.containerenv, the rule gemini-run shares).
 
 Durability (the rule; vgpu_runtime.common.atomicfile has the details): Allocate answers only
 after the record's data is fsynced and renamed into place, so a record kubelet was told about
@@ -20,20 +22,19 @@ directory of. After a reboot the daemon re-creates any channel directory that wa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import stat
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from device_plugin.health import HealthTracker
 from device_plugin.slices import Slice, SliceTable, brief_ids
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, containerenv, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
 from vgpu_runtime.gpus import GpuInfo
@@ -81,8 +82,8 @@ class _Layout:
 class _Kept:
     """A record's bytes as this process last wrote or read them, and the answer they give.
     Equal bytes in the file mean an unchanged record, so a replay reads the file and compares
-    instead of parsing, rebuilding and re-checking it (any change by the daemon, the pod
-    binding or a limit, changes the bytes and takes the full path)."""
+    instead of parsing, rebuilding and re-checking it (a file changed since, by an upgrade or a
+    hand, takes the full path)."""
     payload: bytes
     answer: api_pb2.ContainerAllocateResponse
 
@@ -129,11 +130,9 @@ class Allocator:
 
     # ---- memory ----
 
-    def usable_memory(self, gpu: GpuInfo) -> int:
-        return gpu.memory_total - self.config.memory_reserve
-
-    def per_slice_memory(self, gpu: GpuInfo) -> int:
-        return self.usable_memory(gpu) // self.table.count_of(gpu.uuid)
+    def entitled_memory(self, gpu: GpuInfo, slices: int) -> int:
+        return containerenv.entitled_memory(gpu.memory_total, self.config.memory_reserve,
+                                            slices / self.table.count_of(gpu.uuid))
 
     # ---- validation ----
 
@@ -212,12 +211,12 @@ class Allocator:
         if len(gpus) == 1:
             gpu = next(iter(gpus.values()))
             per_gpu = self.table.count_of(gpu.uuid)
-            memory = k * self.per_slice_memory(gpu)
-            shares: tuple[GpuShare, ...] = (GpuShare(gpu.uuid, gpu.index, k / per_gpu, memory,
-                                                     memory),)
+            shares: tuple[GpuShare, ...] = (GpuShare(
+                gpu.uuid, gpu.index, k / per_gpu, self.entitled_memory(gpu, k), per_gpu),)
         else:
-            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.usable_memory(g),
-                                    self.usable_memory(g)) for g in gpus.values())
+            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.entitled_memory(g, n), n)
+                           for g in gpus.values()
+                           for n in (self.table.count_of(g.uuid),))
         return AllocationRecord(
             id=allocation_id, origin="kubelet", device_ids=device_ids, gpus=shares,
             channel_dir=self._layout().channel(allocation_id),
@@ -229,16 +228,10 @@ class Allocator:
         uuids = [g.uuid for g in record.gpus]
         gpus = {s.gpu.uuid: s.gpu for s in slices}
         strategy = self.config.device_list_strategy
-        envs = {
-            "CUDA_VISIBLE_DEVICES": ",".join(uuids),
-            paths.ENV_CHANNEL_DIR: paths.CONTAINER_CHANNEL_DIR,
-            paths.ENV_ALLOCATION_ID: record.id,
-            paths.ENV_SHARE: repr(record.gpus[0].share),
-            paths.ENV_MEMORY_LIMIT: str(record.gpus[0].memory_limit),
-            # "void" overrides an image's NVIDIA_VISIBLE_DEVICES=all (CUDA images set it)
-            # when the GPU is given as CDI devices or device nodes.
-            "NVIDIA_VISIBLE_DEVICES": ",".join(uuids) if strategy == "envvar" else "void",
-        }
+        envs = containerenv.container_environment(record, paths.CONTAINER_CHANNEL_DIR)
+        # "void" overrides an image's NVIDIA_VISIBLE_DEVICES=all (CUDA images set it) when the
+        # GPU is given as CDI devices or device nodes.
+        envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(uuids) if strategy == "envvar" else "void"
         answer = api_pb2.ContainerAllocateResponse(
             envs=envs,
             mounts=[
@@ -299,16 +292,15 @@ class Allocator:
         if existing is None:
             self._check_health(slices)
             record = self.build_record(slices, self.clock(), allocation_id)
+        elif existing.carried is not None:
+            # A version-1 record an older daemon wrote its pod into: left as it is for its
+            # allocation's life (the daemon moves that pod into its binding file).
+            record = existing
         else:
-            # Keep what a replay must not change: creation time, the pod binding, and limits
-            # the daemon applied from the pod's annotations. The same slices given to another
-            # pod are re-bound by the daemon, which follows PodResources (daemon/pods/pods.py).
-            fresh = self.build_record(slices, existing.created_at, allocation_id)
-            kept_limits = {g.uuid: g.memory_limit for g in existing.gpus}
-            gpus = tuple(dataclasses.replace(g, memory_limit=kept_limits.get(g.uuid,
-                                                                             g.memory_limit))
-                         for g in fresh.gpus)
-            record = dataclasses.replace(fresh, gpus=gpus, pod=existing.pod, limit=existing.limit)
+            # A replay keeps the creation time and the entitled memory, fixed for the
+            # allocation's life; the pod binding is the daemon's (daemon/pods/pods.py).
+            record = self._replayed(self.build_record(slices, existing.created_at,
+                                                      allocation_id), existing)
         if record != existing:
             payload = self._store(record, layout)
         else:
@@ -319,6 +311,13 @@ class Allocator:
         self._keep(allocation_id, _Kept(payload, answer))
         self._log_allocated(allocation_id, slices, replay=existing is not None)
         return answer, existing is None
+
+    @staticmethod
+    def _replayed(fresh: AllocationRecord, existing: AllocationRecord) -> AllocationRecord:
+        memory = {g.uuid: g.memory_limit for g in existing.gpus}
+        return replace(fresh, gpus=tuple(replace(g, memory_limit=memory.get(g.uuid,
+                                                                             g.memory_limit))
+                                         for g in fresh.gpus))
 
     def _check_interposer(self) -> None:
         """The library the answer names in LD_PRELOAD or the preload file must be in the hook

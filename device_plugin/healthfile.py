@@ -1,6 +1,5 @@
-"""<state-dir>/health.json: the plugin's view of GPU health, for the node daemon's telemetry.
-
-    {"GPU-...": {"healthy": true, "reason": ""}, ...}
+"""<state-dir>/health.json: the plugin's view of GPU health, for the node daemon's telemetry
+(its format: vgpu_runtime.nodefiles).
 
 Written atomically (temporary file, fsync, rename) after every health change and at start, so
 the daemon reads the old file or the new one, never half of one. The plugin is the only writer.
@@ -8,31 +7,27 @@ the daemon reads the old file or the new one, never half of one. The plugin is t
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 from device_plugin.health import HealthTracker
+from vgpu_runtime import nodefiles, paths
 from vgpu_runtime.common.atomicfile import write_atomic
 
 log = logging.getLogger(__name__)
 
-HEALTH_FILE_NAME = "health.json"
+health_file = paths.health_file
 
 
-def health_file(state_dir: str | Path) -> Path:
-    return Path(state_dir) / HEALTH_FILE_NAME
-
-
-def health_document(tracker: HealthTracker) -> dict[str, dict[str, object]]:
-    return {uuid: {"healthy": tracker.state(uuid).healthy, "reason": tracker.state(uuid).reason}
+def health_document(tracker: HealthTracker) -> dict[str, nodefiles.GpuHealth]:
+    return {uuid: nodefiles.GpuHealth(tracker.state(uuid).healthy, tracker.state(uuid).reason)
             for uuid in tracker.all_uuids()}
 
 
 def write_health(state_dir: str | Path, tracker: HealthTracker) -> None:
     """Never raises: health reaches kubelet through ListAndWatch whatever happens to this file."""
     target = health_file(state_dir)
-    payload = json.dumps(health_document(tracker), sort_keys=True).encode()
+    payload = nodefiles.encode_health(health_document(tracker))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         # Not durable: it is rewritten on every change and re-created at every start.

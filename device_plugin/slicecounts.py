@@ -9,33 +9,30 @@ does not evict for health), and the plugin logs why; the node daemon posts the s
 Event on the Node (it has the API access the plugin does not). While any record cannot be read,
 no GPU changes count.
 
-    slices.json: {"GPU-...": {"advertised": 10, "configured": 4, "waiting_for": ["k-..."]}}
+slices.json's format: vgpu_runtime.nodefiles.
 
 Written atomically (not durably: it is rewritten at every start) whenever a count changes.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from device_plugin.slices import SliceIdError, SliceTable, parse_slice_id
-from vgpu_runtime import allocation
+from vgpu_runtime import allocation, nodefiles, paths
 from vgpu_runtime.allocation import RecordError
 from vgpu_runtime.common.atomicfile import write_atomic
 from vgpu_runtime.gpus import GpuInfo
 
 log = logging.getLogger(__name__)
 
-COUNTS_FILE_NAME = "slices.json"
 SETTLE_INTERVAL = 2.0   # seconds between scans of the records while a GPU waits
 
 
-def counts_file(state_dir: str | Path) -> Path:
-    return Path(state_dir) / COUNTS_FILE_NAME
+counts_file = paths.slices_file
 
 
 @dataclass(frozen=True)
@@ -51,12 +48,11 @@ def read_advertised(state_dir: str | Path) -> dict[str, int]:
     """What the last run advertised per GPU; {} (as on a first start) if unknown."""
     path = counts_file(state_dir)
     try:
-        data = json.loads(path.read_bytes())
-        return {str(uuid): int(entry["advertised"]) for uuid, entry in data.items()
-                if int(entry["advertised"]) >= 1}
+        counts = nodefiles.decode_slice_counts(path.read_bytes())
+        return {uuid: c.advertised for uuid, c in counts.items() if c.advertised >= 1}
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+    except (OSError, ValueError) as err:
         log.warning("ignoring unreadable slice counts; every GPU takes the configured count",
                     extra={"path": str(path), "error": str(err)})
         return {}
@@ -102,12 +98,12 @@ def plan(gpus: Sequence[GpuInfo], configured: int, advertised: Mapping[str, int]
 def write_counts(state_dir: str | Path, table: SliceTable, waiting: Sequence[Waiting]) -> None:
     """Never raises: the counts reach kubelet through ListAndWatch whatever happens here."""
     by_gpu = {w.uuid: w for w in waiting}
-    document = {uuid: {"advertised": table.count_of(uuid), "configured": table.per_gpu,
-                       "waiting_for": list(by_gpu[uuid].waiting_for) if uuid in by_gpu else []}
-                for uuid in table.counts}
+    document = {uuid: nodefiles.SliceCount(
+        table.count_of(uuid), table.per_gpu, by_gpu[uuid].waiting_for if uuid in by_gpu else ())
+        for uuid in table.counts}
     target = counts_file(state_dir)
     try:
-        write_atomic(target, json.dumps(document, sort_keys=True).encode(), durable=False)
+        write_atomic(target, nodefiles.encode_slice_counts(document), durable=False)
     except OSError as err:
         log.warning("cannot write slice counts", extra={"path": str(target),
                                                         "error": str(err)})

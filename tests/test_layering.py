@@ -29,6 +29,8 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.kubeletapi": 1,
     "vgpu_runtime.wire": 1,
     "vgpu_runtime.allocation": 1,
+    "vgpu_runtime.nodefiles": 1,
+    "vgpu_runtime.containerenv": 1,
     "vgpu_runtime.hooklib": 1,
     # The plugin's section of the node configuration file: the config manager checks it too.
     "vgpu_runtime.pluginconfig": 1,

@@ -1,28 +1,42 @@
-"""The allocation record: the one contract between the allocators and the node daemon.
+"""The allocation record and the pod binding: the contracts between the allocators and the
+node daemon. Each file has one writer.
 
 An allocator (the device plugin's Allocate, or gemini-run) writes one record per allocation to
-<state-dir>/allocations/<id>.json; the node daemon reads them and serves each allocation's
-channel. Records are written atomically (vgpu_runtime.common.atomicfile: temporary file, fsync,
-rename, fsync of the directory), so a reader sees the old record or the new one, never half of
-one, even if the writer dies or the power fails. Once write_record returns, the record survives
-a crash of the writer. The directory fsync that makes it survive a power loss is done before
-write_record returns, or just after it by a DirectorySyncer when the caller passes one (the
-device plugin, to answer Allocate sooner); until then a power loss can only bring back the old
-record, or none. Temporary files a dead writer left behind are removed by sweep_temp_files.
+<state-dir>/allocations/<id>.json, holding the entitlement: what the slices (or gemini-run's
+request) give. The node daemon alone writes <state-dir>/bindings/<id>.json, the pod a kubelet
+allocation serves and that pod's overrides (its annotations); the daemon enforces the record's
+entitlement with the binding's overrides applied (its terms). Both files are written atomically
+(vgpu_runtime.common.atomicfile: temporary file, fsync, rename, fsync of the directory), so a
+reader sees the old file or the new one, never half of one, even if the writer dies or the power
+fails. Once write_record returns, the record survives a crash of the writer. The directory fsync
+that makes it survive a power loss is done before write_record returns, or just after it by a
+DirectorySyncer when the caller passes one (the device plugin, to answer Allocate sooner); until
+then a power loss can only bring back the old record, or none. Temporary files a dead writer
+left behind are removed by sweep_temp_files.
 
-Format (JSON, `version` 1):
+Record (JSON, `version` 2):
     id            "k-<16 hex>" from kubelet slice IDs, "r-<16 hex>" for gemini-run
     origin        "kubelet" | "gemini-run"
     device_ids    the slice IDs kubelet gave (empty for gemini-run)
-    gpus          [{uuid, index, share, memory_limit, default_memory}], share in (0, 1],
-                  memory_limit in bytes; default_memory (bytes, or null/absent) is what the
-                  slices give before any pod annotation, restored when another pod takes them
-    limit         cap on the GPU-time share, or null for the node default
+    gpus          [{uuid, index, share, memory_limit, slices_per_gpu}]: share in (0, 1], the
+                  entitled memory limit in bytes, and the slices the plugin cut that GPU into
+                  (null from gemini-run)
+    limit         gemini-run's cap on the GPU-time share, or null for the node default
     channel_dir   host path of the channel directory mounted into the container
     hook_library  file name of the interposer version the container was given
     created_at    creation time, seconds since the epoch
     owner_pid     gemini-run's pid, or null
-    pod           {namespace, name, container, uid} once known, or null
+
+A version-1 record (written before bindings existed) is read too. The daemon of that time
+rewrote it with its pod and annotation values (`pod`, `limit`, `memory_limit`, the entitlement
+kept in `default_memory`): those are read as the record's `carried` binding, which the daemon
+moves into its own binding file the first time it reads the record.
+
+Binding (JSON, `version` 1), written by the daemon only:
+    id            the allocation id
+    pod           {namespace, name, container, uid}
+    limit         the pod's cap on the GPU-time share (annotation), or null
+    memory_limit  the pod's memory limit per GPU (annotation), or null
 """
 
 from __future__ import annotations
@@ -48,7 +62,9 @@ from vgpu_runtime.common.atomicfile import (
 )
 from vgpu_runtime.common.securedir import read_nofollow, remove_tree_in
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
+READABLE_RECORD_VERSIONS = (1, 2)
+BINDING_VERSION = 1
 ORIGINS = ("kubelet", "gemini-run")
 # The wire carries a memory limit as a uint64 (gemini_wire.h): a larger one could never be sent.
 MAX_MEMORY_LIMIT = (1 << 64) - 1
@@ -63,8 +79,8 @@ class GpuShare:
     uuid: str
     index: int
     share: float
-    memory_limit: int
-    default_memory: int | None = None
+    memory_limit: int                   # the entitled memory limit, bytes
+    slices_per_gpu: int | None = None   # how many slices the plugin cut this GPU into
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,28 @@ class PodRef:
     name: str
     container: str
     uid: str = ""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The daemon's part of a kubelet allocation: its pod and the pod's overrides."""
+    id: str
+    pod: PodRef
+    limit: float | None = None          # overrides the record's time cap
+    memory_limit: int | None = None     # overrides every GPU's entitled memory limit
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": BINDING_VERSION, "id": self.id, "pod": dataclasses.asdict(self.pod),
+                "limit": self.limit, "memory_limit": self.memory_limit}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Binding:
+        try:
+            return _parse_binding(data)
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
+            if isinstance(err, RecordError):
+                raise
+            raise RecordError(f"malformed pod binding: {err!r}") from None
 
 
 @dataclass(frozen=True)
@@ -86,17 +124,18 @@ class AllocationRecord:
     created_at: float
     limit: float | None = None
     owner_pid: int | None = None
-    pod: PodRef | None = None
+    # What a version-1 record's old daemon wrote into it (read only, never written back).
+    carried: Binding | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Field by field rather than dataclasses.asdict, whose deep copy of every slice ID
         # was the largest CPU cost of a new Allocate.
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del data["carried"]
         data["version"] = RECORD_VERSION
         data["device_ids"] = list(self.device_ids)
         data["gpus"] = [{f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
                         for g in self.gpus]
-        data["pod"] = None if self.pod is None else dataclasses.asdict(self.pod)
         return data
 
     @classmethod
@@ -122,12 +161,14 @@ def _need(data: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
 def _parse(data: Any) -> AllocationRecord:
     if not isinstance(data, dict):
         raise RecordError("an allocation record must be a JSON object")
-    if data.get("version") != RECORD_VERSION:
-        raise RecordError(f"unsupported record version {data.get('version')!r}")
+    version = data.get("version")
+    if version not in READABLE_RECORD_VERSIONS or isinstance(version, bool):
+        raise RecordError(f"unsupported record version {version!r}")
     origin = _need(data, "origin", str)
     if origin not in ORIGINS:
         raise RecordError(f"unknown origin {origin!r}")
     gpus = []
+    overrides: set[int] = set()     # version 1: memory limits the old daemon applied
     for item in _need(data, "gpus", list):
         if not isinstance(item, dict):
             raise RecordError("each entry of 'gpus' must be an object")
@@ -135,26 +176,35 @@ def _parse(data: Any) -> AllocationRecord:
         memory_limit = _need(item, "memory_limit", int)
         if not (0 < share <= 1) or not 0 <= memory_limit <= MAX_MEMORY_LIMIT:
             raise RecordError(f"GPU entry out of range: share {share}, memory {memory_limit}")
-        default_memory = item.get("default_memory")
-        if default_memory is not None:
-            default_memory = _need(item, "default_memory", int)
-            if not 0 <= default_memory <= MAX_MEMORY_LIMIT:
-                raise RecordError(f"GPU entry out of range: default memory {default_memory}")
+        slices = None
+        if version == 1:
+            entitled = _memory(item, "default_memory")
+            if entitled is not None and entitled != memory_limit:
+                overrides.add(memory_limit)
+                memory_limit = entitled
+        else:
+            slices = item.get("slices_per_gpu")
+            if slices is not None and (_need(item, "slices_per_gpu", int) < 1):
+                raise RecordError(f"GPU entry out of range: slices per GPU {slices}")
         gpus.append(GpuShare(_need(item, "uuid", str), _need(item, "index", int), share,
-                             memory_limit, default_memory))
+                             memory_limit, slices))
     if not gpus:
         raise RecordError("an allocation record names no GPU")
-    limit = data.get("limit")
-    if limit is not None:
-        limit = float(_need(data, "limit", (int, float)))
-        if not (0 < limit <= 1) or math.isnan(limit):
-            raise RecordError(f"limit out of range: {limit}")
+    limit = _fraction(data, "limit")
     created_at = float(_need(data, "created_at", (int, float)))
     if not math.isfinite(created_at):
         raise RecordError(f"created_at is not a finite time: {created_at}")
-    pod = data.get("pod")
-    record = AllocationRecord(
-        id=_need(data, "id", str),
+    allocation_id = check_id(_need(data, "id", str))
+    carried = None
+    if version == 1 and origin == "kubelet":
+        # Only the old daemon wrote a kubelet record's pod and limit.
+        pod = data.get("pod")
+        if isinstance(pod, dict):
+            carried = Binding(allocation_id, _pod(pod), limit,
+                              min(overrides) if overrides else None)
+        limit = None
+    return AllocationRecord(
+        id=allocation_id,
         origin=origin,
         device_ids=tuple(str(d) for d in _need(data, "device_ids", list)),
         gpus=tuple(gpus),
@@ -163,10 +213,46 @@ def _parse(data: Any) -> AllocationRecord:
         created_at=created_at,
         limit=limit,
         owner_pid=data.get("owner_pid") and _need(data, "owner_pid", int),
-        pod=PodRef(**pod) if isinstance(pod, dict) else None,
+        carried=carried,
     )
-    check_id(record.id)
-    return record
+
+
+def _memory(data: dict[str, Any], key: str) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    value = _need(data, key, int)
+    if not 0 <= value <= MAX_MEMORY_LIMIT:
+        raise RecordError(f"{key} out of range: {value}")
+    return int(value)
+
+
+def _fraction(data: dict[str, Any], key: str) -> float | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    value = float(_need(data, key, (int, float)))
+    if not (0 < value <= 1) or math.isnan(value):
+        raise RecordError(f"{key} out of range: {value}")
+    return value
+
+
+def _pod(data: dict[str, Any]) -> PodRef:
+    return PodRef(_need(data, "namespace", str), _need(data, "name", str),
+                  _need(data, "container", str), str(data.get("uid") or ""))
+
+
+def _parse_binding(data: Any) -> Binding:
+    if not isinstance(data, dict):
+        raise RecordError("a pod binding must be a JSON object")
+    if data.get("version") != BINDING_VERSION:
+        raise RecordError(f"unsupported binding version {data.get('version')!r}")
+    pod = _need(data, "pod", dict)
+    memory = _memory(data, "memory_limit")
+    if memory == 0:
+        raise RecordError("memory_limit out of range: 0")
+    return Binding(check_id(_need(data, "id", str)), _pod(pod), _fraction(data, "limit"),
+                   memory)
 
 
 def check_id(allocation_id: str) -> str:
@@ -313,3 +399,65 @@ def sweep_temp_files(state_dir: str | Path, older_than: float = STALE_TEMP_AGE) 
     never breaks a live writer, in atomicfile.sweep_stale_temps). Called at start by each
     process that owns the directory: the device plugin and the node daemon."""
     return sweep_stale_temps(paths.allocations_dir(state_dir), older_than)
+
+
+# ---- bindings (the daemon's files) ----
+
+def binding_path(state_dir: str | Path, allocation_id: str) -> Path:
+    return paths.bindings_dir(state_dir) / f"{check_id(allocation_id)}.json"
+
+
+def write_binding(state_dir: str | Path, binding: Binding) -> Path:
+    """Atomically and durably; on failure (RecordError) the previous binding is untouched."""
+    target = binding_path(state_dir, binding.id)
+    payload = json.dumps(binding.to_json(), sort_keys=True).encode()
+    try:
+        target.parent.mkdir(mode=paths.BINDINGS_DIR_MODE, parents=True, exist_ok=True)
+        write_atomic(target, payload)
+    except OSError as err:
+        raise RecordError(f"cannot write pod binding {target}: {err.strerror}") from None
+    return target
+
+
+def read_binding(path: str | Path) -> Binding:
+    try:
+        raw = read_nofollow(path)
+    except OSError as err:
+        raise RecordError(f"cannot read pod binding {path}: {err.strerror}") from None
+    try:
+        binding = Binding.from_json(json.loads(raw))
+    except (ValueError, RecursionError) as err:
+        if isinstance(err, RecordError):
+            raise
+        raise RecordError(f"pod binding {path} is not valid JSON: {err}") from None
+    if Path(path).name != f"{binding.id}.json":
+        raise RecordError(f"pod binding {path} holds id {binding.id}")
+    return binding
+
+
+def scan_bindings(state_dir: str | Path) -> Iterator[tuple[Path, Binding | RecordError]]:
+    directory = paths.bindings_dir(state_dir)
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("*.json")):
+        try:
+            yield path, read_binding(path)
+        except RecordError as err:
+            yield path, err
+
+
+def remove_binding(state_dir: str | Path, allocation_id: str) -> bool:
+    try:
+        binding_path(state_dir, allocation_id).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def load_binding(state_dir: str | Path, allocation_id: str) -> Binding | None:
+    """The allocation's binding as the daemon last stored it (a version-1 record's own is its
+    `carried`), or None if there is none or it cannot be read."""
+    try:
+        return read_binding(binding_path(state_dir, allocation_id))
+    except RecordError:
+        return None

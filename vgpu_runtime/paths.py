@@ -1,5 +1,8 @@
-"""Paths and names shared by the device plugin, the node daemon, gemini-run and the hook.
+"""The contract of names: every file, directory and variable the node's programs share.
 
+The device plugin, the node daemon, gemini-run, the CLI and the hook find one another's files
+through the names here and nowhere else; each shared file's format lives with its one writer's
+reader module (allocation.py: records and bindings; nodefiles.py: health.json, slices.json).
 Host paths are defaults that configuration may change; container paths are fixed, since
 the hook inside every container finds its channel through them.
 """
@@ -17,10 +20,22 @@ DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_STATE_DIR = "/var/lib/gemini"
 
-# Inside <state-dir>.
-ALLOCATIONS_SUBDIR = "allocations"
-CHANNELS_SUBDIR = "channels"
-LIB_SUBDIR = "lib"
+# Inside <state-dir>, with each file's one writer.
+ALLOCATIONS_SUBDIR = "allocations"   # allocation records: the plugin, gemini-run
+BINDINGS_SUBDIR = "bindings"         # pod bindings: the daemon
+CHANNELS_SUBDIR = "channels"         # channel directories: the allocators make, the daemon serves
+PAGES_SUBDIR = "pages"               # token and activity pages: the daemon
+LIB_SUBDIR = "lib"                   # interposer libraries: gemini-install-hook
+HEALTH_FILE_NAME = "health.json"     # GPU health: the plugin
+SLICES_FILE_NAME = "slices.json"     # slice counts per GPU: the plugin
+LOCK_NAME = "scheduler.lock"         # one daemon per state directory
+CONTROL_SOCKET_NAME = "scheduler.sock"   # the daemon's control socket
+RUN_LOCK_NAME = "run.lock"           # gemini-run's admission lock
+BINDINGS_DIR_MODE = 0o700
+PAGES_DIR_MODE = 0o700
+# A GPU is cut into at most this many slices: "<uuid>::<n>" stays well under kubelet's
+# 63-character device IDs, and a share k/N is recovered exactly from its float.
+MAX_SLICES_PER_GPU = 1000
 # channels/ is its owner's alone: a container reaches its own channel through the bind mount of
 # the leaf, which needs no search permission on the host's parents, and nobody else on the host
 # can reach any channel, whatever its name (allocation IDs are hashes of guessable slice IDs).
@@ -44,11 +59,15 @@ CHANNEL_SOCKET_NAME = "sched.sock"
 CHANNEL_PRELOAD_NAME = "ld.so.preload"   # bind-mounted at CONTAINER_PRELOAD_FILE
 UNIX_PATH_MAX = 107
 
-# Environment the hook reads (set by Allocate and by gemini-run).
 # Every program's state directory when no flag names one (the daemon's own config reads it too).
 ENV_STATE_DIR = "GEMINI_STATE_DIR"
+# A container's environment (containerenv.py builds it for Allocate and gemini-run alike).
+# The hook reads these two to find its channel:
 ENV_CHANNEL_DIR = "GEMINI_CHANNEL_DIR"
 ENV_ALLOCATION_ID = "GEMINI_ALLOCATION_ID"
+# Information for the workload only: the hook never reads them (its limits come from the
+# daemon's hello), so changing them changes nothing the node enforces. The share and the
+# entitled memory limit of the allocation's first GPU.
 ENV_SHARE = "GEMINI_VGPU_SHARE"
 ENV_MEMORY_LIMIT = "GEMINI_VGPU_MEMORY_LIMIT"
 
@@ -65,6 +84,30 @@ def default_state_dir() -> str:
 
 def allocations_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / ALLOCATIONS_SUBDIR
+
+
+def bindings_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / BINDINGS_SUBDIR
+
+
+def pages_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / PAGES_SUBDIR
+
+
+def health_file(state_dir: str | Path) -> Path:
+    return Path(state_dir) / HEALTH_FILE_NAME
+
+
+def slices_file(state_dir: str | Path) -> Path:
+    return Path(state_dir) / SLICES_FILE_NAME
+
+
+def lock_file(state_dir: str | Path) -> Path:
+    return Path(state_dir) / LOCK_NAME
+
+
+def control_socket(state_dir: str | Path) -> Path:
+    return Path(state_dir) / CONTROL_SOCKET_NAME
 
 
 def channels_dir(state_dir: str | Path) -> Path:

@@ -37,7 +37,6 @@ DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 PLACEMENTS = ("best-fit", "spread")
 STRATEGIES = ("envvar", "cdi", "device-nodes")
 INJECTIONS = ("ld-preload", "preload-file", "both")
-MAX_SLICES_PER_GPU = cfg.MAX_SLICES_PER_GPU
 
 
 def _file_name(value: Any) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import vgpu_runtime
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, containerenv, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
@@ -62,7 +62,7 @@ PROG = "gemini-run"
 ENV_STATE_DIR = paths.ENV_STATE_DIR
 ENV_SIMULATE = "GEMINI_SIMULATE_GPUS"
 ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
-RUN_LOCK_NAME = "run.lock"
+RUN_LOCK_NAME = paths.RUN_LOCK_NAME
 DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
 DAEMON_IDLE_EXIT = 600.0   # seconds the daemon started here outlives the last allocation
@@ -233,10 +233,8 @@ def admit(state_dir: Path, gpu: GpuInfo, share: float, overcommit: bool) -> None
     total = sum(s for _, s in in_use)
     if total + share <= 1 + SHARE_EPSILON or overcommit:
         return
-    holders = "; ".join(
-        f"{r.id} ({r.origin}" + (f", pid {r.owner_pid}" if r.owner_pid else "")
-        + (f", pod {r.pod.namespace}/{r.pod.name}" if r.pod else "") + f"): {s:g}"
-        for r, s in in_use)
+    holders = "; ".join(f"{r.id} ({r.origin}" + (f", pid {r.owner_pid}" if r.owner_pid else "")
+                        + _pod_note(state_dir, r) + f"): {s:g}" for r, s in in_use)
     raise RunError(
         f"GPU {gpu.index} ({gpu.uuid}) has {max(0.0, 1 - total):g} of its time free and "
         f"--share {share:g} was asked; in use: {holders}. Ask for a smaller --share, another "
@@ -244,6 +242,11 @@ def admit(state_dir: Path, gpu: GpuInfo, share: float, overcommit: bool) -> None
 
 
 # ---- stale records ----
+
+def _pod_note(state_dir: Path, record: AllocationRecord) -> str:
+    binding = allocation.load_binding(state_dir, record.id) or record.carried
+    return f", pod {binding.pod.namespace}/{binding.pod.name}" if binding else ""
+
 
 def _boot_time() -> float | None:
     with contextlib.suppress(OSError, ValueError), open("/proc/stat") as handle:
@@ -409,12 +412,7 @@ def child_environment(record: AllocationRecord, library: Path) -> dict[str, str]
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD")
     env["LD_PRELOAD"] = f"{library}:{preload}" if preload else str(library)
-    gpu = record.gpus[0]
-    env[paths.ENV_CHANNEL_DIR] = record.channel_dir
-    env[paths.ENV_ALLOCATION_ID] = record.id
-    env[paths.ENV_SHARE] = f"{gpu.share:g}"
-    env[paths.ENV_MEMORY_LIMIT] = str(gpu.memory_limit)
-    env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+    env.update(containerenv.container_environment(record, record.channel_dir))
     return env
 
 
@@ -441,8 +439,8 @@ def supervise(command: list[str], env: dict[str, str]) -> int:
 
 def build_record(request: Request, gpu: GpuInfo, library: Path) -> AllocationRecord:
     allocation_id = allocation.new_run_id()
-    memory = request.memory if request.memory is not None else int(request.share
-                                                                    * gpu.memory_total)
+    memory = (request.memory if request.memory is not None
+              else containerenv.entitled_memory(gpu.memory_total, 0, request.share))
     if memory > gpu.memory_total and not request.overcommit:
         raise RunError(f"--memory {format_size(memory)} is more than GPU {gpu.index} has "
                        f"({format_size(gpu.memory_total)}); pass --overcommit to allow it")

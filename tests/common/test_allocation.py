@@ -1,4 +1,5 @@
-"""The allocation record: round trip, atomicity, and refusal of malformed records."""
+"""The allocation record and the pod binding: round trip, atomicity, version-1 records, and
+refusal of malformed files."""
 
 from __future__ import annotations
 
@@ -29,19 +30,74 @@ def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> all
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    record = sample(limit=0.5, pod=alloc.PodRef("ns", "pod", "c", "uid"))
+    record = sample(limit=0.5, gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30, 10),))
     path = alloc.write_record(tmp_path, record)
     assert path == tmp_path / "allocations" / f"{record.id}.json"
     assert alloc.read_record(path) == record
     assert alloc.load_record(tmp_path, record.id) == record
+    assert json.loads(path.read_text())["version"] == 2
 
 
-def test_default_memory_round_trips_and_may_be_absent(tmp_path: Path) -> None:
-    record = sample(gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 1 << 30, 2 << 30),))
-    assert alloc.AllocationRecord.from_json(record.to_json()) == record
-    older = sample().to_json()     # written before default_memory was kept
+def test_binding_round_trip_and_removal(tmp_path: Path) -> None:
+    record = sample()
+    binding = alloc.Binding(record.id, alloc.PodRef("ns", "pod", "c", "uid"), 0.5, 1 << 30)
+    path = alloc.write_binding(tmp_path, binding)
+    assert path == tmp_path / "bindings" / f"{record.id}.json"
+    assert (path.parent.stat().st_mode & 0o777) == 0o700
+    assert alloc.load_binding(tmp_path, record.id) == binding
+    assert dict(alloc.scan_bindings(tmp_path)) == {path: binding}
+    assert alloc.remove_binding(tmp_path, record.id) and not path.exists()
+    assert alloc.load_binding(tmp_path, record.id) is None
+
+
+def test_a_link_planted_as_a_binding_is_not_followed(tmp_path: Path) -> None:
+    record = sample()
+    secret = tmp_path / "secret"
+    secret.write_text(json.dumps(alloc.Binding(record.id, alloc.PodRef("a", "b", "c")).to_json()))
+    (tmp_path / "bindings").mkdir()
+    os.symlink(secret, alloc.binding_path(tmp_path, record.id))
+    with pytest.raises(alloc.RecordError, match="cannot read pod binding"):
+        alloc.read_binding(alloc.binding_path(tmp_path, record.id))
+    assert alloc.load_binding(tmp_path, record.id) is None
+
+
+V1_KUBELET = {   # as today's plugin writes it (version 1, before bindings)
+    "version": 1, "id": alloc.id_for_devices(("GPU-a::0", "GPU-a::1")), "origin": "kubelet",
+    "device_ids": ["GPU-a::0", "GPU-a::1"],
+    "gpus": [{"uuid": "GPU-a", "index": 0, "share": 0.2, "memory_limit": 2 << 30,
+              "default_memory": 2 << 30}],
+    "limit": None, "channel_dir": "/var/lib/gemini/channels/x", "hook_library": "lib",
+    "created_at": 1.0e9, "owner_pid": None, "pod": None}
+
+
+def test_a_version_1_record_is_read_as_its_entitlement() -> None:
+    record = alloc.AllocationRecord.from_json(V1_KUBELET)
+    assert record.gpus == (alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30, None),)
+    assert record.limit is None and record.carried is None
+    older = json.loads(json.dumps(V1_KUBELET))   # written before default_memory was kept
     del older["gpus"][0]["default_memory"]
-    assert alloc.AllocationRecord.from_json(older).gpus[0].default_memory is None
+    assert alloc.AllocationRecord.from_json(older) == record
+    # Written again, it is a version-2 record with the same entitlement.
+    assert alloc.AllocationRecord.from_json(record.to_json()) == record
+
+
+def test_a_version_1_record_an_old_daemon_bound_carries_its_binding() -> None:
+    data = json.loads(json.dumps(V1_KUBELET))
+    data["gpus"][0]["memory_limit"] = 1 << 30     # the pod's annotation, as the daemon wrote it
+    data.update(limit=0.5, pod={"namespace": "ns", "name": "p", "container": "c", "uid": "u"})
+    record = alloc.AllocationRecord.from_json(data)
+    assert record.gpus[0].memory_limit == 2 << 30 and record.limit is None
+    assert record.carried == alloc.Binding(record.id, alloc.PodRef("ns", "p", "c", "u"), 0.5,
+                                           1 << 30)
+    assert "carried" not in record.to_json() and "pod" not in record.to_json()
+
+
+def test_a_version_1_gemini_run_record_keeps_its_limit() -> None:
+    data = json.loads(json.dumps(V1_KUBELET))
+    data.update(origin="gemini-run", device_ids=[], limit=0.6, owner_pid=42,
+                id="r-0123456789abcdef")
+    record = alloc.AllocationRecord.from_json(data)
+    assert record.limit == 0.6 and record.carried is None
 
 
 def test_id_depends_only_on_the_set_of_slices() -> None:
@@ -91,7 +147,8 @@ def test_failed_rename_keeps_the_old_record(
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(version=3), "version"),
+    (lambda d: d.update(version=True), "version"),
     (lambda d: d.update(origin="docker"), "origin"),
     (lambda d: d.update(gpus=[]), "no GPU"),
     (lambda d: d["gpus"][0].update(share=1.5), "out of range"),
@@ -100,8 +157,10 @@ def test_failed_rename_keeps_the_old_record(
     (lambda d: d["gpus"][0].update(memory_limit=1 << 64), "out of range"),
     (lambda d: d["gpus"][0].update(memory_limit=-1), "out of range"),
     (lambda d: d.update(limit=0), "limit"),
-    (lambda d: d["gpus"][0].update(default_memory="2GiB"), "wrong type"),
-    (lambda d: d["gpus"][0].update(default_memory=-1), "out of range"),
+    (lambda d: d["gpus"][0].update(slices_per_gpu=0), "out of range"),
+    (lambda d: d["gpus"][0].update(slices_per_gpu="10"), "wrong type"),
+    (lambda d: d.update(version=1) or d["gpus"][0].update(default_memory="2GiB"), "wrong type"),
+    (lambda d: d.update(version=1) or d["gpus"][0].update(default_memory=-1), "out of range"),
     (lambda d: d.update(id="../../etc/passwd"), "malformed allocation id"),
     (lambda d: d.pop("channel_dir"), "channel_dir"),
 ])
@@ -110,6 +169,23 @@ def test_malformed_records_are_refused_with_a_reason(mutate, message, tmp_path: 
     mutate(data)
     with pytest.raises(alloc.RecordError, match=message):
         alloc.AllocationRecord.from_json(data)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=2), "version"),
+    (lambda d: d.update(id="../x"), "malformed allocation id"),
+    (lambda d: d.update(pod=None), "wrong type"),
+    (lambda d: d["pod"].pop("name"), "name"),
+    (lambda d: d.update(limit=1.5), "limit out of range"),
+    (lambda d: d.update(memory_limit=0), "out of range"),
+    (lambda d: d.update(memory_limit=1 << 64), "out of range"),
+    (lambda d: d.update(memory_limit=True), "boolean"),
+])
+def test_malformed_bindings_are_refused_with_a_reason(mutate, message) -> None:  # type: ignore[no-untyped-def]
+    data = alloc.Binding(sample().id, alloc.PodRef("ns", "p", "c"), 0.5, 1 << 30).to_json()
+    mutate(data)
+    with pytest.raises(alloc.RecordError, match=message):
+        alloc.Binding.from_json(data)
 
 
 def test_scan_reports_corrupt_files_and_keeps_going(tmp_path: Path) -> None:

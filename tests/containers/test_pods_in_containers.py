@@ -16,7 +16,7 @@ import pytest
 
 from tests.containers.node import SHARE_WINDOW_S, ContainerNode, Tenant
 from tests.daemon.helpers import wait_for
-from vgpu_runtime import paths
+from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.kubelet_emulator import Pod
@@ -179,13 +179,16 @@ def test_a_container_restart_keeps_its_allocation_and_library(
         container_node: ContainerNode, pods: list[Pod]) -> None:
     node = container_node
     pod = admit(node, pods, "restarted", 2)
-    # Its slices may be an ended pod's (the same allocation id): the record is bound to this
-    # pod, with the slices' defaults, before the container starts.
+    # Its slices may be an ended pod's (the same allocation id): the allocation is bound to
+    # this pod, with no other pod's overrides, before the container starts.
     def bound_here() -> AllocationRecord | None:
         record = node.record_of(pod)
-        return record if record.pod is not None and record.pod.name == "restarted" else None
+        binding = allocation.load_binding(node.state_dir, record.id)
+        return record if binding is not None and binding.pod.name == "restarted" else None
     record = wait_for(bound_here, 15, "the allocation bound to this pod")
-    assert record is not None and record.gpus[0].memory_limit == record.gpus[0].default_memory
+    assert record is not None
+    binding = allocation.load_binding(node.state_dir, record.id)
+    assert binding is not None and binding.memory_limit is None and binding.limit is None
     first = node.start(pod)
     facts = first.step("facts")
     assert first.step("init")["rc"] == 0 and first.step(f"alloc {256 * MiB}")["rc"] == 0

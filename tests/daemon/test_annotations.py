@@ -1,14 +1,12 @@
-"""Per-pod annotations: what is accepted, and that a bad value changes nothing."""
+"""Per-pod annotations: what is accepted as an override, and that a bad value overrides nothing."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 
 from tests.daemon.helpers import UUID_A
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
-from vgpu_runtime.daemon.pods.annotations import apply_annotations, parse_limit
+from vgpu_runtime.daemon.pods.annotations import overrides_of, parse_limit
 from vgpu_runtime.daemon.pods.node import label_value, node_labels
 from vgpu_runtime.gpus import GpuInfo
 
@@ -34,11 +32,10 @@ def test_bad_limits_say_what_is_accepted(text: str) -> None:
 
 
 def test_valid_annotations_apply() -> None:
-    applied = apply_annotations(_record(), {"gemini.ai/vgpu-limit": "0.6",
-                                            "gemini.ai/vgpu-memory": "4GiB"})
-    assert applied.problems == ()
-    assert applied.record.limit == 0.6 and applied.record.gpus[0].memory_limit == 4 * GiB
-    assert applied.record.gpus[0].share == 0.3   # the request never changes
+    overrides = overrides_of(_record(), {"gemini.ai/vgpu-limit": "0.6",
+                                         "gemini.ai/vgpu-memory": "4GiB"})
+    assert overrides.problems == ()
+    assert overrides.limit == 0.6 and overrides.memory_limit == 4 * GiB
 
 
 @pytest.mark.parametrize(("annotations", "expect"), [
@@ -48,18 +45,17 @@ def test_valid_annotations_apply() -> None:
     ({"gemini.ai/vgpu-memory": "four gigs"}, "expected a size"),
 ])
 def test_invalid_annotations_change_nothing(annotations: dict[str, str], expect: str) -> None:
-    record = _record()
-    applied = apply_annotations(record, annotations)
-    assert applied.record == record
-    (problem,) = applied.problems
+    overrides = overrides_of(_record(), annotations)
+    assert overrides.limit is None and overrides.memory_limit is None
+    (problem,) = overrides.problems
     assert expect in problem and "ignored" in problem
 
 
 def test_one_bad_annotation_does_not_stop_the_other() -> None:
-    applied = apply_annotations(_record(), {"gemini.ai/vgpu-limit": "2",
-                                            "gemini.ai/vgpu-memory": "1GiB"})
-    assert applied.record.limit is None and applied.record.gpus[0].memory_limit == GiB
-    assert len(applied.problems) == 1
+    overrides = overrides_of(_record(), {"gemini.ai/vgpu-limit": "2",
+                                         "gemini.ai/vgpu-memory": "1GiB"})
+    assert overrides.limit is None and overrides.memory_limit == GiB
+    assert len(overrides.problems) == 1
 
 
 def test_labels_are_valid_label_values() -> None:
@@ -73,8 +69,8 @@ def test_labels_are_valid_label_values() -> None:
     assert labels["gemini.ai/vgpu.slices-per-gpu"] == "10"
 
 
-def test_memory_annotation_is_checked_against_the_slices_default() -> None:
-    # A record an earlier pod's annotation lowered: the slices' default still bounds the next.
-    lowered = dataclasses.replace(_record(), gpus=(GpuShare(UUID_A, 0, 0.3, GiB, 12 * GiB),))
-    applied = apply_annotations(lowered, {"gemini.ai/vgpu-memory": "4GiB"})
-    assert applied.problems == () and applied.record.gpus[0].memory_limit == 4 * GiB
+def test_memory_annotation_is_checked_against_the_entitlement() -> None:
+    assert overrides_of(_record(), {"gemini.ai/vgpu-memory": "12GiB"}).memory_limit == 12 * GiB
+    (problem,) = overrides_of(_record(memory=2 * GiB),
+                              {"gemini.ai/vgpu-memory": "4GiB"}).problems
+    assert "at most the slices' default of 2.0 GiB (2147483648 bytes)" in problem

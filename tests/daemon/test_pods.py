@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord, PodRef
+from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.daemon.channel.client import ChannelClient, HelloReply
 from vgpu_runtime.devkit.podnode import PodNode, until
 
@@ -33,14 +33,16 @@ def _hello(record: AllocationRecord) -> tuple[float, HelloReply]:
 async def test_allocation_is_bound_to_its_container(pods: PodNode) -> None:
     pod = await pods.node.kubelet.admit_pod("train", "ml", containers=[("main", 3),
                                                                        ("side", 2)])
+    written = pods.records()
     await pods.start_daemon(*FAST)
     main = await until(lambda: pods.bound_record(pod, "main"), 10,
                        "main bound")
     side = await until(lambda: pods.bound_record(pod, "side"), 10,
                        "side bound")
-    assert main.pod == PodRef("ml", "train", "main", "")
-    assert side.pod == PodRef("ml", "train", "side", "")
-    # Everything the plugin wrote is kept.
+    assert pods.binding_of(pod, "main") == Binding(main.id, PodRef("ml", "train", "main", ""))
+    assert pods.binding_of(pod, "side") == Binding(side.id, PodRef("ml", "train", "side", ""))
+    # The record is the plugin's: the daemon never rewrites it.
+    assert main == written[main.id] and side == written[side.id]
     assert main.device_ids == pod.containers["main"].device_ids
     assert main.gpus[0].share == pytest.approx(0.3)
     status = await pods.status()
@@ -58,7 +60,7 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     pod.phase = "Pending"   # not in PodResources yet
     await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
     record = pods.record_of(pod, "app")
-    assert record is not None and record.pod is None
+    assert record is not None and pods.binding_of(pod, "app") is None
     await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
     hello = asyncio.ensure_future(asyncio.to_thread(_hello, record))
     await asyncio.sleep(1.0)
@@ -68,9 +70,9 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     assert 0.9 < elapsed < 4.0
     assert reply.gpus[0].limit_ppm == 500_000
     assert reply.gpus[0].memory_limit == 4 * GiB
-    bound = pods.record_of(pod, "app")
-    assert bound is not None and bound.pod == PodRef("default", "infer", "app", "uid-123")
-    assert bound.limit == 0.5 and bound.gpus[0].memory_limit == 4 * GiB
+    assert pods.binding_of(pod, "app") == Binding(
+        record.id, PodRef("default", "infer", "app", "uid-123"), 0.5, 4 * GiB)
+    assert pods.record_of(pod, "app") == record, "the record holds the entitlement, unchanged"
     status = await pods.status()
     (tenant,) = [t for g in status["gpus"] for t in g["tenants"] if t["allocation"] == record.id]
     assert tenant["limit"] == 0.5 and tenant["memory_limit"] == 4 * GiB
@@ -88,7 +90,7 @@ async def test_hello_gives_up_waiting_and_the_defaults_hold(pods: PodNode) -> No
     assert 0.45 < elapsed < 3.0
     assert reply.gpus[0].memory_limit == record.gpus[0].memory_limit
     assert reply.gpus[0].limit_ppm == 1_000_000
-    assert pods.record_of(pod, "app").pod is None        # type: ignore[union-attr]
+    assert pods.binding_of(pod, "app") is None
 
 
 async def test_without_pod_resources_hellos_never_wait(pods: PodNode) -> None:
@@ -120,7 +122,9 @@ async def test_invalid_annotations_make_events_and_change_nothing(
     messages = " | ".join(e["message"] for e in events)
     assert "below the pod's request of 0.3" in messages and "vgpu-memory" in messages
     record = pods.record_of(pod, "app")
-    assert record is not None and record.pod is not None and record.pod.uid == "uid-bad"
+    binding = pods.binding_of(pod, "app")
+    assert record is not None and binding is not None and binding.pod.uid == "uid-bad"
+    assert binding.limit is None and binding.memory_limit is None
     assert record.limit is None and record.gpus[0].memory_limit == default_memory
     _, reply = await asyncio.to_thread(_hello, record)
     assert reply.gpus[0].limit_ppm == 1_000_000
@@ -181,20 +185,17 @@ async def test_slices_reused_by_a_new_pod_are_bound_to_it(
     api.add_pod("default", "second", "uid-second", {"gemini.ai/vgpu-memory": "2GiB"})
     await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
     old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
-    assert old.pod == PodRef("default", "first", "app", "uid-first")
-    assert old.gpus[0].memory_limit == GiB
+    assert pods.binding_of(first, "app") == Binding(
+        old.id, PodRef("default", "first", "app", "uid-first"), None, GiB)
     await kubelet.delete_pod("first")
     second = await kubelet.admit_pod("second", containers=[("app", 3)])
     assert second.admitted
     assert second.containers["app"].device_ids == first.containers["app"].device_ids
-    def rebound() -> AllocationRecord | None:
-        record = pods.record_of(second, "app")
-        return record if record is not None and record.pod is not None and \
-            record.pod.name == "second" else None
-    record = await until(rebound, 10, "second bound")
-    assert record.id == old.id
-    assert record.pod == PodRef("default", "second", "app", "uid-second")
-    assert record.gpus[0].memory_limit == 2 * GiB
+    binding = await until(lambda: _bound_to(pods, second, "second"), 10, "second bound")
+    record = pods.record_of(second, "app")
+    assert record is not None and record.id == old.id
+    assert binding == Binding(record.id, PodRef("default", "second", "app", "uid-second"),
+                              None, 2 * GiB)
     _, reply = await asyncio.to_thread(_hello, record)
     assert reply.gpus[0].memory_limit == 2 * GiB
     assert api.events == []
@@ -210,14 +211,19 @@ async def test_a_rebound_pod_without_annotations_gets_the_defaults(pods: PodNode
     api.add_pod("default", "second", "uid-second", {})
     await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
     old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
-    assert old.gpus[0].memory_limit == GiB and old.limit == 0.5
+    first_binding = pods.binding_of(first, "app")
+    assert first_binding is not None
+    assert (first_binding.memory_limit, first_binding.limit) == (GiB, 0.5)
     await kubelet.delete_pod("first")
     second = await kubelet.admit_pod("second", containers=[("app", 3)])
-    def rebound() -> AllocationRecord | None:
-        record = pods.record_of(second, "app")
-        return record if record is not None and record.pod is not None and \
-            record.pod.name == "second" else None
-    record = await until(rebound, 10, "second bound")
-    assert record.gpus[0].memory_limit == default and record.limit is None
+    binding = await until(lambda: _bound_to(pods, second, "second"), 10, "second bound")
+    assert binding.memory_limit is None and binding.limit is None
+    record = pods.record_of(second, "app")
+    assert record is not None and record.id == old.id and record.gpus[0].memory_limit == default
     _, reply = await asyncio.to_thread(_hello, record)
     assert reply.gpus[0].memory_limit == default and reply.gpus[0].limit_ppm == 1_000_000
+
+
+def _bound_to(pods: PodNode, pod: Any, name: str) -> Binding | None:
+    binding = pods.binding_of(pod, "app")
+    return binding if binding is not None and binding.pod.name == name else None

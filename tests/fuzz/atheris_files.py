@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime", "vgpu_runtime.pluginconfig"]):
     from vgpu_runtime import allocation, paths
-    from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
+    from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
     from vgpu_runtime.common.sizes import parse_size
     from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods import annotations as pod_annotations
@@ -75,13 +75,12 @@ def config_file(data: bytes) -> None:
 def annotations(data: bytes) -> None:
     limit, _, memory = data.decode("utf-8", "replace").partition(SEPARATOR.decode())
     given = {pod_annotations.LIMIT_ANNOTATION: limit, pod_annotations.MEMORY_ANNOTATION: memory}
-    applied = pod_annotations.apply_annotations(RECORD, given)
-    new = applied.record
-    assert new.limit is None or 0.3 - 1e-9 <= new.limit <= 1, new
-    assert all(0 < g.memory_limit <= 3 * GiB for g in new.gpus), new
-    assert (new.id, new.device_ids, new.channel_dir) == (RECORD.id, RECORD.device_ids,
-                                                         RECORD.channel_dir)
-    assert AllocationRecord.from_json(json.loads(json.dumps(new.to_json()))) == new
+    overrides = pod_annotations.overrides_of(RECORD, given)
+    assert overrides.limit is None or 0.3 - 1e-9 <= overrides.limit <= 1, overrides
+    assert overrides.memory_limit is None or 0 < overrides.memory_limit <= 3 * GiB, overrides
+    binding = Binding(RECORD.id, PodRef("ns", "pod", "c"), overrides.limit,
+                      overrides.memory_limit)
+    assert Binding.from_json(json.loads(json.dumps(binding.to_json()))) == binding
 
 
 def sizes(data: bytes) -> None:

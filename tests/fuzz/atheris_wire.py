@@ -41,9 +41,9 @@ sys.path.insert(0, str(REPO))
 with atheris.instrument_imports(include=["vgpu_runtime"]):
     from vgpu_runtime import allocation, paths, wire
     from vgpu_runtime.daemon.channel.channel import AllocationChannel
-    from vgpu_runtime.daemon.channel.entitlements import entitlements_of
     from vgpu_runtime.daemon.channel.peer import PeerCred
     from vgpu_runtime.daemon.channel.session import Session
+    from vgpu_runtime.daemon.channel.terms import terms_of
     from vgpu_runtime.daemon.channel.tokens import TokenService
     from vgpu_runtime.daemon.config import DaemonConfig
 
@@ -74,7 +74,7 @@ class Harness:
             channel_dir=str(paths.channel_dir(state, rid)),
             hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time())
         config = DaemonConfig(state_dir=str(state))
-        self.channel = AllocationChannel(record, entitlements_of(record, config.limit_for),
+        self.channel = AllocationChannel(record, terms_of(record, None, config.limit_for),
                                          TokenService(config))
         self.loop.run_until_complete(self.channel.start())
         self.internal_errors: list[logging.LogRecord] = []

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tests.fuzz.promises import check_accepted_record, check_config_file
 from vgpu_runtime import allocation, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
+from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.sizes import parse_size
 from vgpu_runtime.daemon.config import DaemonConfig
@@ -256,14 +256,13 @@ def test_annotations_apply_within_bounds_or_are_reported(
         given_annotations[pod_annotations.LIMIT_ANNOTATION] = limit
     if memory is not None:
         given_annotations[pod_annotations.MEMORY_ANNOTATION] = memory
-    applied = pod_annotations.apply_annotations(record, given_annotations)
-    new = applied.record
-    # Never more than promised: limit in [request, 1], memory in (0, default].
-    assert new.limit is None or 0.3 - 1e-9 <= new.limit <= 1
-    assert all(0 < g.memory_limit <= 3 * GiB for g in new.gpus)
-    assert (new.id, new.device_ids, new.channel_dir) == (record.id, record.device_ids,
-                                                         record.channel_dir)
-    changed = (new.limit != record.limit) + (new.gpus != record.gpus)
-    assert changed + len(applied.problems) <= 2
-    # What was applied round-trips through the record format.
-    assert AllocationRecord.from_json(json.loads(json.dumps(new.to_json()))) == new
+    overrides = pod_annotations.overrides_of(record, given_annotations)
+    # Never more than promised: limit in [request, 1], memory in (0, entitlement].
+    assert overrides.limit is None or 0.3 - 1e-9 <= overrides.limit <= 1
+    assert overrides.memory_limit is None or 0 < overrides.memory_limit <= 3 * GiB
+    changed = (overrides.limit is not None) + (overrides.memory_limit is not None)
+    assert changed + len(overrides.problems) <= 2
+    # What was taken round-trips through the binding format.
+    binding = Binding(record.id, PodRef("ns", "pod", "c"), overrides.limit,
+                      overrides.memory_limit)
+    assert Binding.from_json(json.loads(json.dumps(binding.to_json()))) == binding

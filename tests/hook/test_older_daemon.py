@@ -27,8 +27,8 @@ import pytest
 from tests.hook.conftest import LIMIT, PRELUDE, UUID, Hooked
 from tests.hook.tokenkit import in_pod
 from vgpu_runtime import paths, wire
-from vgpu_runtime.daemon.channel.entitlements import uuid_bytes
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
+from vgpu_runtime.daemon.channel.terms import uuid_bytes
 
 C = wire.const
 QUOTA_NS = 30_000_000

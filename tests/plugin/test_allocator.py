@@ -189,8 +189,9 @@ def test_whole_gpu_record_gets_all_memory_but_the_reserve(make: Make) -> None:
 def test_slices_of_a_gpu_fit_on_it(make: Make) -> None:
     allocator, table, _ = make(slices_per_gpu=7, simulate_memory=80 * GIB + 3)
     gpu = table.gpus[0]
-    assert allocator.per_slice_memory(gpu) * 7 <= gpu.memory_total - 2 * GIB
-    assert allocator.per_slice_memory(gpu) == (78 * GIB + 3) // 7
+    assert allocator.entitled_memory(gpu, 1) * 7 <= gpu.memory_total - 2 * GIB
+    assert allocator.entitled_memory(gpu, 1) == (78 * GIB + 3) // 7
+    assert allocator.entitled_memory(gpu, 7) == 78 * GIB + 3
 
 
 def test_repeated_allocate_is_idempotent_and_keeps_created_at(make: Make) -> None:
@@ -206,25 +207,56 @@ def test_repeated_allocate_is_idempotent_and_keeps_created_at(make: Make) -> Non
     assert len(list(path.parent.glob("*.json"))) == 1
 
 
-def test_replay_keeps_what_the_daemon_applied_from_annotations(make: Make) -> None:
-    """An init container's slices given again to the app container: the daemon's pod binding,
-    share cap and annotated memory limit survive the second Allocate."""
+def test_a_replay_writes_the_entitlement_only_and_leaves_the_binding_alone(make: Make) -> None:
+    """An init container's slices given again to the app container: the record keeps what the
+    slices give, and the daemon's binding file (pod, overrides) is neither read nor written."""
     allocator, table, _ = make()
     ids = slice_ids(table, 0, 3)
     first = allocator.allocate(ids)
     state = allocator.config.state_dir
     record = allocation.load_record(state, first.envs[paths.ENV_ALLOCATION_ID])
     assert record is not None
-    bound = dataclasses.replace(
-        record, limit=0.5, pod=allocation.PodRef("ns", "pod", "init", "uid"),
-        gpus=tuple(dataclasses.replace(g, memory_limit=4 << 30) for g in record.gpus))
-    allocation.write_record(state, bound)
+    assert record.gpus[0].memory_limit == allocator.entitled_memory(table.gpus[0], 3)
+    assert record.gpus[0].slices_per_gpu == 10 and record.limit is None
+    binding = allocation.Binding(record.id, allocation.PodRef("ns", "pod", "init", "uid"),
+                                 0.5, 4 << 30)
+    path = allocation.write_binding(state, binding)
+    written = path.read_bytes()
+    again = allocator.allocate(ids)
+    assert allocation.load_record(state, record.id) == record
+    assert path.read_bytes() == written
+    assert again.envs[paths.ENV_MEMORY_LIMIT] == str(record.gpus[0].memory_limit)
+
+
+def test_a_version_1_record_an_older_daemon_bound_is_left_as_it_is(make: Make) -> None:
+    """Today's daemon wrote the pod and its annotations into the plugin's record: a replay after
+    the upgrade answers with the entitlement and leaves the file for the new daemon to read
+    the binding from."""
+    allocator, table, _ = make()
+    ids = slice_ids(table, 0, 3)
+    first = allocator.allocate(ids)
+    state = allocator.config.state_dir
+    path = allocation.record_path(state, first.envs[paths.ENV_ALLOCATION_ID])
+    entitled = allocator.entitled_memory(table.gpus[0], 3)
+    old = json.loads(path.read_text())
+    old["version"] = 1
+    del old["gpus"][0]["slices_per_gpu"]
+    old["gpus"][0].update(memory_limit=4 << 30, default_memory=entitled)
+    old.update(limit=0.5, pod={"namespace": "ns", "name": "pod", "container": "init",
+                               "uid": "uid"})
+    path.write_text(json.dumps(old))
+    written = path.read_bytes()
+    again = allocator.allocate(ids)
+    assert path.read_bytes() == written
+    assert again.envs[paths.ENV_MEMORY_LIMIT] == str(entitled)
+    assert again.envs[paths.ENV_SHARE] == "0.3"
+    # One the old daemon never bound is rewritten in today's format.
+    del old["pod"], old["gpus"][0]["default_memory"]
+    old.update(limit=None)
+    old["gpus"][0]["memory_limit"] = entitled
+    path.write_text(json.dumps(old))
     allocator.allocate(ids)
-    assert allocation.load_record(state, record.id) == bound
-    # What the slices give before annotations is kept too: the daemon restores it when
-    # another pod takes the slices.
-    assert [g.default_memory for g in bound.gpus] == [allocator.per_slice_memory(
-        table.gpus[0]) * 3]
+    assert json.loads(path.read_text())["version"] == allocation.RECORD_VERSION
 
 
 def test_replay_is_allowed_on_an_unhealthy_gpu(make: Make) -> None:
@@ -329,7 +361,9 @@ def test_record_is_valid_json_for_the_daemon(make: Make) -> None:
     answer = allocator.allocate(slice_ids(table, 0, 1))
     path = allocation.record_path(allocator.config.state_dir, answer.envs[paths.ENV_ALLOCATION_ID])
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["origin"] == "kubelet"
+    assert data["version"] == 2 and data["origin"] == "kubelet"
+    assert "pod" not in data and "default_memory" not in data["gpus"][0]
+    assert data["gpus"][0]["slices_per_gpu"] == 10
     assert allocation.read_record(path).gpus[0].share == 0.1
 
 
@@ -337,7 +371,8 @@ def test_record_is_valid_json_for_the_daemon(make: Make) -> None:
 
 def test_replay_after_the_daemon_changed_the_record_answers_from_the_file(make: Make) -> None:
     """A kept answer is used only while the file holds the very bytes it was made from: a
-    memory limit the daemon wrote after the first answer shows in the next one."""
+    record changed after the first answer (by an older plugin's settings, or by hand) answers
+    with its own entitled memory, which a replay keeps."""
     allocator, table, _ = make()
     ids = slice_ids(table, 0, 3)
     first = allocator.allocate(ids)

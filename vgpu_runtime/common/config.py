@@ -41,7 +41,6 @@ NODE_SECTION = "node"
 # The program sections of a version v1 file and whose they are; any other top-level key is an
 # error, so a misspelled section cannot leave a program silently on its defaults.
 PROGRAM_SECTIONS = {"devicePlugin": "gemini-device-plugin", "scheduler": "gemini-scheduler"}
-MAX_SLICES_PER_GPU = 1000  # keeps "<uuid>::<n>" well under kubelet's 63-character device IDs
 DEPRECATED_FLAT_FILE = (
     "configuration file {path} has no version: read as a flat file of this program's settings, "
     "which is deprecated; move its keys under the program's section of a version v1 file "
@@ -159,7 +158,7 @@ class NodeSettings:
     state_dir: str = setting(paths.DEFAULT_STATE_DIR,
                              "node state directory (allocation records, channels)", text, "DIR")
     slices_per_gpu: int = setting(10, "devices (slices) advertised per GPU",
-                                  integer(1, MAX_SLICES_PER_GPU), "N")
+                                  integer(1, paths.MAX_SLICES_PER_GPU), "N")
     simulate_gpus: int = setting(0, "simulate N GPUs instead of using NVML (0 = NVML)",
                                  integer(0, 256), "N")
     simulate_model: str = setting("Simulated NVIDIA H200", "model name of simulated GPUs", text,

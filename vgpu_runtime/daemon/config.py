@@ -24,7 +24,6 @@ from vgpu_runtime.common import config as cfg
 from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 _ALGORITHM = TimeshareSettings()
-MAX_SLICES_PER_GPU = cfg.MAX_SLICES_PER_GPU
 
 
 def default_node_name() -> str:

@@ -25,15 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vgpu_runtime import paths
+
 log = logging.getLogger(__name__)
 
-CONTROL_SOCKET_NAME = "scheduler.sock"
 CONTROL_MODE = 0o600
 MAX_REQUEST = 64 * 1024
 
 
-def control_socket(state_dir: str | Path) -> Path:
-    return Path(state_dir) / CONTROL_SOCKET_NAME
+control_socket = paths.control_socket
 
 
 class ControlServer:

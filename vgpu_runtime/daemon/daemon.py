@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime import __version__, allocation, paths
-from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
 from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
-from vgpu_runtime.daemon.channel.entitlements import entitlements_of
+from vgpu_runtime.daemon.channel.terms import terms_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
@@ -68,6 +68,8 @@ class Daemon:
         self.tokens = TokenService(config)
         self.watcher = RecordWatcher(self.state_dir)
         self.corrupt: dict[str, str] = {}
+        # The pod bindings this daemon wrote (<state-dir>/bindings), by allocation id.
+        self.bindings: dict[str, Binding] = {}
         self.started_at = time.time()
         self.control = ControlServer(control_socket(self.state_dir),
                                      {"status": self.status, "stop": self.stop_request})
@@ -81,7 +83,8 @@ class Daemon:
         self.pods = PodWatch(
             config, PodResourcesLister(config.pod_resources_socket, paths.RESOURCE_NAME,
                                        config.pod_resources_min_interval),
-            None, self.records, self.wake, self.collect, self.allocation_event)
+            None, self.records, self.bindings.get, self.bind, self.collect,
+            self.allocation_event)
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
         self._sync_lock = asyncio.Lock()
@@ -106,7 +109,7 @@ class Daemon:
         return {"stopping": True, "pid": os.getpid()}
 
     def wake(self) -> None:
-        """Scan the records now (a record was rewritten by this daemon)."""
+        """Scan the records now."""
         self._wake.set()
 
     def records(self) -> list[AllocationRecord]:
@@ -114,6 +117,7 @@ class Daemon:
 
     async def run(self) -> None:
         paths.allocations_dir(self.state_dir).mkdir(parents=True, exist_ok=True)
+        self._load_bindings()
         try:
             # Also on a node whose channels/ an older version made 0755.
             securedir.make_dir(paths.channels_dir(self.state_dir), paths.CHANNELS_DIR_MODE)
@@ -280,6 +284,9 @@ class Daemon:
             channel = self.channels.pop(allocation_id)
             await channel.close("allocation record removed")
             self.allocation_event("removed", channel.record, {})
+        unreadable = {Path(p).stem for p in scan.corrupt}
+        for allocation_id in set(self.bindings) - set(scan.records) - unreadable:
+            self._unbind(allocation_id)
         for allocation_id, record in scan.records.items():
             current = self.channels.get(allocation_id)
             if current is not None and current.record == record:
@@ -298,18 +305,71 @@ class Daemon:
                     str(err))
 
     async def _serve(self, current: AllocationChannel | None, record: AllocationRecord) -> None:
-        entitlements = entitlements_of(record, self.config.limit_for)
+        binding = self._binding_for(record)
+        terms = terms_of(record, binding, self.config.limit_for)
         if current is not None:
-            current.update(record, entitlements)
+            current.update(record, binding, terms)
             return
-        channel = AllocationChannel(record, entitlements, self.tokens, self._bind_timeout,
-                                    self.pods.poke)
+        channel = AllocationChannel(record, terms, self.tokens, self._bind_timeout,
+                                    self.pods.poke, binding)
         await channel.start()
         self._troubles.pop(record.id, None)
         self.channels[record.id] = channel
         self.allocation_event("added", record, {})
-        if needs_binding(record):
+        if needs_binding(record, binding):
             self.pods.poke()
+
+    # ---- pod bindings: this daemon's files ----
+
+    def _load_bindings(self) -> None:
+        for path, binding in allocation.scan_bindings(self.state_dir):
+            if isinstance(binding, RecordError):
+                # The pod watch binds the allocation again, replacing the file.
+                log.error("ignoring unreadable pod binding", extra={"path": str(path),
+                                                                     "error": str(binding)})
+            else:
+                self.bindings[binding.id] = binding
+
+    def _binding_for(self, record: AllocationRecord) -> Binding | None:
+        """The record's binding; a version-1 record's pod, which an older daemon wrote into
+        it, is moved into this daemon's binding file the first time it is read."""
+        binding = self.bindings.get(record.id)
+        if binding is None and record.carried is not None and record.origin == "kubelet":
+            binding = record.carried
+            try:
+                allocation.write_binding(self.state_dir, binding)
+            except RecordError as err:
+                log.error("cannot store the pod binding of a version-1 record; it holds in "
+                          "memory", extra={"allocation": record.id, "error": str(err)})
+            else:
+                log.info("pod binding moved out of a version-1 record", extra={
+                    "allocation": record.id, "namespace": binding.pod.namespace,
+                    "pod": binding.pod.name, "limit": binding.limit,
+                    "memory_limit": binding.memory_limit})
+            self.bindings[record.id] = binding
+        return binding
+
+    def bind(self, binding: Binding) -> bool:
+        """Store a pod binding and apply its terms to the allocation's channel now; False if
+        the allocation is no longer served or the file cannot be written (logged)."""
+        channel = self.channels.get(binding.id)
+        if channel is None:
+            return False
+        try:
+            terms = terms_of(channel.record, binding, self.config.limit_for)
+            allocation.write_binding(self.state_dir, binding)
+        except RecordError as err:
+            log.error("cannot bind: binding not stored", extra={"allocation": binding.id,
+                                                                 "error": str(err)})
+            return False
+        self.bindings[binding.id] = binding
+        channel.update(channel.record, binding, terms)
+        return True
+
+    def _unbind(self, allocation_id: str) -> None:
+        self.bindings.pop(allocation_id, None)
+        with contextlib.suppress(OSError, RecordError):
+            allocation.remove_binding(self.state_dir, allocation_id)
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         """asyncio logs, with a traceback, every accept that fails for want of descriptors: a
@@ -345,9 +405,11 @@ class Daemon:
             allocation.remove_record(self.state_dir, allocation_id)
             if channel is not None:
                 await channel.close(reason)
+            binding = self.bindings.get(allocation_id)
+            self._unbind(allocation_id)
             if record is not None:
                 self._remove_channel_dir(record)
-                self.allocation_event("collected", record, {"reason": reason})
+                self.allocation_event("collected", record, {"reason": reason}, binding)
             log.info("allocation collected", extra={"allocation": allocation_id,
                                                     "reason": reason})
 
@@ -355,17 +417,20 @@ class Daemon:
         allocation.remove_channel_dir(self.state_dir, record)
 
     def allocation_event(self, event: str, record: AllocationRecord,
-                         more: dict[str, object]) -> None:
+                         more: dict[str, object], binding: Binding | None = None) -> None:
         if self.mqtt is None:
             return
-        pod = record.pod
+        binding = binding or self.bindings.get(record.id)
+        pod = binding.pod if binding else None
         document: dict[str, Any] = {
             "event": f"allocation-{event}", "allocation": record.id, "origin": record.origin,
             "pod": pod.name if pod else None, "namespace": pod.namespace if pod else None,
             "container": pod.container if pod else None, **more}
+        override = binding.memory_limit if binding else None
         for gpu in record.gpus:
-            self.mqtt.publish(gpu.uuid, "events", document | {"share": gpu.share,
-                                                              "memory_limit": gpu.memory_limit})
+            self.mqtt.publish(gpu.uuid, "events", document | {
+                "share": gpu.share,
+                "memory_limit": gpu.memory_limit if override is None else override})
 
     async def _publish_usage(self) -> None:
         """MQTT: usage snapshots every mqtt_interval, and health changes as events."""

@@ -12,9 +12,10 @@ import fcntl
 import os
 from pathlib import Path
 
+from vgpu_runtime import paths
 from vgpu_runtime.common.securedir import open_nofollow
 
-LOCK_NAME = "scheduler.lock"
+LOCK_NAME = paths.LOCK_NAME
 
 
 class AlreadyRunning(RuntimeError):
@@ -22,7 +23,7 @@ class AlreadyRunning(RuntimeError):
 
 
 def lock_path(state_dir: str | Path) -> Path:
-    return Path(state_dir) / LOCK_NAME
+    return paths.lock_file(state_dir)
 
 
 def holder_pid(state_dir: str | Path) -> int | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.allocation import AllocationRecord, Binding
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.daemon_process import DaemonProcess
 from vgpu_runtime.devkit.plugin_node import PluginNode
@@ -68,9 +68,15 @@ class PodNode:
         ids = allocation.id_for_devices(pod.containers[container].device_ids)
         return self.records().get(ids)
 
+    def binding_of(self, pod: Any, container: str) -> Binding | None:
+        """The daemon's binding of the container's allocation, once it has written one."""
+        ids = allocation.id_for_devices(pod.containers[container].device_ids)
+        return allocation.load_binding(self.state_dir, ids)
+
     def bound_record(self, pod: Any, container: str) -> AllocationRecord | None:
         record = self.record_of(pod, container)
-        return record if record is not None and record.pod is not None else None
+        bound = record is not None and self.binding_of(pod, container) is not None
+        return record if bound else None
 
     async def status(self) -> Any:
         return await asyncio.to_thread(client.request, self.state_dir)

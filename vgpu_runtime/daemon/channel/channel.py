@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_runtime import paths, wire
-from vgpu_runtime.allocation import AllocationRecord, RecordError
-from vgpu_runtime.daemon.channel.entitlements import GpuEntitlement
+from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import (
     GATE_TOKEN,
@@ -42,6 +41,7 @@ from vgpu_runtime.daemon.channel.pages import (
 )
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
 from vgpu_runtime.daemon.channel.session import Session
+from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, TokenService
 
 log = logging.getLogger(__name__)
@@ -57,15 +57,17 @@ class ChannelUnavailable(RecordError):
 
 
 class AllocationChannel:
-    def __init__(self, record: AllocationRecord, entitlements: tuple[GpuEntitlement, ...],
+    def __init__(self, record: AllocationRecord, terms: tuple[GpuTerms, ...],
                  tokens: TokenService, bind_timeout: Callable[[], float] = lambda: 0.0,
-                 want_binding: Callable[[], None] = lambda: None) -> None:
+                 want_binding: Callable[[], None] = lambda: None,
+                 binding: Binding | None = None) -> None:
         self.record = record
-        self.entitlements = entitlements
+        self.binding = binding
+        self.terms = terms
         self.tokens = tokens
         self.token_gpus: list[GpuTokens] = []      # by GPU index, once started
         self.slots: list[TenantSlot] = []
-        self.ledger = MemoryLedger([g.memory_limit for g in entitlements])
+        self.ledger = MemoryLedger([g.memory_limit for g in terms])
         self.sessions: set[Session] = set()
         self.socket_path = paths.channel_socket(record.channel_dir)
         self.pages_dir = pages_dir(tokens.config.state_dir)
@@ -74,11 +76,11 @@ class AllocationChannel:
         # Only this uid (and root) may connect, where the allocation's user is known.
         self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.memory_refusals = [0] * len(entitlements)
-        # A kubelet allocation is bound once its record names its pod (pods.py writes it, with
-        # the pod's annotations applied); until then a hello may wait (see `wait_bound`).
+        self.memory_refusals = [0] * len(terms)
+        # A kubelet allocation is bound once the daemon has its pod binding (pods.py finds the
+        # pod and its annotations); until then a hello may wait (see `wait_bound`).
         self.bound = asyncio.Event()
-        if not needs_binding(record):
+        if not needs_binding(record, binding):
             self.bound.set()
         self.bind_timeout = bind_timeout
         self.want_binding = want_binding
@@ -112,7 +114,7 @@ class AllocationChannel:
                 os.chmod(directory, CHANNEL_DIR_MODE)  # mkdir's mode is filtered by the umask
                 self._created_dir = True
             self._remove_stale_socket()
-            retire_legacy_pages(directory, len(self.entitlements))
+            retire_legacy_pages(directory, len(self.terms))
             self._open_pages()
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
@@ -128,7 +130,7 @@ class AllocationChannel:
             raise ChannelUnavailable(f"cannot serve channel {self.socket_path}: {err}") from None
         log.info("serving allocation", extra={
             "allocation": self.record.id, "origin": self.record.origin,
-            "socket": str(self.socket_path), "gpus": [g.uuid for g in self.entitlements]})
+            "socket": str(self.socket_path), "gpus": [g.uuid for g in self.terms]})
 
     def _listening_socket(self) -> socket.socket:
         """Bound, listening and 0666 under a temporary name, then renamed into place: a client
@@ -152,7 +154,7 @@ class AllocationChannel:
 
     def _open_pages(self) -> None:
         ensure_pages_dir(self.pages_dir)
-        for index in range(len(self.entitlements)):
+        for index in range(len(self.terms)):
             self.slots.append(TenantSlot(
                 self.record.id, index,
                 TokenPage(token_page_path(self.pages_dir, self.record.id, index), GATE_TOKEN),
@@ -180,9 +182,9 @@ class AllocationChannel:
         self.slots = []
 
     def _join_token_schedulers(self) -> None:
-        for entitlement, slot in zip(self.entitlements, self.slots, strict=True):
-            gpu = self.tokens.gpu(entitlement.uuid)
-            gpu.add(slot, entitlement.share, entitlement.limit)
+        for terms, slot in zip(self.terms, self.slots, strict=True):
+            gpu = self.tokens.gpu(terms.uuid)
+            gpu.add(slot, terms.share, terms.limit)
             self.token_gpus.append(gpu)
 
     def _leave_token_schedulers(self) -> None:
@@ -224,14 +226,15 @@ class AllocationChannel:
             raise RecordError(f"{self.socket_path} exists and is not a socket; not replacing it")
         os.unlink(self.socket_path)
 
-    def update(self, record: AllocationRecord, entitlements: tuple[GpuEntitlement, ...]) -> None:
-        """The record was rewritten (limits, pod reference): new values, same connections."""
-        if [g.uuid for g in entitlements] != [g.uuid for g in self.entitlements]:
+    def update(self, record: AllocationRecord, binding: Binding | None,
+               terms: tuple[GpuTerms, ...]) -> None:
+        """The record was rewritten or the pod bound: new terms, same connections."""
+        if [g.uuid for g in terms] != [g.uuid for g in self.terms]:
             raise RecordError(f"allocation {record.id} changed its GPUs; an allocation's GPUs "
                               "are fixed for its life")
-        self.ledger.set_limits([g.memory_limit for g in entitlements])
-        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.entitlements,
-                                       entitlements, strict=True):
+        self.ledger.set_limits([g.memory_limit for g in terms])
+        for gpu, slot, old, new in zip(self.token_gpus, self.slots, self.terms, terms,
+                                       strict=True):
             if old.share != new.share:
                 # The algorithm has no way to change a request in place: rejoin (the tenant's
                 # usage history on this GPU starts again).
@@ -239,12 +242,12 @@ class AllocationChannel:
                 gpu.add(slot, new.share, new.limit)
             elif old.limit != new.limit:
                 gpu.set_limit(record.id, new.limit)
-        self.record, self.entitlements = record, entitlements
-        if not needs_binding(record):
+        self.record, self.binding, self.terms = record, binding, terms
+        if not needs_binding(record, binding):
             self.bound.set()
         log.info("allocation updated", extra={
-            "allocation": record.id, "limits": [g.limit for g in entitlements],
-            "memory_limits": [g.memory_limit for g in entitlements]})
+            "allocation": record.id, "limits": [g.limit for g in terms],
+            "memory_limits": [g.memory_limit for g in terms]})
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -311,15 +314,16 @@ class AllocationChannel:
         record = self.record
         return {
             "id": record.id, "origin": record.origin, "owner_pid": record.owner_pid,
-            "limit": record.limit, "channel_dir": record.channel_dir,
+            "limit": (self.binding.limit if self.binding and self.binding.limit is not None
+                      else record.limit), "channel_dir": record.channel_dir,
             "socket": str(self.socket_path), "created_at": record.created_at,
             "device_ids": list(record.device_ids),
-            "pod": None if record.pod is None else dataclasses.asdict(record.pod),
+            "pod": None if self.binding is None else dataclasses.asdict(self.binding.pod),
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
                       "share_ppm": e.share_ppm, "limit_ppm": e.limit_ppm, "limit": e.limit,
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
                       "memory_refusals": self.memory_refusals[i]}
-                     for i, (g, e) in enumerate(zip(record.gpus, self.entitlements, strict=True))],
+                     for i, (g, e) in enumerate(zip(record.gpus, self.terms, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
             "bound": self.bound.is_set(),
         }
@@ -336,6 +340,6 @@ def refuse(writer: asyncio.StreamWriter, reason: str) -> None:
         transport.close()
 
 
-def needs_binding(record: AllocationRecord) -> bool:
+def needs_binding(record: AllocationRecord, binding: Binding | None) -> bool:
     """Only kubelet allocations have a pod to find; gemini-run's need none."""
-    return record.origin == "kubelet" and record.pod is None
+    return record.origin == "kubelet" and binding is None

@@ -42,18 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import wire
+from vgpu_runtime import paths, wire
 
 C = wire.const
 PAGE_BYTES = C("GM_PAGE_BYTES")
 PAGE_MODE = 0o600
-PAGES_DIR_MODE = 0o700
-PAGES_SUBDIR = "pages"
+PAGES_DIR_MODE = paths.PAGES_DIR_MODE
 GATE_OPEN, GATE_TOKEN = C("GM_GATE_OPEN"), C("GM_GATE_TOKEN")
 
 
-def pages_dir(state_dir: str | Path) -> Path:
-    return Path(state_dir) / PAGES_SUBDIR
+pages_dir = paths.pages_dir
 
 
 def ensure_pages_dir(directory: Path) -> None:

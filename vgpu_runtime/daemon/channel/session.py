@@ -261,16 +261,16 @@ class Session(Waiter):
             await self.channel.wait_bound()
         first = self.hello_pid is None
         self.hello_pid = int(frame.pid)
-        entitlements = self.channel.entitlements
+        terms = self.channel.terms
         reply = wire.new(MSG_HELLO_REPLY, seq=frame.h.seq, version=version, status=C("GM_OK"),
-                         gpu_count=len(entitlements))
+                         gpu_count=len(terms))
         reply.allocation_id = self.channel.record.id.encode()
-        for index, entitlement in enumerate(entitlements):
+        for index, gpu in enumerate(terms):
             slot = reply.gpus[index]
-            slot.uuid = list(entitlement.uuid_bytes)
+            slot.uuid = list(gpu.uuid_bytes)
             slot.memory_limit = self.channel.ledger.limit(index)
-            slot.share_ppm = entitlement.share_ppm
-            slot.limit_ppm = entitlement.limit_ppm
+            slot.share_ppm = gpu.share_ppm
+            slot.limit_ppm = gpu.limit_ppm
         fds: list[int] = []
         if version >= 2:
             self._fill_settings(reply.settings)
@@ -330,7 +330,7 @@ class Session(Waiter):
         return self.peer.pid
 
     def gpu_uuids(self) -> list[str]:
-        return [entitlement.uuid for entitlement in self.channel.entitlements]
+        return [gpu.uuid for gpu in self.channel.terms]
 
     def charge_process_memory(self, source: str, totals: list[int | None]) -> None:
         ledger = self.channel.ledger
@@ -382,9 +382,9 @@ class Session(Waiter):
         """The GPU index of a token frame, checked; raises ProtocolError."""
         if self.hello_pid is None:
             raise ProtocolError(C("GM_ERR_NOT_READY"), f"{what} before hello")
-        if gpu >= len(self.channel.entitlements):
+        if gpu >= len(self.channel.terms):
             raise ProtocolError(C("GM_ERR_BAD_GPU"), f"{what}: GPU index {gpu} is outside the "
-                                f"allocation ({len(self.channel.entitlements)} GPU(s))")
+                                f"allocation ({len(self.channel.terms)} GPU(s))")
         return gpu
 
     @staticmethod

@@ -2,16 +2,17 @@
 
     gemini.ai/vgpu-limit   cap on the GPU-time share: "0.5" or "50%"; 0 < x <= 1 and at or
                            above the request (a cap below what is guaranteed means nothing)
-    gemini.ai/vgpu-memory  memory limit per GPU: "4GiB", "512Mi", bytes; at most the slice's
-                           default (a pod cannot take memory its neighbours were promised)
+    gemini.ai/vgpu-memory  memory limit per GPU: "4GiB", "512Mi", bytes; at most the record's
+                           entitled memory (a pod cannot take memory its neighbours were
+                           promised)
 
-An invalid value is ignored with a reason (the daemon posts it as an Event on the pod); the
-defaults hold and nothing else changes. Pure functions: no I/O here.
+They become the pod binding's overrides; the record's entitlement is never changed. An invalid
+value is ignored with a reason (the daemon posts it as an Event on the pod); the entitlement
+holds and nothing else changes. Pure functions: no I/O here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ INVALID_REASON = "InvalidVgpuAnnotation"
 
 
 @dataclass(frozen=True)
-class Applied:
-    record: AllocationRecord          # the record with every valid annotation applied
+class Overrides:
+    limit: float | None               # the time cap the pod asks, or None
+    memory_limit: int | None          # the memory limit per GPU the pod asks, or None
     problems: tuple[str, ...]         # one message per ignored annotation
 
 
@@ -44,11 +46,12 @@ def parse_limit(text: str) -> float:
     return value
 
 
-def apply_annotations(record: AllocationRecord, annotations: Mapping[str, str]) -> Applied:
-    """The record as the pod's annotations want it; invalid ones are reported, not applied."""
+def overrides_of(record: AllocationRecord, annotations: Mapping[str, str]) -> Overrides:
+    """What the pod's annotations override in the record's entitlement; invalid ones are
+    reported, not applied."""
     problems: list[str] = []
-    limit = record.limit
-    gpus = record.gpus
+    limit: float | None = None
+    memory_limit: int | None = None
     share = max(g.share for g in record.gpus)
     raw_limit = annotations.get(LIMIT_ANNOTATION)
     if raw_limit is not None:
@@ -68,13 +71,12 @@ def apply_annotations(record: AllocationRecord, annotations: Mapping[str, str]) 
                 memory = parse_size(raw_memory)
             except ValueError as err:
                 raise ValueError(f"{MEMORY_ANNOTATION}: {err}") from None
-            default = min(g.memory_limit if g.default_memory is None else g.default_memory
-                          for g in record.gpus)
-            if memory <= 0 or memory > default:
+            entitled = min(g.memory_limit for g in record.gpus)
+            if memory <= 0 or memory > entitled:
                 raise ValueError(f"{MEMORY_ANNOTATION}={raw_memory!r} must be more than 0 and "
-                                 f"at most the slices' default of {format_size(default)} "
-                                 f"({default} bytes)")
-            gpus = tuple(dataclasses.replace(g, memory_limit=memory) for g in record.gpus)
+                                 f"at most the slices' default of {format_size(entitled)} "
+                                 f"({entitled} bytes)")
+            memory_limit = memory
         except ValueError as err:
             problems.append(f"{err}; ignored, the default memory limit holds")
-    return Applied(dataclasses.replace(record, limit=limit, gpus=gpus), tuple(problems))
+    return Overrides(limit, memory_limit, tuple(problems))

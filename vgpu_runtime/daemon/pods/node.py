@@ -10,20 +10,16 @@ Labels, as GPU feature discovery sets them (values sanitized to valid label valu
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu_runtime import __version__
+from vgpu_runtime import __version__, nodefiles, paths
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 
 log = logging.getLogger(__name__)
 
-HEALTH_FILE_NAME = "health.json"   # written by device_plugin.healthfile
-SLICES_FILE_NAME = "slices.json"   # written by device_plugin.slicecounts
 LABEL_MODEL = "gemini.ai/gpu.model"
 LABEL_COUNT = "gemini.ai/gpu.count"
 LABEL_SLICES = "gemini.ai/vgpu.slices-per-gpu"
@@ -69,7 +65,7 @@ class HealthFile:
     """Reads health.json again only when it changed; a bad file keeps the last good view."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        self.path = Path(state_dir) / HEALTH_FILE_NAME
+        self.path = paths.health_file(state_dir)
         self._signature: tuple[int, int] | None = None
         self.health: dict[str, tuple[bool, str]] = {}   # uuid -> (healthy, reason)
 
@@ -82,10 +78,9 @@ class HealthFile:
         if signature == self._signature:
             return self.health
         try:
-            data = json.loads(self.path.read_bytes())
-            health = {str(uuid): (bool(entry["healthy"]), str(entry.get("reason", "")))
-                      for uuid, entry in data.items()}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            health = {uuid: (h.healthy, h.reason)
+                      for uuid, h in nodefiles.decode_health(self.path.read_bytes()).items()}
+        except (OSError, ValueError) as err:
             log.warning("ignoring unreadable health file", extra={"path": str(self.path),
                                                                   "error": str(err)})
             return self.health
@@ -94,11 +89,7 @@ class HealthFile:
         return health
 
 
-@dataclass(frozen=True)
-class SliceCount:
-    advertised: int
-    configured: int
-    waiting_for: tuple[str, ...]
+SliceCount = nodefiles.SliceCount
 
 
 class SliceCountsFile:
@@ -106,7 +97,7 @@ class SliceCountsFile:
     a waiting change waits for) again only when it changed; a bad file keeps the last view."""
 
     def __init__(self, state_dir: str | Path) -> None:
-        self.path = Path(state_dir) / SLICES_FILE_NAME
+        self.path = paths.slices_file(state_dir)
         self._signature: tuple[int, int] | None = None
         self.counts: dict[str, SliceCount] = {}
 
@@ -119,11 +110,8 @@ class SliceCountsFile:
         if signature == self._signature:
             return self.counts
         try:
-            data = json.loads(self.path.read_bytes())
-            counts = {str(uuid): SliceCount(int(entry["advertised"]), int(entry["configured"]),
-                                            tuple(str(i) for i in entry.get("waiting_for", ())))
-                      for uuid, entry in data.items()}
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+            counts = nodefiles.decode_slice_counts(self.path.read_bytes())
+        except (OSError, ValueError) as err:
             log.warning("ignoring unreadable slice counts", extra={"path": str(self.path),
                                                                    "error": str(err)})
             return self.counts

@@ -1,16 +1,17 @@
 """Pod awareness: bind kubelet allocations to their pods, apply annotations, collect ended pods.
 
-Binding. Allocate does not say which pod it serves. For every kubelet record without a pod, the
-watcher asks PodResources `List` which container holds the record's slice IDs, then (with the
-Kubernetes API on) GETs the pod for its uid and annotations, and writes the record once with the
-pod and the valid annotations applied (`allocation.write_record`: atomic; every other field is
-kept as the plugin wrote it). The record watcher then applies the new limits, and the channel's
-hellos, which wait for the pod (`AllocationChannel.wait_bound`), are answered with them.
+Binding. Allocate does not say which pod it serves. For every kubelet record without a binding,
+the watcher asks PodResources `List` which container holds the record's slice IDs, then (with
+the Kubernetes API on) GETs the pod for its uid and annotations, and hands the daemon the pod
+binding: the pod and its valid annotations as overrides (`bind`, which writes
+<state-dir>/bindings/<id>.json and applies the new terms to the channel at once). The record is
+the plugin's and is never written here. The channel's hellos, which wait for the pod
+(`AllocationChannel.wait_bound`), are answered with the new terms.
 
 Re-binding. The binding follows what PodResources says holds the slices now. Slices freed by a
 deleted pod and given to a new one within the collect grace keep their allocation id (it is the
 slice set's), so a bound record whose slices another pod holds is bound again: to the new pod,
-with the slices' default limits and the new pod's annotations. The same pod holding them (an
+with the record's entitlement and the new pod's annotations. The same pod holding them (an
 init container's slices replayed to an app container, restarts) keeps everything.
 
 An invalid annotation is ignored with a Warning Event on the pod (reason InvalidVgpuAnnotation).
@@ -27,15 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord, PodRef, RecordError
-from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, apply_annotations
+from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, overrides_of
 from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
 
 if TYPE_CHECKING:
@@ -45,19 +45,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Records = Callable[[], list[AllocationRecord]]
+BindingOf = Callable[[str], Binding | None]
+Bind = Callable[[Binding], bool]    # stores and applies a binding; False if it could not
 Collect = Callable[[str, str], Awaitable[None]]
 Notify = Callable[[str, AllocationRecord, dict[str, object]], None]
 
 
 class PodWatch:
     def __init__(self, config: DaemonConfig, lister: PodResourcesLister,
-                 kube: KubeApi | None, records: Records, wake_daemon: Callable[[], None],
+                 kube: KubeApi | None, records: Records, binding_of: BindingOf, bind: Bind,
                  collect: Collect, notify: Notify) -> None:
         self.config = config
         self.lister = lister
         self.kube = kube
         self.records = records
-        self.wake_daemon = wake_daemon
+        self.binding_of = binding_of
+        self.bind = bind
         self.collect = collect
         self.notify = notify
         self.absent_since: dict[str, float] = {}
@@ -82,7 +85,8 @@ class PodWatch:
                 log.exception("pod watch pass failed; trying again")
 
     def _next_delay(self) -> float:
-        if any(r.pod is None or r.id in self.annotations_pending for r in self._kubelet()):
+        if any(self.binding_of(r.id) is None or r.id in self.annotations_pending
+               for r in self._kubelet()):
             # Someone may be waiting on these: ask again soon, within the rate limit.
             return max(self.config.pod_resources_min_interval, 0.05)
         return self.config.pod_resources_interval
@@ -101,8 +105,9 @@ class PodWatch:
         listing = await self.lister.listing()
         self._log_listing(listing)
         for record in records:
-            if (record.pod is None or record.id in self.annotations_pending
-                    or _taken_over(record, listing)):
+            bound = self.binding_of(record.id)
+            if (bound is None or record.id in self.annotations_pending
+                    or _taken_over(bound, record, listing)):
                 await self._bind(record, listing)
         await self._collect_ended(records, listing)
 
@@ -120,7 +125,8 @@ class PodWatch:
     async def _bind(self, record: AllocationRecord, listing: PodListing) -> None:
         if not listing.ok:
             return
-        owner = listing.owner_of(record.device_ids) or record.pod
+        previous = self.binding_of(record.id)
+        owner = listing.owner_of(record.device_ids) or (previous.pod if previous else None)
         if owner is None:
             return
         annotations: dict[str, str] | None = None
@@ -133,48 +139,37 @@ class PodWatch:
                 log.warning("cannot read the pod's annotations; defaults hold for now",
                             extra={"allocation": record.id, "pod": owner.name,
                                    "namespace": owner.namespace, "error": str(err)})
-        try:
-            latest = allocation.load_record(self.config.state_dir, record.id)
-        except RecordError as err:
-            log.error("cannot bind: record unreadable", extra={"allocation": record.id,
-                                                                "error": str(err)})
-            return
-        if latest is None:
-            return   # removed meanwhile
-        previous = latest.pod
-        rebound = previous is not None and not _same_pod(previous, owner)
+        previous = self.binding_of(record.id)   # the API call let others run
+        rebound = previous is not None and not _same_pod(previous.pod, owner)
         if previous is not None and not rebound:
             # The pod it is bound to: the container it was bound with, the uid once known.
-            pod = dataclasses.replace(previous, uid=uid or previous.uid)
-            updated = dataclasses.replace(latest, pod=pod)
+            binding = replace(previous, pod=replace(previous.pod, uid=uid or previous.pod.uid))
         else:
-            pod = PodRef(owner.namespace, owner.name, owner.container, uid)
-            updated = dataclasses.replace(_defaults(latest) if rebound else latest, pod=pod)
+            # A new pod starts from the record's entitlement: no overrides of another pod.
+            binding = Binding(record.id, PodRef(owner.namespace, owner.name, owner.container,
+                                                uid))
         problems: tuple[str, ...] = ()
         if annotations is not None:
-            applied = apply_annotations(updated, annotations)
-            updated, problems = applied.record, applied.problems
+            overrides = overrides_of(record, annotations)
+            binding = replace(binding, limit=overrides.limit,
+                              memory_limit=overrides.memory_limit)
+            problems = overrides.problems
             self.annotations_pending.discard(record.id)
         elif self.kube is not None:
             self.annotations_pending.add(record.id)
-        if updated != latest:
-            try:
-                allocation.write_record(self.config.state_dir, updated)
-            except RecordError as err:
-                log.error("cannot bind: record not written", extra={"allocation": record.id,
-                                                                    "error": str(err)})
-                return
+        if binding != previous and not self.bind(binding):
+            return
+        pod = binding.pod
         if previous is None or rebound:
             self.binds += 1
-            more = {} if previous is None else {"previous_namespace": previous.namespace,
-                                                "previous_pod": previous.name}
+            more = {} if previous is None else {"previous_namespace": previous.pod.namespace,
+                                                "previous_pod": previous.pod.name}
             log.info("allocation re-bound to the pod now holding its slices" if rebound else
                      "allocation bound to its pod", extra={
                          "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
-                         "container": pod.container, "limit": updated.limit,
-                         "memory_limits": [g.memory_limit for g in updated.gpus], **more})
-            self.notify("bound", updated, dict(more))
-        self.wake_daemon()
+                         "container": pod.container, "limit": binding.limit,
+                         "memory_limit": binding.memory_limit, **more})
+            self.notify("bound", record, dict(more))
         for problem in problems:
             log.warning("ignoring pod annotation", extra={
                 "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
@@ -210,7 +205,8 @@ class PodWatch:
             since = self.absent_since.setdefault(record.id, now)
             if now - since >= self.config.collect_grace:
                 del self.absent_since[record.id]
-                pod = record.pod
+                binding = self.binding_of(record.id)
+                pod = binding.pod if binding else None
                 reason = (f"pod {pod.namespace}/{pod.name} ended" if pod else
                           "no pod holds its slices") + (
                     f" (absent from PodResources for {now - since:.1f} s)")
@@ -228,17 +224,10 @@ def _same_pod(bound: PodRef, holder: PodRef) -> bool:
             and (not bound.uid or not holder.uid or bound.uid == holder.uid))
 
 
-def _taken_over(record: AllocationRecord, listing: PodListing) -> bool:
+def _taken_over(binding: Binding, record: AllocationRecord, listing: PodListing) -> bool:
     """A bound record whose slices another pod now holds (a successful List says so)."""
-    if record.pod is None or not listing.ok:
+    if not listing.ok:
         return False
     holder = listing.owner_of(record.device_ids)
-    return holder is not None and not _same_pod(record.pod, holder)
+    return holder is not None and not _same_pod(binding.pod, holder)
 
-
-def _defaults(record: AllocationRecord) -> AllocationRecord:
-    """The record as the plugin gave it, before any pod's annotations (a record written before
-    default_memory was kept has only its current memory limit)."""
-    gpus = tuple(g if g.default_memory is None else
-                 dataclasses.replace(g, memory_limit=g.default_memory) for g in record.gpus)
-    return dataclasses.replace(record, limit=None, gpus=gpus)

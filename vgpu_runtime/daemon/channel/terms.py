@@ -1,5 +1,6 @@
-"""What an allocation record entitles a container to on each GPU (its entitlement there: the
-share, the limit and the memory limit), in the form HELLO_REPLY carries it."""
+"""The terms the daemon enforces for an allocation on each GPU: the record's entitlement (share,
+memory limit) with the pod binding's overrides applied (time cap, memory limit), in the form
+HELLO_REPLY carries them."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
 
 
 @dataclass(frozen=True)
-class GpuEntitlement:
+class GpuTerms:
     uuid: str
     uuid_bytes: bytes     # 16 raw bytes, as cuDeviceGetUuid returns them
-    memory_limit: int
+    memory_limit: int     # the binding's memory limit where it names one, else the record's
     share_ppm: int
     limit_ppm: int
     share: float = 1.0    # the request on this GPU, as the token scheduler takes it
@@ -39,7 +40,8 @@ def to_ppm(fraction: float) -> int:
 LimitRule = Callable[[float | None, float], float]  # (record's limit, request) -> cap
 
 
-def entitlements_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[GpuEntitlement, ...]:
+def terms_of(record: AllocationRecord, binding: Binding | None,
+             limit_for: LimitRule) -> tuple[GpuTerms, ...]:
     """Raises RecordError when the record cannot be served (bad UUID, too many GPUs, the same
     GPU twice)."""
     uuids = [g.uuid for g in record.gpus]
@@ -50,9 +52,15 @@ def entitlements_of(record: AllocationRecord, limit_for: LimitRule) -> tuple[Gpu
                           f"the wire carries at most {wire.MAX_GPUS}")
     if len(record.id.encode()) >= wire.const("GM_ALLOCATION_ID_BYTES"):
         raise RecordError(f"allocation id {record.id!r} is too long for the wire")
-    entitlements = []
+    asked_limit = record.limit
+    memory_override = None
+    if binding is not None:
+        asked_limit = binding.limit if binding.limit is not None else record.limit
+        memory_override = binding.memory_limit
+    terms = []
     for g in record.gpus:
-        limit = limit_for(record.limit, g.share)
-        entitlements.append(GpuEntitlement(g.uuid, uuid_bytes(g.uuid), g.memory_limit,
-                                           to_ppm(g.share), to_ppm(limit), g.share, limit))
-    return tuple(entitlements)
+        limit = limit_for(asked_limit, g.share)
+        memory = g.memory_limit if memory_override is None else memory_override
+        terms.append(GpuTerms(g.uuid, uuid_bytes(g.uuid), memory, to_ppm(g.share),
+                              to_ppm(limit), g.share, limit))
+    return tuple(terms)
