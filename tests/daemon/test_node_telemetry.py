@@ -159,3 +159,25 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
             assert tenant["memory_used"] == 100 * MiB and tenant["waits"]["count"] >= 3
             print(json.dumps(answer["node"]))
     await asyncio.to_thread(work)
+
+
+async def test_slices_per_gpu_come_from_the_plugins_records(pods: PodNode,
+                                                           api: FakeApiServer) -> None:
+    """The plugin cuts GPUs into 10 slices; a daemon set to 4 takes the records' word: in its
+    node label once a record says it, and in the slices it counts as allocated."""
+    api.add_node("node-1", {})
+    await pods.start_daemon("--kubernetes", "true", "--kube-api-url", api.url,
+                            "--simulate-gpus", "2", "--slices-per-gpu", "4",
+                            "--node-label-interval", "0.1", "--pod-resources-interval", "0.1")
+    label = "gemini.ai/vgpu.slices-per-gpu"
+    await until(lambda: api.node("node-1")["metadata"]["labels"].get(label) == "4", 10,
+                "the daemon's own setting while no record says otherwise")
+    pod = await pods.node.kubelet.admit_pod("a", containers=[("main", 3)])
+    record = await until(lambda: pods.record_of(pod, "main"), 10, "record")
+    assert record.gpus[0].slices_per_gpu == 10
+    await until(lambda: api.node("node-1")["metadata"]["labels"].get(label) == "10", 10,
+                "the label the plugin's record gives")
+    node = (await pods.status())["node"]
+    assert node["slices_per_gpu"] == 10
+    (gpu,) = [g for g in node["gpus"] if g["uuid"] == record.gpus[0].uuid]
+    assert (gpu["slices"], gpu["slices_allocated"]) == (10, 3)

@@ -125,7 +125,8 @@ class DaemonConfig:
         300.0, "seconds between checks of this node's gemini.ai labels",
         cfg.number(0.05, 86400), "SECONDS")
     slices_per_gpu: int = cfg.node_setting(
-        "slices_per_gpu", help="slices each GPU is advertised as (the node label's value)")
+        "slices_per_gpu", help="slices per GPU where no allocation record says (the plugin's "
+        "records name the count they were cut with, and the node label follows them)")
     simulate_gpus: int = cfg.node_setting(
         "simulate_gpus", help="simulated GPUs for labels and metrics instead of NVML")
     simulate_model: str = cfg.node_setting("simulate_model")

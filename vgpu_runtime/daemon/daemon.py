@@ -210,8 +210,8 @@ class Daemon:
                                                  self.config.simulate_model)
         if self.kube is None:
             return
-        wanted = node_labels(self.node_gpus, self.config.slices_per_gpu)
         while True:
+            wanted = node_labels(self.node_gpus, self.slices_per_gpu())
             try:
                 current = await self.kube.node_labels(self.config.node_name)
                 change = {k: v for k, v in wanted.items() if current.get(k) != v}
@@ -468,17 +468,36 @@ class Daemon:
         self.tokens.close()
         log.info("gemini-scheduler stopped")
 
+    def slices_per_gpu(self) -> int:
+        """What the plugin cuts a GPU into, as its newest record says (the daemon's own setting
+        only where no record says it: records written before they carried it, or none)."""
+        said = [(c.record.created_at, g.slices_per_gpu) for c in self.channels.values()
+                for g in c.record.gpus if g.slices_per_gpu is not None]
+        return max(said)[1] if said else self.config.slices_per_gpu
+
+    def gpu_slices(self) -> dict[str, int]:
+        """Each GPU's slice count: its newest record's, else what the plugin advertises."""
+        counts = {uuid: c.advertised for uuid, c in self.slice_counts.read().items()}
+        newest: dict[str, float] = {}
+        for channel in self.channels.values():
+            for gpu in channel.record.gpus:
+                if gpu.slices_per_gpu is not None and (
+                        channel.record.created_at >= newest.get(gpu.uuid, float("-inf"))):
+                    newest[gpu.uuid] = channel.record.created_at
+                    counts[gpu.uuid] = gpu.slices_per_gpu
+        return counts
+
     def node_status(self) -> dict[str, Any]:
         """The node's GPUs: discovered ones, plus any GPU an allocation names."""
-        per_gpu = self.config.slices_per_gpu
+        per_gpu = self.slices_per_gpu()
         health = self.health.read()
-        counts = self.slice_counts.read()   # a GPU waiting to change count keeps its old one
+        counts = self.gpu_slices()   # a GPU waiting to change count keeps its old one
         allocated: dict[str, int] = {}
         shares: dict[str, float] = {}
         indexes = {g.uuid: g.index for g in self.node_gpus}
         for channel in self.channels.values():
             for gpu in channel.record.gpus:
-                slices = counts[gpu.uuid].advertised if gpu.uuid in counts else per_gpu
+                slices = gpu.slices_per_gpu or counts.get(gpu.uuid, per_gpu)
                 allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * slices)
                 shares[gpu.uuid] = shares.get(gpu.uuid, 0.0) + gpu.share
                 indexes.setdefault(gpu.uuid, gpu.index)
@@ -491,7 +510,7 @@ class Daemon:
             gpus.append({"uuid": uuid, "index": indexes[uuid],
                          "model": node_gpu.model if node_gpu else "",
                          "memory_total": node_gpu.memory_total if node_gpu else None,
-                         "slices": counts[uuid].advertised if uuid in counts else per_gpu,
+                         "slices": counts.get(uuid, per_gpu),
                          "slices_allocated": allocated.get(uuid, 0),
                          "share_allocated": round(shares.get(uuid, 0.0), 6),
                          "healthy": healthy, "reason": reason})
