@@ -476,3 +476,32 @@ def test_interposer_that_is_a_link_is_refused(make: Make, short_dir: Path) -> No
     library.symlink_to(real)
     err = rejected(allocator, slice_ids(table, 0, 1))
     assert "is not a regular file" in err.message and str(library) in err.message
+
+
+# ---- one container environment for both allocators ----
+
+@pytest.mark.parametrize(("slices", "per_gpu", "share"), [(3, 10, 0.3), (2, 10, 0.2),
+                                                          (1, 7, 1 / 7), (4, 4, 1.0)])
+def test_the_plugin_and_gemini_run_give_the_same_share_the_same_environment(
+        make: Make, tmp_path: Path, slices: int, per_gpu: int, share: float) -> None:
+    """k/N slices from the plugin (no reserve) and gemini-run --share k/N on the same GPU: the
+    same memory limit and the same variables, built by one function from the record."""
+    from vgpu_runtime import run
+
+    allocator, table, _ = make(slices_per_gpu=per_gpu, memory_reserve=0,
+                               simulate_memory=80 * GIB + 12345)
+    gpu = table.gpus[0]
+    plugin_env = dict(allocator.allocate(slice_ids(table, 0, slices)).envs)
+    request = run.Request(gpu=None, share=share, limit=None, memory=None, state_dir=tmp_path,
+                          overcommit=False, simulate_gpus=None, hook_library=None, command=[])
+    record = run.build_record(request, gpu, tmp_path / "libgemini-hook.so")
+    run_env = run.child_environment(record, tmp_path / "libgemini-hook.so")
+    assert record.gpus[0].memory_limit == (80 * GIB + 12345) * slices // per_gpu
+    for name in (paths.ENV_SHARE, paths.ENV_MEMORY_LIMIT, "CUDA_VISIBLE_DEVICES"):
+        assert plugin_env[name] == run_env[name], name
+    # Information for the workload: what the allocation's record says.
+    written = allocation.load_record(allocator.config.state_dir,
+                                     plugin_env[paths.ENV_ALLOCATION_ID])
+    assert written is not None
+    assert float(plugin_env[paths.ENV_SHARE]) == written.gpus[0].share
+    assert int(plugin_env[paths.ENV_MEMORY_LIMIT]) == written.gpus[0].memory_limit
