@@ -145,6 +145,8 @@ async def test_ended_pod_is_collected_after_the_grace_period(pods: PodNode) -> N
     await until(lambda: record.id not in pods.records(), 10, "collection")
     assert time.monotonic() - deleted >= 1.0
     await until(lambda: not Path(record.channel_dir).exists(), 5, "channel dir removed")
+    assert pods.binding_of(pod, "app") is None, "the binding goes with its allocation"
+    assert pods.binding_of(stays, "app") is not None
     assert pods.record_of(stays, "app") is not None
     status = await pods.status()
     assert record.id not in {a["id"] for a in status["allocations"]}

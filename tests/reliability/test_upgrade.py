@@ -1,9 +1,12 @@
 """Rolling upgrade of the node daemon while a container runs: the install step (a real
 `python -m vgpu_runtime.install` run, as the new DaemonSet pod's init container runs it), then
-the daemon stopped and started again on the same state directory."""
+the daemon stopped and started again on the same state directory. And records in the format
+the plugin and daemon wrote before pod bindings (version 1), served after the upgrade with the
+limits they had, to the interposer built from this tree (wire version 2, as in running pods)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +18,9 @@ from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import install, paths
+from vgpu_runtime import allocation, install, paths
+from vgpu_runtime.allocation import Binding, PodRef
+from vgpu_runtime.gpus.simulated import simulated_uuid
 
 RETIRED = install.LIBRARY_PREFIX + "0.0.1"     # an old version no record uses
 
@@ -84,6 +89,78 @@ async def test_rolling_upgrade_keeps_the_running_containers_library_and_quota(
         assert share_ppm(daemon, record.id) == share
         assert mapped_library(container.proc.pid, paths.HOOK_LIBRARY_NAME) == mapped
         assert installed.read_bytes() == original
+    finally:
+        container.stop()
+        assert daemon.stop() == 0, daemon.logs()
+
+
+# Literal records of the version before pod bindings, as its plugin wrote them (12 GiB GPU,
+# 2 GiB reserve, 10 slices) and, for the first, as its daemon rewrote it once it had bound the
+# pod and applied the annotations gemini.ai/vgpu-memory=3GiB and gemini.ai/vgpu-limit=0.6.
+TODAYS_BOUND_RECORD = {
+    "version": 1, "id": allocation.id_for_devices([f"{simulated_uuid(0)}::{n}" for n in range(5)]),
+    "origin": "kubelet", "device_ids": [f"{simulated_uuid(0)}::{n}" for n in range(5)],
+    "gpus": [{"uuid": simulated_uuid(0), "index": 0, "share": 0.5, "memory_limit": 3 * GiB,
+              "default_memory": 5 * GiB}],
+    "limit": 0.6, "channel_dir": "", "hook_library": paths.HOOK_LIBRARY_NAME,
+    "created_at": 1.7e9, "owner_pid": None,
+    "pod": {"namespace": "ml", "name": "train", "container": "main", "uid": "uid-1"}}
+TODAYS_RECORD = {
+    "version": 1, "id": allocation.id_for_devices([f"{simulated_uuid(0)}::{n}" for n in (5, 6)]),
+    "origin": "kubelet", "device_ids": [f"{simulated_uuid(0)}::{n}" for n in (5, 6)],
+    "gpus": [{"uuid": simulated_uuid(0), "index": 0, "share": 0.2, "memory_limit": 2 * GiB,
+              "default_memory": 2 * GiB}],
+    "limit": None, "channel_dir": "", "hook_library": paths.HOOK_LIBRARY_NAME,
+    "created_at": 1.7e9, "owner_pid": None, "pod": None}
+
+
+def write_todays_record(state_dir: Path, data: dict[str, object]) -> Path:
+    data = dict(data, channel_dir=str(paths.channel_dir(state_dir, str(data["id"]))))
+    path = allocation.record_path(state_dir, str(data["id"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+async def test_records_of_the_version_before_bindings_keep_their_limits(
+        node: PluginNode, hooked: Hooked) -> None:
+    """Pass: the record the old daemon had bound is served with the pod's 3 GiB and 0.6 cap,
+    not the slices' 5 GiB (2.5 GiB held, 1 GiB more refused), the pod moves into the new
+    daemon's binding file, both records stay byte for byte as they were (the daemon never
+    writes one), and after a restart of the new daemon the same limits come from its file."""
+    state_dir = node.state_dir
+    bound_path = write_todays_record(state_dir, TODAYS_BOUND_RECORD)
+    plain_path = write_todays_record(state_dir, TODAYS_RECORD)
+    written = {p: p.read_bytes() for p in (bound_path, plain_path)}
+    bound, plain = allocation.read_record(bound_path), allocation.read_record(plain_path)
+    daemon = DaemonProcess(state_dir).wait_ready()
+    container = Container(hooked, bound)
+    try:
+        assert container.alloc(2 * GiB + 512 * MiB) == 0
+        assert container.alloc(GiB) == 2, "the pod's 3 GiB holds, not the slices' 5 GiB"
+        entry = daemon.allocation(bound.id)
+        assert entry["pod"] == {"namespace": "ml", "name": "train", "container": "main",
+                                "uid": "uid-1"}
+        assert (entry["limit"], entry["gpus"][0]["limit_ppm"]) == (0.6, 600_000)
+        assert entry["gpus"][0]["memory_limit"] == 3 * GiB
+        other = daemon.allocation(plain.id)
+        assert other["gpus"][0]["memory_limit"] == 2 * GiB and other["pod"] is None
+        assert other["gpus"][0]["share_ppm"] == 200_000
+        assert allocation.load_binding(state_dir, bound.id) == Binding(
+            bound.id, PodRef("ml", "train", "main", "uid-1"), 0.6, 3 * GiB)
+        assert allocation.load_binding(state_dir, plain.id) is None
+        assert {p: p.read_bytes() for p in written} == written
+
+        assert daemon.stop() == 0, daemon.logs()
+        daemon = DaemonProcess(state_dir).wait_ready()
+        assert container.alloc(GiB) == 2
+        assert container.alloc(400 * MiB) == 0
+        wait_for(lambda: used_by(daemon).get(bound.id) == 2 * GiB + 912 * MiB, 5,
+                 "holding counted once")
+        assert daemon.allocation(bound.id)["gpus"][0]["limit_ppm"] == 600_000
+        after = container.step("launch 0.2")
+        assert after["returns"] and after["stats"]["daemon_connects"] == 2
+        assert {p: p.read_bytes() for p in written} == written
     finally:
         container.stop()
         assert daemon.stop() == 0, daemon.logs()
