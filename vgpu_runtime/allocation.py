@@ -60,7 +60,12 @@ from vgpu_runtime.common.atomicfile import (
     sweep_stale_temps,
     write_atomic,
 )
-from vgpu_runtime.common.securedir import read_nofollow, remove_tree_in
+from vgpu_runtime.common.securedir import (
+    InsecureDirectory,
+    make_dir,
+    read_nofollow,
+    remove_tree_in,
+)
 
 RECORD_VERSION = 2
 READABLE_RECORD_VERSIONS = (1, 2)
@@ -412,10 +417,12 @@ def write_binding(state_dir: str | Path, binding: Binding) -> Path:
     target = binding_path(state_dir, binding.id)
     payload = json.dumps(binding.to_json(), sort_keys=True).encode()
     try:
-        target.parent.mkdir(mode=paths.BINDINGS_DIR_MODE, parents=True, exist_ok=True)
-        write_atomic(target, payload)
-    except OSError as err:
-        raise RecordError(f"cannot write pod binding {target}: {err.strerror}") from None
+        # bindings/ is the daemon's alone: a link or another user's directory is refused.
+        make_dir(target.parent, paths.BINDINGS_DIR_MODE)
+        write_atomic(target, payload, mode=0o600)
+    except (OSError, InsecureDirectory) as err:
+        detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise RecordError(f"cannot write pod binding {target}: {detail}") from None
     return target
 
 

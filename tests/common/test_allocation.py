@@ -257,3 +257,13 @@ def test_encoded_bytes_are_what_is_stored(tmp_path: Path) -> None:
     assert alloc.read_record_bytes(path) == payload
     assert alloc.decode_record(path, payload) == record
     assert alloc.read_record_bytes(alloc.record_path(tmp_path, "k-" + "0" * 16)) is None
+
+
+def test_a_link_in_place_of_the_bindings_directory_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, tmp_path / "bindings")
+    binding = alloc.Binding(sample().id, alloc.PodRef("ns", "p", "c"))
+    with pytest.raises(alloc.RecordError, match="cannot write pod binding.*not a directory"):
+        alloc.write_binding(tmp_path, binding)
+    assert list(elsewhere.iterdir()) == []

@@ -104,7 +104,9 @@ struct gm_gpu_grant {
     uint8_t uuid[16];         /* GM_UUID_BYTES, as cuDeviceGetUuid returns it */
     uint64_t memory_limit;    /* bytes, for the whole container on this GPU */
     uint32_t share_ppm;       /* guaranteed share of GPU time, parts per million */
-    uint32_t limit_ppm;       /* cap on the share, parts per million */
+    uint32_t limit_ppm;       /* cap on the share, parts per million; no hook reads it (the
+                               * daemon enforces the cap): kept so the v1 and v2 layouts stay
+                               * as running hooks know them, dropped in the next version */
 };
 
 /* Enforcement settings of the node (the daemon's configuration). Where the hook's environment
