@@ -264,6 +264,6 @@ def test_a_link_in_place_of_the_bindings_directory_is_refused(tmp_path: Path) ->
     elsewhere.mkdir()
     os.symlink(elsewhere, tmp_path / "bindings")
     binding = alloc.Binding(sample().id, alloc.PodRef("ns", "p", "c"))
-    with pytest.raises(alloc.RecordError, match="cannot write pod binding.*not a directory"):
+    with pytest.raises(alloc.RecordError, match=r"cannot write pod binding.*not a directory"):
         alloc.write_binding(tmp_path, binding)
     assert list(elsewhere.iterdir()) == []
