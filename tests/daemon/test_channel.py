@@ -120,7 +120,8 @@ def test_release_on_disconnect(daemon: DaemonProcess, state_dir: Path) -> None:
     path = wait_served(record)
     with ChannelClient(path) as holder:
         holder.hello()
-        holder.reserve(0, 80 * MiB)
+        assert holder.reserve(0, 80 * MiB).granted
+        assert daemon.allocation(record.id)["gpus"][0]["memory_used"] == 80 * MiB
     wait_for(lambda: daemon.allocation(record.id)["gpus"][0]["memory_used"] == 0, 5,
              "release after close")
 
