@@ -1,13 +1,15 @@
-"""Pod awareness through the real daemon, the kubelet emulator's PodResources, the real plugin and
-the fake API server: binding, the hello that waits for its pod, annotations and their Events,
-collection of ended pods (never on a failed or empty List)."""
+"""Pod awareness through the whole node: the real daemon process, the kubelet emulator's
+PodResources, the real plugin and the fake API server. The wiring of binding, the hello that
+waits for its pod with its annotations, and collection of an ended pod; the watcher's rules
+(invalid annotations, re-binding, failed or empty Lists, hellos that give up) are
+test_pod_watch.py's, in-process."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -77,56 +79,6 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     assert api.events == []
 
 
-async def test_hello_gives_up_waiting_and_the_defaults_hold(pods: PodNode) -> None:
-    pod = await pods.node.kubelet.admit_pod("ghost", containers=[("app", 1)])
-    pod.phase = "Pending"   # never listed
-    await pods.start_daemon(*FAST, "--bind-timeout", "0.5")
-    record = pods.record_of(pod, "app")
-    assert record is not None
-    await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
-    elapsed, reply = await asyncio.to_thread(_hello, record)
-    assert 0.45 < elapsed < 3.0
-    assert reply.gpus[0].memory_limit == record.gpus[0].memory_limit
-    assert reply.gpus[0].limit_ppm == 1_000_000
-    assert pods.record_of(pod, "app").pod is None        # type: ignore[union-attr]
-
-
-async def test_without_pod_resources_hellos_never_wait(pods: PodNode) -> None:
-    # No PodResources socket where the daemon looks: it cannot bind, so hellos never wait.
-    pod = await pods.node.kubelet.admit_pod("solo", containers=[("app", 1)])
-    record = pods.record_of(pod, "app")
-    assert record is not None
-    daemon_args = ("--pod-resources-socket", str(pods.node.root / "absent.sock"))
-    await pods.start_daemon(*daemon_args)
-    await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
-    elapsed, _ = await asyncio.to_thread(_hello, record)
-    assert elapsed < 0.5
-
-
-async def test_invalid_annotations_make_events_and_change_nothing(
-        pods: PodNode, api: FakeApiServer) -> None:
-    pod = await pods.node.kubelet.admit_pod("bad", containers=[("app", 3)])
-    api.add_pod("default", "bad", "uid-bad", {"gemini.ai/vgpu-limit": "0.1",
-                                              "gemini.ai/vgpu-memory": "lots"})
-    default_memory = pods.record_of(pod, "app").gpus[0].memory_limit  # type: ignore[union-attr]
-    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
-    def two_events() -> list[dict[str, Any]] | None:
-        found = api.events_for("default", "bad")
-        return found if len(found) >= 2 else None
-    events = await until(two_events, 10, "two events")
-    assert {e["reason"] for e in events} == {"InvalidVgpuAnnotation"}
-    assert all(e["type"] == "Warning" and e["involvedObject"]["uid"] == "uid-bad"
-               and e["source"]["host"] == "node-1" for e in events)
-    messages = " | ".join(e["message"] for e in events)
-    assert "below the pod's request of 0.3" in messages and "vgpu-memory" in messages
-    record = pods.record_of(pod, "app")
-    assert record is not None and record.pod is not None and record.pod.uid == "uid-bad"
-    assert record.limit is None and record.gpus[0].memory_limit == default_memory
-    _, reply = await asyncio.to_thread(_hello, record)
-    assert reply.gpus[0].limit_ppm == 1_000_000
-    assert pods.daemon is not None and pods.daemon.proc.poll() is None
-
-
 async def test_ended_pod_is_collected_after_the_grace_period(pods: PodNode) -> None:
     kubelet = pods.node.kubelet
     pod = await kubelet.admit_pod("done", containers=[("app", 2)])
@@ -144,80 +96,3 @@ async def test_ended_pod_is_collected_after_the_grace_period(pods: PodNode) -> N
     assert pods.record_of(stays, "app") is not None
     status = await pods.status()
     assert record.id not in {a["id"] for a in status["allocations"]}
-
-
-async def test_not_collected_while_list_fails_or_is_empty(pods: PodNode) -> None:
-    kubelet = pods.node.kubelet
-    pod = await kubelet.admit_pod("kept", containers=[("app", 2)])
-    await pods.start_daemon(*FAST, "--collect-grace", "0.5")
-    record = await until(lambda: pods.bound_record(pod, "app"), 10, "bound")
-    # Kubelet restarting: PodResources away (a failed List), the pod not listed either.
-    saved = dict(kubelet.pods)
-    await kubelet._pod_resources.stop()
-    kubelet.pods.clear()
-    await asyncio.sleep(1.5)
-    assert record.id in pods.records(), "collected on a failed List"
-    # Back, but not knowing its pods yet: an empty List.
-    await kubelet._pod_resources.start(kubelet.pod_resources_socket)
-    await asyncio.sleep(1.5)
-    assert record.id in pods.records(), "collected on an empty List"
-    # A whole emulated kubelet restart keeps running pods: still kept.
-    kubelet.pods.update(saved)
-    await kubelet.restart()
-    await asyncio.sleep(1.5)
-    assert record.id in pods.records()
-    # The same daemon does collect once the pod is really gone.
-    await kubelet.delete_pod("kept")
-    await until(lambda: record.id not in pods.records(), 10, "collection")
-
-
-async def test_slices_reused_by_a_new_pod_are_bound_to_it(
-        pods: PodNode, api: FakeApiServer) -> None:
-    # A pod deleted and a new one given the same slices within the collect grace: the same
-    # allocation id, but the binding and the limits are the new pod's.
-    kubelet = pods.node.kubelet
-    first = await kubelet.admit_pod("first", containers=[("app", 3)])
-    api.add_pod("default", "first", "uid-first", {"gemini.ai/vgpu-memory": "1GiB"})
-    api.add_pod("default", "second", "uid-second", {"gemini.ai/vgpu-memory": "2GiB"})
-    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
-    old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
-    assert old.pod == PodRef("default", "first", "app", "uid-first")
-    assert old.gpus[0].memory_limit == GiB
-    await kubelet.delete_pod("first")
-    second = await kubelet.admit_pod("second", containers=[("app", 3)])
-    assert second.admitted
-    assert second.containers["app"].device_ids == first.containers["app"].device_ids
-    def rebound() -> AllocationRecord | None:
-        record = pods.record_of(second, "app")
-        return record if record is not None and record.pod is not None and \
-            record.pod.name == "second" else None
-    record = await until(rebound, 10, "second bound")
-    assert record.id == old.id
-    assert record.pod == PodRef("default", "second", "app", "uid-second")
-    assert record.gpus[0].memory_limit == 2 * GiB
-    _, reply = await asyncio.to_thread(_hello, record)
-    assert reply.gpus[0].memory_limit == 2 * GiB
-    assert api.events == []
-
-
-async def test_a_rebound_pod_without_annotations_gets_the_defaults(pods: PodNode,
-                                                                   api: FakeApiServer) -> None:
-    kubelet = pods.node.kubelet
-    first = await kubelet.admit_pod("first", containers=[("app", 3)])
-    default = pods.record_of(first, "app").gpus[0].memory_limit  # type: ignore[union-attr]
-    api.add_pod("default", "first", "uid-first", {"gemini.ai/vgpu-memory": "1GiB",
-                                                  "gemini.ai/vgpu-limit": "0.5"})
-    api.add_pod("default", "second", "uid-second", {})
-    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url)
-    old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
-    assert old.gpus[0].memory_limit == GiB and old.limit == 0.5
-    await kubelet.delete_pod("first")
-    second = await kubelet.admit_pod("second", containers=[("app", 3)])
-    def rebound() -> AllocationRecord | None:
-        record = pods.record_of(second, "app")
-        return record if record is not None and record.pod is not None and \
-            record.pod.name == "second" else None
-    record = await until(rebound, 10, "second bound")
-    assert record.gpus[0].memory_limit == default and record.limit is None
-    _, reply = await asyncio.to_thread(_hello, record)
-    assert reply.gpus[0].memory_limit == default and reply.gpus[0].limit_ppm == 1_000_000
