@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,11 @@ class InProcessDaemon:
     def logs(self) -> str:
         return "\n".join(self._log.lines)
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """0 when the daemon shut down cleanly (as the process's exit status)."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        """As SIGTERM or SIGINT to the process: 0 when the daemon shut down cleanly. A kill
+        needs a process (DaemonProcess)."""
+        if sig not in (signal.SIGTERM, signal.SIGINT):
+            raise ValueError(f"an in-process daemon stops as on SIGTERM; {sig} needs a process")
         if self.running() and self.daemon is not None:
             self._loop.call_soon_threadsafe(self.daemon.stop)
         self._thread.join(timeout)
