@@ -2,8 +2,7 @@
 from the same command line as the kit's DaemonProcess and run on its own event loop in a thread.
 Clients reach it through the same Unix sockets, records and token pages; what is saved is the
 interpreter start-up and imports of a process per test. DaemonProcess stays for what only a
-process shows: start-up, signals, the single-instance lock, descriptor limits, restarts under
-running clients."""
+process shows: start-up, signals and kills, the single-instance lock, descriptor limits."""
 
 from __future__ import annotations
 
@@ -106,6 +105,8 @@ class InProcessDaemon:
         needs a process (DaemonProcess)."""
         if sig not in (signal.SIGTERM, signal.SIGINT):
             raise ValueError(f"an in-process daemon stops as on SIGTERM; {sig} needs a process")
+        wait_for(lambda: self.daemon is not None or not self.running(), timeout,
+                 "the daemon object")   # made on the loop's thread
         if self.running() and self.daemon is not None:
             self._loop.call_soon_threadsafe(self.daemon.stop)
         self._thread.join(timeout)
