@@ -36,6 +36,20 @@ class _Lines(logging.Handler):
         self.lines.append(self.format(record))
 
 
+def _new_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """The loop the program would run on (main.use_event_loop: auto is uvloop where installed),
+    made for this thread only: the test process's own loops are left as they are."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class InProcessDaemon:
     """Same interface as DaemonProcess where tests use it: status, allocation, logs, stop."""
 
@@ -55,7 +69,7 @@ class InProcessDaemon:
         root.addHandler(self._log)
         self.daemon: Daemon | None = None
         self.error: BaseException | None = None
-        self._loop = asyncio.new_event_loop()
+        self._loop = _new_loop(self.config.event_loop)
         self._thread = threading.Thread(target=self._main, name="gemini-scheduler",
                                         daemon=True)
         self._thread.start()
