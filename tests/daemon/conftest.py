@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.daemon.helpers import DaemonProcess
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator
 from vgpu_runtime.devkit.plugin_node import PluginNode
 from vgpu_runtime.devkit.podnode import PodNode
@@ -26,7 +27,16 @@ def state_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def daemon(state_dir: Path) -> Iterator[DaemonProcess]:
+def daemon(state_dir: Path) -> Iterator[InProcessDaemon]:
+    """The real daemon in this process (inprocess.py): sockets, records and pages as ever."""
+    served = InProcessDaemon(state_dir).wait_ready()
+    yield served
+    assert served.stop() == 0, served.logs()
+
+
+@pytest.fixture
+def daemon_process(state_dir: Path) -> Iterator[DaemonProcess]:
+    """gemini-scheduler as a process: for what proves the program's wiring."""
     state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(state_dir).wait_ready()
     yield proc

@@ -24,6 +24,7 @@ from tests.daemon.helpers import (
     wait_for,
     wait_served,
 )
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import allocation, wire
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 
@@ -120,7 +121,8 @@ def test_release_on_disconnect(daemon: DaemonProcess, state_dir: Path) -> None:
     path = wait_served(record)
     with ChannelClient(path) as holder:
         holder.hello()
-        holder.reserve(0, 80 * MiB)
+        assert holder.reserve(0, 80 * MiB).granted
+        assert daemon.allocation(record.id)["gpus"][0]["memory_used"] == 80 * MiB
     wait_for(lambda: daemon.allocation(record.id)["gpus"][0]["memory_used"] == 0, 5,
              "release after close")
 
@@ -248,19 +250,19 @@ def test_record_rewrite_updates_limits_and_keeps_connections(daemon: DaemonProce
 def test_daemon_restart_with_redeclaration(state_dir: Path) -> None:
     state_dir.mkdir(parents=True)
     record = make_record(state_dir)
-    first = DaemonProcess(state_dir).wait_ready()
+    first = InProcessDaemon(state_dir).wait_ready()
     path = wait_served(record)
     client = ChannelClient(path)
     client.hello()
     client.reserve(0, 30 * MiB)
     client.set(0, 20 * MiB, POOL)
     assert first.stop() == 0
-    assert not path.exists()  # SIGTERM removes the sockets it created
+    assert not path.exists()  # a stop removes the sockets it created
     assert client.recv_frame() is not None  # told why ...
     assert client.recv_frame() is None      # ... then closed
     client.close()
 
-    second = DaemonProcess(state_dir).wait_ready()
+    second = InProcessDaemon(state_dir).wait_ready()
     try:
         with ChannelClient(wait_served(record)) as again:
             again.hello()
@@ -288,7 +290,8 @@ def test_daemon_replaces_a_stale_socket_after_sigkill(state_dir: Path) -> None:
         assert second.stop() == 0
 
 
-def test_single_instance_lock(daemon: DaemonProcess, state_dir: Path) -> None:
+def test_single_instance_lock(daemon_process: DaemonProcess, state_dir: Path) -> None:
+    daemon = daemon_process
     second = subprocess.run(
         [sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(state_dir)],
         capture_output=True, text=True, timeout=30, cwd=Path(__file__).resolve().parents[2])

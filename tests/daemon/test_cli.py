@@ -19,6 +19,7 @@ from tests.daemon.helpers import (
     make_record,
     wait_served,
 )
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import allocation
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel.client import ChannelClient
@@ -39,7 +40,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 def test_status_without_allocations_lists_the_gpus_and_what_is_free(state_dir: Path) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     first, second = SimulatedBackend(2).discover()
-    daemon = DaemonProcess(state_dir, "--simulate-gpus", "2").wait_ready()
+    daemon = InProcessDaemon(state_dir, "--simulate-gpus", "2").wait_ready()
     try:
         # No --state-dir: GEMINI_STATE_DIR names it, as for every other program.
         env = child_env(GEMINI_STATE_DIR=str(state_dir), COLUMNS="400")
@@ -67,8 +68,8 @@ def test_status_prints_a_table_per_gpu_and_container(state_dir: Path) -> None:
     # Quotas far longer than the status command takes to start, so the holder is still the
     # holder when it asks (with default quotas of tens of ms this raced on a loaded box).
     state_dir.mkdir(parents=True, exist_ok=True)
-    daemon = DaemonProcess(state_dir, "--window", "60", "--min-quota", "9",
-                           "--max-quota", "9").wait_ready()
+    daemon = InProcessDaemon(state_dir, "--window", "60", "--min-quota", "9",
+                             "--max-quota", "9").wait_ready()
     try:
         check_status_table(state_dir)
     finally:
@@ -105,8 +106,8 @@ def check_status_table(state_dir: Path) -> None:
 def test_status_json_parses(state_dir: Path) -> None:
     # Long quotas, as above: the holder must still hold when the status process asks.
     state_dir.mkdir(parents=True, exist_ok=True)
-    daemon = DaemonProcess(state_dir, "--window", "60", "--min-quota", "9",
-                           "--max-quota", "9").wait_ready()
+    daemon = InProcessDaemon(state_dir, "--window", "60", "--min-quota", "9",
+                             "--max-quota", "9").wait_ready()
     try:
         record = make_record(state_dir)
         with ChannelClient(wait_served(record)) as client:

@@ -32,6 +32,7 @@ from tests.daemon.helpers import (
     wait_for,
     wait_served,
 )
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
@@ -64,14 +65,23 @@ def figures(state_dir: Path) -> FigureFile:
     return FigureFile(state_dir.parent / "figures.json")
 
 
+def charge_args(figures: FigureFile, source: str = "simulated") -> tuple[str, ...]:
+    return ("--process-memory", source, "--process-memory-file", str(figures.path),
+            "--process-memory-interval", INTERVAL)
+
+
 def start_daemon(state_dir: Path, figures: FigureFile, source: str = "simulated"
-                 ) -> DaemonProcess:
-    return DaemonProcess(state_dir, "--process-memory", source, "--process-memory-file",
-                         str(figures.path), "--process-memory-interval", INTERVAL).wait_ready()
+                 ) -> InProcessDaemon:
+    return InProcessDaemon(state_dir, *charge_args(figures, source)).wait_ready()
+
+
+def start_daemon_process(state_dir: Path, figures: FigureFile) -> DaemonProcess:
+    """A process: for the test that kills it."""
+    return DaemonProcess(state_dir, *charge_args(figures)).wait_ready()
 
 
 @pytest.fixture
-def charged(state_dir: Path, figures: FigureFile) -> Iterator[DaemonProcess]:
+def charged(state_dir: Path, figures: FigureFile) -> Iterator[InProcessDaemon]:
     proc = start_daemon(state_dir, figures)
     yield proc
     assert proc.stop() == 0, proc.logs()
@@ -225,7 +235,7 @@ def test_restart_charges_each_process_once(state_dir: Path, figures: FigureFile)
         client.set(0, 200 * MiB)                        # re-declared from the hook's books
         client.set(0, 90 * MiB, CONTEXT)
 
-    first = start_daemon(state_dir, figures)
+    first = start_daemon_process(state_dir, figures)
     try:
         with ChannelClient(wait_served(record)) as client:
             declare(client)

@@ -63,7 +63,8 @@ def test_usage_and_events_arrive_and_a_broker_restart_is_survived(
                        for e in events)
 
             broker.stop()
-            time.sleep(1.0)
+            wait_for(lambda: not daemon.status()["node"]["mqtt"]["connected"], 10,
+                     "the daemon noticing the broker gone")
             broker.start()
             subscriber.close()
             subscriber = Subscriber(broker.port, "gemini/n1/#")

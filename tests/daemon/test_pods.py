@@ -1,6 +1,7 @@
-"""Pod awareness through the real daemon, the kubelet emulator's PodResources, the real plugin and
-the fake API server: binding, the hello that waits for its pod, annotations and their Events,
-collection of ended pods (never on a failed or empty List)."""
+"""Pod awareness through the whole node: the real daemon process, the kubelet emulator's
+PodResources, the real plugin and the fake API server: binding, the hello that waits for its pod
+with its annotations, invalid annotations, re-binding of reused slices, failed or empty Lists and
+collection of an ended pod. The watcher's rules are also test_pod_watch.py's, in-process."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from tests.daemon.helpers import (
     wait_for,
     wait_served,
 )
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import (
@@ -46,7 +47,15 @@ LONG_QUOTAS = ("--max-quota", "2", "--cycle", "4")
 
 
 @pytest.fixture
-def long_daemon(state_dir: Path) -> Iterator[DaemonProcess]:
+def long_daemon(state_dir: Path) -> Iterator[InProcessDaemon]:
+    served = InProcessDaemon(state_dir, *LONG_QUOTAS).wait_ready()
+    yield served
+    assert served.stop() == 0, served.logs()
+
+
+@pytest.fixture
+def long_daemon_process(state_dir: Path) -> Iterator[DaemonProcess]:
+    """As a process, for the tests whose bounds are times: no test thread shares its GIL."""
     state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(state_dir, *LONG_QUOTAS).wait_ready()
     yield proc
@@ -280,8 +289,9 @@ def test_sigkill_of_the_holder_hands_over_at_once(long_daemon: DaemonProcess,
         b.close()
 
 
-def test_a_flooding_client_does_not_delay_the_others(long_daemon: DaemonProcess,
+def test_a_flooding_client_does_not_delay_the_others(long_daemon_process: DaemonProcess,
                                                      state_dir: Path) -> None:
+    long_daemon = long_daemon_process
     a = Tenant(make_record(state_dir))
     b = Tenant(make_record(state_dir))
     flooder = Tenant(make_record(state_dir))
@@ -370,7 +380,7 @@ def test_limit_change_by_rewriting_the_record(state_dir: Path) -> None:
 
 def test_strict_policy_caps_at_the_request(state_dir: Path) -> None:
     state_dir.mkdir(parents=True)
-    daemon = DaemonProcess(state_dir, "--limit-policy", "strict").wait_ready()
+    daemon = InProcessDaemon(state_dir, "--limit-policy", "strict").wait_ready()
     try:
         record = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.3),))
         with ChannelClient(wait_served(record)) as client:
@@ -473,13 +483,13 @@ def test_wrong_length_token_frame_is_refused_before_its_body(long_daemon: Daemon
         error = bad.recv_frame()
         assert error is not None and error.status == C("GM_ERR_MALFORMED")
         assert "must be 40 bytes" in wire.text_field(error.reason)
-    assert long_daemon.proc.poll() is None
+    assert long_daemon.running()
 
 
 def test_pages_survive_a_daemon_restart_with_the_same_inode(state_dir: Path) -> None:
     state_dir.mkdir(parents=True)
     record = make_record(state_dir)
-    first = DaemonProcess(state_dir).wait_ready()
+    first = InProcessDaemon(state_dir).wait_ready()
     wait_served(record)
     page_path = state_dir / "pages" / f"{record.id}.token.0"
     inode = page_path.stat().st_ino
@@ -489,7 +499,7 @@ def test_pages_survive_a_daemon_restart_with_the_same_inode(state_dir: Path) -> 
     tenant.client.close()
     assert first.stop() == 0
     assert tenant.page.valid_until_ns == 0   # a stopping daemon voids its grants
-    second = DaemonProcess(state_dir).wait_ready()
+    second = InProcessDaemon(state_dir).wait_ready()
     try:
         wait_served(record)
         assert page_path.stat().st_ino == inode
@@ -557,7 +567,7 @@ def test_usage_reports_are_accepted(long_daemon: DaemonProcess, state_dir: Path)
         tenant.close()
 
 
-def test_two_saturating_tenants_get_their_shares_end_to_end(daemon: DaemonProcess,
+def test_two_saturating_tenants_get_their_shares_end_to_end(daemon_process: DaemonProcess,
                                                             state_dir: Path) -> None:
     """Loose bound (0.05): the tight ones are the algorithm tests' and the share benchmark's."""
     shares = (0.3, 0.7)
@@ -577,7 +587,7 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon: DaemonProces
     for got, wanted in zip(achieved, shares, strict=True):
         assert abs(got - wanted) <= 0.05, (achieved, results)
     assert sum(achieved) >= 0.9, achieved   # handoffs between Python processes cost little
-    assert all(t["revocations"] == 0 for t in tenants_of(daemon).values())
+    assert all(t["revocations"] == 0 for t in tenants_of(daemon_process).values())
 
 
 def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProcess,

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.childenv import python_path
+from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime.devkit.daemon_node import (
     LIMIT,
     OTHER_UUID,
@@ -25,6 +27,7 @@ from vgpu_runtime.devkit.daemon_node import (
     start_node,
     stop_node,
 )
+from vgpu_runtime.devkit.daemon_process import make_record, wait_served
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.hook import build
 
@@ -102,8 +105,37 @@ def hooked(hook_lib: Path, fake_dir: Path) -> Hooked:
     return Hooked(hook_lib, fake_dir)
 
 
+class InProcessNode(DaemonNode):
+    """A DaemonNode whose daemon runs in the test process (tests/daemon/inprocess.py); the
+    hooked programs are processes as ever and reach it through the same sockets and pages."""
+
+    def restart_daemon(self) -> None:
+        assert self.daemon.stop() == 0, self.daemon.logs()
+        self.daemon = InProcessDaemon(self.state_dir,  # type: ignore[assignment]
+                                      *self.daemon_args).wait_ready()
+        for record in (self.record, *self.others):
+            wait_served(record)
+
+
+def start_inprocess_node(share: float = 0.5, *daemon_args: str) -> InProcessNode:
+    root = Path(tempfile.mkdtemp(prefix="gmh-"))   # short: socket paths must fit 107 bytes
+    state_dir = root / "state"
+    daemon = InProcessDaemon(state_dir, *daemon_args).wait_ready()
+    record = make_record(state_dir, gpus=((UUID, LIMIT, share),))
+    wait_served(record)
+    return InProcessNode(root, state_dir, daemon, record, daemon_args)  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def node() -> Iterator[DaemonNode]:
+    started = start_inprocess_node()
+    yield started
+    stop_node(started)
+
+
+@pytest.fixture
+def node_process() -> Iterator[DaemonNode]:
+    """The daemon as a process: for tests that kill it."""
     started = start_node()
     yield started
     stop_node(started)
@@ -112,7 +144,7 @@ def node() -> Iterator[DaemonNode]:
 @pytest.fixture
 def pair_node() -> Iterator[DaemonNode]:
     """Two allocations of 0.5 on one GPU: the token passes between them."""
-    started = start_node(0.5)
+    started = start_inprocess_node(0.5)
     started.allocate(0.5)
     yield started
     stop_node(started)

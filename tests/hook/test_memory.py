@@ -343,7 +343,9 @@ def test_a_daemon_wait_that_is_not_a_number_waits_the_default_then_fails_closed(
     assert waited > 29                                          # the default, not 0
 
 
-def test_stopped_daemon_does_not_crash_the_holder(hooked: Hooked, node: DaemonNode) -> None:
+def test_stopped_daemon_does_not_crash_the_holder(hooked: Hooked,
+                                                  node_process: DaemonNode) -> None:
+    node = node_process
     holder = start_holder(hooked, node, 100 * MiB, 100 * MiB, GEMINI_HOOK_DAEMON_WAIT="0.3")
     try:
         node.daemon.stop(signal.SIGKILL)

@@ -394,8 +394,9 @@ def test_launches_into_a_capturing_stream_are_not_gated(hooked: Hooked, node: Da
         rival.close()
 
 
-def test_a_killed_daemon_leaves_the_program_running_self_gated(hooked: Hooked,
-                                                               node: DaemonNode) -> None:
+def test_a_killed_daemon_leaves_the_program_running_self_gated(
+        hooked: Hooked, node_process: DaemonNode) -> None:
+    node = node_process
     loop = Loop(hooked, node.env(GEMINI_HOOK_DAEMON_WAIT="0.3"), 1.0)
     try:
         loop.go()

@@ -7,6 +7,7 @@ import asyncio
 import random
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from tests.integration.conftest import PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.allocation import AllocationRecord, RecordError
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.gpus.simulated import simulated_uuid
@@ -35,11 +36,15 @@ def wait_serving_exactly(daemon: DaemonProcess, ids: set[str]) -> None:
 
 
 def hello(record: AllocationRecord) -> None:
-    """The daemon answers on the allocation's channel, as a (re)starting container needs."""
+    """The daemon answers on the allocation's channel with the allocation's own entitlements,
+    as a (re)starting container needs."""
     client = ChannelClient(paths.channel_socket(record.channel_dir))
     try:
         reply = client.hello()
-        assert reply.status == 0 or getattr(reply, "gpus", None) is not None
+        assert reply.status == wire.const("GM_OK"), reply
+        assert reply.allocation_id == record.id
+        assert [(g.uuid, g.memory_limit) for g in reply.gpus] == [
+            (uuid.UUID(g.uuid[4:]).bytes, g.memory_limit) for g in record.gpus]
     finally:
         client.close()
 
