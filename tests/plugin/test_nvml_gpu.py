@@ -16,6 +16,8 @@ import pytest
 
 from tests.plugin.fake_kubelet import FakeKubelet
 from vgpu_runtime import paths
+from vgpu_runtime.containerenv import entitled_memory
+from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
@@ -46,6 +48,7 @@ async def _advertise(short: Path) -> tuple[list[api_pb2.Device], api_pb2.Allocat
     kubelet_dir.mkdir()
     kubelet = FakeKubelet(kubelet_dir)
     await kubelet.start()
+    install_hook(paths.default_hook_dir(short / "state"))   # Allocate refuses without it
     proc = subprocess.Popen([sys.executable, "-m", "device_plugin.main", "--kubelet-dir",
                              str(kubelet_dir), "--state-dir", str(short / "state"),
                              "--slices-per-gpu", "10"], cwd=REPO)
@@ -80,7 +83,7 @@ def test_plugin_advertises_ten_slices_per_real_gpu(short_dir: Path) -> None:
     (container,) = answer.container_responses
     first = gpus[0]
     assert container.envs["CUDA_VISIBLE_DEVICES"] == first.uuid
-    assert container.envs[paths.ENV_MEMORY_LIMIT] == str(3 * ((first.memory_total - (2 << 30))
-                                                              // 10))
+    assert container.envs[paths.ENV_MEMORY_LIMIT] == str(
+        entitled_memory(first.memory_total, 2 << 30, 0.3))
     print(f"advertised {len(devices)} devices; 3 slices get "
           f"{container.envs[paths.ENV_MEMORY_LIMIT]} bytes")
