@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any
 
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.logs import JsonFormatter
@@ -20,7 +19,7 @@ from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.daemon import Daemon
-from vgpu_runtime.devkit.daemon_process import wait_for
+from vgpu_runtime.devkit.daemon_process import DaemonStatus, wait_for
 
 
 class _Lines(logging.Handler):
@@ -50,7 +49,7 @@ def _new_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-class InProcessDaemon:
+class InProcessDaemon(DaemonStatus):
     """Same interface as DaemonProcess where tests use it: status, allocation, logs, stop."""
 
     def __init__(self, state_dir: Path, *extra: str) -> None:
@@ -101,15 +100,6 @@ class InProcessDaemon:
                 return False
         wait_for(ready, timeout, "daemon ready")
         return self
-
-    def status(self) -> Any:
-        return client.request(self.state_dir)
-
-    def allocation(self, allocation_id: str) -> Any:
-        for entry in self.status()["allocations"]:
-            if entry["id"] == allocation_id:
-                return entry
-        return None
 
     def logs(self) -> str:
         return "\n".join(self._log.lines)

@@ -58,7 +58,22 @@ def wait_served(record: AllocationRecord, timeout: float = 5.0) -> Path:
     return path
 
 
-class DaemonProcess:
+class DaemonStatus:
+    """What a test asks a daemon serving `state_dir` through its control socket."""
+
+    state_dir: Path
+
+    def status(self) -> Any:
+        return client.request(self.state_dir)
+
+    def allocation(self, allocation_id: str) -> Any:
+        for entry in self.status()["allocations"]:
+            if entry["id"] == allocation_id:
+                return entry
+        return None
+
+
+class DaemonProcess(DaemonStatus):
     """gemini-scheduler run as `python -m vgpu_runtime.daemon`, logs to a file."""
 
     def __init__(self, state_dir: Path, *extra: str, nofile: int | None = None,
@@ -86,15 +101,6 @@ class DaemonProcess:
             return True
         wait_for(ready, timeout, "daemon control socket")
         return self
-
-    def status(self) -> Any:
-        return client.request(self.state_dir)
-
-    def allocation(self, allocation_id: str) -> Any:
-        for entry in self.status()["allocations"]:
-            if entry["id"] == allocation_id:
-                return entry
-        return None
 
     def logs(self) -> str:
         if not self.log.closed:
