@@ -16,6 +16,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT = 15.0   # seconds; a loaded host starts Python slowly
 TOKEN_RTT_CLIENT = REPO / "scripts" / "cuda" / "token_rtt.c"
+TOKEN_ECHO_SERVER = REPO / "scripts" / "cuda" / "token_echo.c"
 
 
 def have_gpu() -> bool:
@@ -28,10 +29,19 @@ def have_gpu() -> bool:
 
 def build_token_rtt(out: Path) -> Path:
     """scripts/cuda/token_rtt.c, the token client in C (as the hook's), built into `out`."""
-    binary = out / "token_rtt"
-    subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror",
-                    f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(TOKEN_RTT_CLIENT),
-                    "-o", str(binary)], check=True)
+    return _build_tool(TOKEN_RTT_CLIENT, out / "token_rtt")
+
+
+def build_token_echo(out: Path) -> Path:
+    """scripts/cuda/token_echo.c, a C token server that decides nothing, built into `out`."""
+    return _build_tool(TOKEN_ECHO_SERVER, out / "token_echo")
+
+
+def _build_tool(source: Path, binary: Path) -> Path:
+    if not binary.exists():
+        subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror",
+                        f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(source),
+                        "-o", str(binary)], check=True)
     return binary
 
 
