@@ -344,6 +344,16 @@ def test_usage_window_does_not_recount_history_it_dropped() -> None:
     assert window.charge(1.0, 16.0) == pytest.approx(14.0)   # only [2, 16) is new
 
 
+def test_the_window_keeps_only_its_span_however_long_the_daemon_runs() -> None:
+    # A day of 20 ms grants 30 ms apart, and nobody reads the usage (no status, no scrape):
+    # the window holds what its 10 s span can, not every grant since the start.
+    window = UsageWindow(10.0)
+    for n in range(200_000):
+        window.charge(n * 0.03, n * 0.03 + 0.02)
+    assert len(window._intervals) <= 10.0 / 0.03 + 1
+    assert window.usage(200_000 * 0.03) == pytest.approx(10.0 * 2 / 3, rel=0.01)
+
+
 def quota_round(sched: TokenScheduler, holder: str) -> float:
     """The holder's quota runs out and it asks again: returns that moment."""
     assert sched.holder is not None and sched.holder.tenant == holder

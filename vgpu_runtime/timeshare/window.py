@@ -32,6 +32,10 @@ class UsageWindow:
             last += 1
         added = (end - start) - sum(hi - lo for lo, hi in self._intervals[first:last])
         self._intervals[first:last] = [(start, end)]
+        # Charges end no later than the present, so what ended a window before this one is
+        # history no share will read: dropped here, or the list grows with every grant
+        # while nobody asks for the usage (no status, no scrape).
+        self._expire(end)
         return added
 
     def _expire(self, now: float) -> None:
