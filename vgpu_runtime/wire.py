@@ -117,16 +117,18 @@ _LENGTH, _TYPE = HEADER_FIELDS.index("length"), HEADER_FIELDS.index("type")
 _VERSION, _SEQ = HEADER_FIELDS.index("version"), HEADER_FIELDS.index("seq")
 _RESERVED = HEADER_FIELDS.index("reserved")
 SIZE_OF_TYPE: dict[int, int] = {t: ffi.sizeof(s) for t, s in STRUCT_OF_TYPE.items()}
-# What differs in version 1: only the hello reply (see gemini_wire.h).
-V1_STRUCTS: dict[int, str] = {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v1"}
+# What differs in older versions, which the daemon still serves: only the hello reply (see
+# gemini_wire.h). A version missing here lays every frame out as STRUCT_OF_TYPE does.
+OLDER_STRUCTS: dict[int, dict[int, str]] = {
+    1: {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v1"},
+    2: {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v2"},
+}
 _POINTER_OF_TYPE: dict[int, Any] = {t: ffi.typeof(s + " *") for t, s in STRUCT_OF_TYPE.items()}
 
 
 def struct_of(msg_type: int, version: int = VERSION) -> str:
     """The C struct a frame of `msg_type` carries in protocol `version`."""
-    if version == 1 and msg_type in V1_STRUCTS:
-        return V1_STRUCTS[msg_type]
-    return STRUCT_OF_TYPE[msg_type]
+    return OLDER_STRUCTS.get(version, {}).get(msg_type) or STRUCT_OF_TYPE[msg_type]
 
 
 def check_header(data: bytes, offset: int = 0,
@@ -141,10 +143,8 @@ def check_header(data: bytes, offset: int = 0,
     if version not in versions:
         raise WrongVersion(f"protocol version {version}, this daemon speaks "
                            f"{' or '.join(map(str, sorted(versions)))}")
-    if version == 1 and msg_type in V1_STRUCTS:
-        size: int | None = ffi.sizeof(V1_STRUCTS[msg_type])
-    else:
-        size = SIZE_OF_TYPE.get(msg_type)
+    older = OLDER_STRUCTS.get(version, {}).get(msg_type)
+    size = ffi.sizeof(older) if older else SIZE_OF_TYPE.get(msg_type)
     if size is None:
         raise MalformedFrame(f"unknown frame type {msg_type}")
     if length != size:

@@ -37,20 +37,22 @@ def test_hello_reply_matches_the_record(daemon: DaemonProcess, state_dir: Path) 
                          limit=0.6)
     with ChannelClient(wait_served(record)) as client:
         reply = client.hello()
+        entry = daemon.allocation(record.id)
     assert reply.status == C("GM_OK")
     assert reply.allocation_id == record.id
     assert [g.uuid for g in reply.gpus] == [uuid.UUID(UUID_A[4:]).bytes,
                                             uuid.UUID(UUID_B[4:]).bytes]
     assert [g.memory_limit for g in reply.gpus] == [300 * MiB, 700 * MiB]
     assert [g.share_ppm for g in reply.gpus] == [300_000, 1_000_000]
-    # A cap is never below the guarantee: the whole-GPU share keeps 1.0.
-    assert [g.limit_ppm for g in reply.gpus] == [600_000, 1_000_000]
+    # A cap is never below the guarantee: the whole-GPU share keeps 1.0. The daemon enforces
+    # it; the hello no longer carries it (wire version 3).
+    assert [g["limit_ppm"] for g in entry["gpus"]] == [600_000, 1_000_000]
 
 
 def test_limit_defaults_to_the_node_default(daemon: DaemonProcess, state_dir: Path) -> None:
     record = make_record(state_dir)
-    with ChannelClient(wait_served(record)) as client:
-        assert client.hello().gpus[0].limit_ppm == 1_000_000
+    wait_served(record)
+    assert daemon.allocation(record.id)["gpus"][0]["limit_ppm"] == 1_000_000
 
 
 def test_socket_is_connectable_by_any_user_and_dir_searchable(

@@ -357,7 +357,7 @@ def test_hello_gives_up_waiting_and_the_defaults_hold(state_dir: Path) -> None:
         elapsed, reply = _hello(record)
         assert 0.45 < elapsed < 3.0
         assert reply.gpus[0].memory_limit == DEFAULT_MEMORY
-        assert reply.gpus[0].limit_ppm == 1_000_000
+        assert daemon.allocation(record.id)["gpus"][0]["limit_ppm"] == 1_000_000
         assert allocation.load_binding(state_dir, record.id) is None   # never bound
         assert daemon.status()["node"]["pod_resources_lists"] >= 1
     finally:

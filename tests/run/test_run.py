@@ -42,7 +42,7 @@ shown = ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
 print(json.dumps({"env": {k: v for k, v in os.environ.items()
                           if k.startswith("GEMINI_") or k in shown},
                   "allocation_id": hello.allocation_id, "memory_limit": hello.gpus[0].memory_limit,
-                  "share_ppm": hello.gpus[0].share_ppm, "limit_ppm": hello.gpus[0].limit_ppm,
+                  "share_ppm": hello.gpus[0].share_ppm,
                   "reserve_granted": reserve.granted}), flush=True)
 sys.stdin.readline()
 sys.exit(int(sys.argv[1]))
@@ -146,12 +146,12 @@ def test_runs_the_command_with_its_allocation_and_cleans_up(state_dir: Path,
     assert env["GEMINI_CHANNEL_DIR"] == record.channel_dir
     assert env["GEMINI_VGPU_SHARE"] == "0.25"
     assert env["GEMINI_VGPU_MEMORY_LIMIT"] == str(record.gpus[0].memory_limit)
-    assert (seen["share_ppm"], seen["limit_ppm"], seen["reserve_granted"]) == (
-        250_000, 500_000, True)
+    assert (seen["share_ppm"], seen["reserve_granted"]) == (250_000, True)
     # The daemon was started in the background, holds the lock, and shows share and limit.
     assert lock.is_held(state_dir)
     (shown,) = client.request(state_dir)["allocations"]
     assert (shown["id"], shown["limit"], shown["gpus"][0]["share"]) == (record.id, 0.5, 0.25)
+    assert shown["gpus"][0]["limit_ppm"] == 500_000   # the cap the daemon enforces
     assert shown["gpus"][0]["memory_used"] == 1 << 20
     code, err = finish(proc)
     assert code == 3, err  # the command's exit status

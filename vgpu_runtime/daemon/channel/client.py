@@ -45,7 +45,6 @@ class GpuEntitlementReply:
     uuid: bytes
     memory_limit: int
     share_ppm: int
-    limit_ppm: int
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,12 @@ class ChannelClient:
         self.sock.settimeout(timeout)
         self.sock.connect(str(socket_path))
         self._seq = 0
+        self.version = wire.VERSION     # what this connection speaks: set by its hello
         self.page_fds: list[int] = []   # from the hello: per GPU, token then activity page
+
+    @property
+    def versions(self) -> frozenset[int]:
+        return frozenset((self.version,))
 
     def close(self) -> None:
         for fd in self.page_fds:
@@ -114,12 +118,14 @@ class ChannelClient:
         return data
 
     def recv_frame(self) -> Any | None:
-        """The next frame from the daemon, or None at EOF."""
+        """The next frame from the daemon (in the version of this connection's hello), or None
+        at EOF."""
         head = self._recv_exact(wire.HEADER_SIZE)
         if not head:
             return None
-        header = wire.parse_header(head)
-        return wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE))
+        header = wire.parse_header(head, self.versions)
+        return wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE),
+                           self.versions)
 
     def _expect(self, expect: int, seq: int | None = None) -> Any:
         """The next frame, which must be of type `expect` (echoing `seq` when given)."""
@@ -153,27 +159,16 @@ class ChannelClient:
         return data + (self._recv_exact(size - len(data)) if data else b"")
 
     def hello(self, pid: int | None = None, keep_pages: bool = True) -> HelloReply:
-        """HELLO; the page descriptors it passes are kept (`page_fds`) unless `keep_pages` is
-        False (a load generator holding thousands of connections needs no pages)."""
-        frame = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION,
-                         pid=os.getpid() if pid is None else pid)
-        self._seq += 1
-        frame.h.seq = self._seq
-        self.send_raw(wire.encode(frame))
-        head = self._recv_fds(wire.HEADER_SIZE)
-        if not head:
-            raise ChannelClosed("the daemon closed the connection")
-        header = wire.parse_header(head)
-        reply = wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE))
-        if wire.frame_type(reply) == C("GM_MSG_ERROR"):
-            reason = wire.text_field(reply.reason)
-            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
-        if wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq:
-            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
+        """HELLO in this version; the page descriptors it passes are kept (`page_fds`) unless
+        `keep_pages` is False (a load generator holding thousands of connections needs no
+        pages). A reserved field that is not zero is refused, as the hook refuses it."""
+        reply = self.hello_frame(wire.VERSION, pid)
         gpus = tuple(
             GpuEntitlementReply(bytes(reply.gpus[i].uuid), int(reply.gpus[i].memory_limit),
-                          int(reply.gpus[i].share_ppm), int(reply.gpus[i].limit_ppm))
+                                int(reply.gpus[i].share_ppm))
             for i in range(reply.gpu_count))
+        if reply.reserved or any(reply.gpus[i].reserved for i in range(reply.gpu_count)):
+            raise ChannelClosed("hello reply has a reserved field that is not zero")
         if not keep_pages:
             for fd in self.page_fds:
                 os.close(fd)
@@ -184,6 +179,28 @@ class ChannelClient:
         return HelloReply(int(reply.status), wire.text_field(reply.allocation_id), gpus,
                           settings, int(reply.page_fds))
 
+    def hello_frame(self, version: int, pid: int | None = None) -> Any:
+        """HELLO in protocol `version`, as a hook of that version says it: the reply as its
+        cffi struct (that version's layout). The connection speaks `version` from then on."""
+        self.version = version
+        frame = wire.new(C("GM_MSG_HELLO"), version=version, proto_version=version,
+                         pid=os.getpid() if pid is None else pid)
+        self._seq += 1
+        frame.h.seq = self._seq
+        self.send_raw(wire.encode(frame))
+        head = self._recv_fds(wire.HEADER_SIZE)
+        if not head:
+            raise ChannelClosed("the daemon closed the connection")
+        header = wire.parse_header(head, self.versions)
+        reply = wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE),
+                            self.versions)
+        if wire.frame_type(reply) == C("GM_MSG_ERROR"):
+            reason = wire.text_field(reply.reason)
+            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
+        if wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq:
+            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
+        return reply
+
     def token_page(self, gpu: int) -> TokenPageReader:
         """The token page of GPU `gpu`, from the descriptor the hello passed (read-only)."""
         return TokenPageReader(self.page_fds[2 * gpu])
@@ -193,7 +210,7 @@ class ChannelClient:
         return ActivityPageWriter(self.page_fds[2 * gpu + 1])
 
     def _memory(self, msg: str, gpu: int, kind: int, nbytes: int) -> MemReply:
-        frame = wire.new(C(msg), gpu=gpu, kind=kind, bytes=nbytes)
+        frame = wire.new(C(msg), version=self.version, gpu=gpu, kind=kind, bytes=nbytes)
         reply = self._call(frame, C("GM_MSG_MEM_REPLY"))
         return MemReply(int(reply.status), int(reply.gpu), int(reply.used), int(reply.limit))
 
@@ -213,7 +230,8 @@ class ChannelClient:
         """Ask for the token without waiting; returns the seq the grant will echo."""
         self._seq += 1
         flags = C("GM_TOKEN_WORK_RUNNING") if work_running else 0
-        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_REQUEST"), seq=self._seq, gpu=gpu,
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_REQUEST"), seq=self._seq,
+                                           version=self.version, gpu=gpu,
                                            flags=flags, burst_ns=burst_ns,
                                            work_end_ns=work_end_ns)))
         return self._seq
@@ -235,12 +253,14 @@ class ChannelClient:
 
     def release_token(self, gpu: int, work_end_ns: int = -1) -> None:
         self._seq += 1
-        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_RELEASE"), seq=self._seq, gpu=gpu,
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_TOKEN_RELEASE"), seq=self._seq,
+                                           version=self.version, gpu=gpu,
                                            work_end_ns=work_end_ns)))
 
     def report_usage(self, gpu: int, burst_start_ns: int, burst_end_ns: int) -> None:
         self._seq += 1
-        self.send_raw(wire.encode(wire.new(C("GM_MSG_USAGE_REPORT"), seq=self._seq, gpu=gpu,
+        self.send_raw(wire.encode(wire.new(C("GM_MSG_USAGE_REPORT"), seq=self._seq,
+                                           version=self.version, gpu=gpu,
                                            burst_start_ns=burst_start_ns,
                                            burst_end_ns=burst_end_ns)))
 

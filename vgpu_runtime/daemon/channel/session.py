@@ -16,10 +16,11 @@ valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_
 USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
 
 Versions: a connection speaks the protocol version of its HELLO (any the daemon serves, see
-gemini_wire.h) in every frame both ways. A version-2 hello is answered with the enforcement
-settings of the node and the allocation's pages, passed with SCM_RIGHTS (the token page
-read-only); a version-1 hook gets the version-1 reply and no pages, and asks for every launch:
-its requests count as its activity (`has_activity_page` is False).
+gemini_wire.h) in every frame both ways, and gets that version's hello reply. A hello of version
+2 or later is answered with the enforcement settings of the node and the allocation's pages,
+passed with SCM_RIGHTS (the token page read-only); a version-1 hook gets no pages, and asks for
+every launch: its requests count as its activity (`has_activity_page` is False). Versions 1 and 2
+still get each GPU's cap (limit_ppm), which their layouts carry; version 3 dropped it.
 
 Contexts: from HELLO on, the connection is charged for its process's contexts from
 NVML's per-process figure where the daemon sees one (process_memory.py has the rule), else
@@ -116,7 +117,7 @@ class Session(Waiter):
         # The protocol version of this connection's hello; until then, any the daemon serves.
         self.version = wire.VERSION
         self.versions: frozenset[int] = wire.SUPPORTED_VERSIONS
-        self.has_activity_page = False   # its pages were passed (a version-2 hello)
+        self.has_activity_page = False   # its pages were passed (a version-2+ hello)
         self._mem_reply, self._token_grant = MEM_REPLY[wire.VERSION], TOKEN_GRANT[wire.VERSION]
         self.closing_status: int | None = None
         self.charger: ContextCharger | None = None
@@ -270,7 +271,8 @@ class Session(Waiter):
             slot.uuid = list(gpu.uuid_bytes)
             slot.memory_limit = self.channel.ledger.limit(index)
             slot.share_ppm = gpu.share_ppm
-            slot.limit_ppm = gpu.limit_ppm
+            if version < 3:   # their grants still carry the cap (version 3 dropped it)
+                slot.limit_ppm = gpu.limit_ppm
         fds: list[int] = []
         if version >= 2:
             self._fill_settings(reply.settings)

@@ -26,8 +26,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int fd = -1;
 static pid_t owner;               /* the process that opened fd */
 static uint32_t next_seq = 1;
-static uint16_t spoken = GM_WIRE_VERSION;   /* this connection's: 1 with a version-1 daemon */
-static int refused_version;   /* the last hello met a daemon of an older wire version */
+static uint16_t spoken = GM_WIRE_VERSION;   /* this connection's: older with an older daemon */
+static uint16_t refused_by;   /* the version of an older daemon that refused the last hello, or 0 */
 static int gave_up;               /* a full wait failed: later needs try once, no wait */
 static struct gm_grant_view grants[GM_MAX_GPUS];
 static int grant_count = -1;      /* -1: no hello answered yet */
@@ -136,9 +136,14 @@ static int send_frame(int sock, const void *frame) {
 
 /* One whole frame; -1 when the connection broke or the frame is unreadable. */
 static int read_frame_body(int sock, union frame_buffer *frame) {
-    if (frame->h.version == 1 && spoken != 1 && frame->h.type == GM_MSG_ERROR &&
+    if (frame->h.version >= 1 && frame->h.version < spoken && frame->h.type == GM_MSG_ERROR &&
         frame->h.length == sizeof(struct gm_error)) {
-        refused_version = 1;   /* a version-1 daemon refused this version's frame */
+        /* An older daemon refuses a version it does not serve in its own version's frame. */
+        struct gm_error error;
+        memcpy(&error.h, &frame->h, sizeof error.h);
+        if (recv_all(sock, (char *)&error + sizeof error.h, sizeof error - sizeof error.h) == 0 &&
+            error.status == GM_ERR_BAD_VERSION)
+            refused_by = frame->h.version;
         return -1;
     }
     if (frame->h.version != spoken || frame->h.length < sizeof frame->h ||
@@ -230,13 +235,42 @@ static int exchange(int sock, void *request, void *reply, uint16_t reply_type, s
     return 0;
 }
 
-/* HELLO in `version`, and its reply read with the page descriptors (a version-1 reply, the
- * prefix of version 2's, fills *reply up to its gpus[] and leaves the rest 0); -1 (nothing
- * open) on any failure. */
+/* The hello reply of `version` (the frame's length checked) as this version's struct: a
+ * version-1 or -2 reply gives what this version has of it (their grants' limit_ppm is not read;
+ * version 1 has no pages and no settings: 0, the hook's defaults). 0 for a reserved field that
+ * is not zero. */
+static int convert_hello_reply(uint16_t version, const union frame_buffer *frame,
+                               struct gm_hello_reply *reply) {
+    memset(reply, 0, sizeof *reply);
+    if (version >= 3) {
+        memcpy(reply, frame->bytes, sizeof *reply);
+        for (uint32_t i = 0; i < reply->gpu_count && i < GM_MAX_GPUS; i++)
+            if (reply->gpus[i].reserved != 0) return 0;
+        return reply->reserved == 0;
+    }
+    struct gm_hello_reply_v2 old;   /* version 1's reply is its prefix */
+    memset(&old, 0, sizeof old);
+    memcpy(&old, frame->bytes, frame->h.length);
+    reply->h = old.h;
+    reply->status = old.status;
+    reply->gpu_count = old.gpu_count;
+    memcpy(reply->allocation_id, old.allocation_id, sizeof reply->allocation_id);
+    for (int i = 0; i < GM_MAX_GPUS; i++) {
+        memcpy(reply->gpus[i].uuid, old.gpus[i].uuid, GM_UUID_BYTES);
+        reply->gpus[i].memory_limit = old.gpus[i].memory_limit;
+        reply->gpus[i].share_ppm = old.gpus[i].share_ppm;
+    }
+    reply->page_fds = old.page_fds;
+    reply->settings = old.settings;
+    return old.reserved == 0;
+}
+
+/* HELLO in `version`, and its reply read with the page descriptors into *reply (this
+ * version's struct, whatever version was spoken); -1 (nothing open) on any failure. */
 static int hello_exchange(int sock, uint16_t version, struct gm_hello_reply *reply, int *fds,
                           int *nfds) {
     spoken = version;
-    refused_version = 0;
+    refused_by = 0;
     struct gm_hello hello;
     memset(&hello, 0, sizeof hello);
     fill_header(&hello.h, GM_MSG_HELLO, sizeof hello);
@@ -245,11 +279,16 @@ static int hello_exchange(int sock, uint16_t version, struct gm_hello_reply *rep
     if (send_frame(sock, &hello) < 0) return -1;
     union frame_buffer frame;
     if (read_frame_with_fds(sock, &frame, fds, 2 * GM_MAX_GPUS, nfds) < 0) return -1;
-    size_t length = version == 1 ? sizeof(struct gm_hello_reply_v1) : sizeof *reply;
+    size_t length = version == 1   ? sizeof(struct gm_hello_reply_v1)
+                    : version == 2 ? sizeof(struct gm_hello_reply_v2)
+                                   : sizeof *reply;
     int ok = error_status(&frame) < 0 && frame.h.type == GM_MSG_HELLO_REPLY &&
              frame.h.length == length && frame.h.seq == hello.h.seq;
     memset(reply, 0, sizeof *reply);
-    if (ok) memcpy(reply, frame.bytes, length);
+    if (ok && !convert_hello_reply(version, &frame, reply)) {
+        gm_warn("hello reply has a reserved field that is not zero");
+        ok = 0;
+    }
     ok = ok && reply->status == GM_OK && reply->gpu_count <= GM_MAX_GPUS;
     if (ok && (reply->page_fds != (uint32_t)*nfds ||
                (*nfds != 0 && *nfds != 2 * (int)reply->gpu_count))) {
@@ -289,7 +328,9 @@ static int connect_and_hello(void) {
     struct gm_hello_reply reply;
     int fds[2 * GM_MAX_GPUS], nfds = 0;
     int sock = -1;
-    for (uint16_t version = GM_WIRE_VERSION;; version = 1) {
+    /* Newest first; a daemon that refuses it names its own version, which is older: speak
+     * that on a new connection. */
+    for (uint16_t version = GM_WIRE_VERSION;; version = refused_by) {
         sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (sock < 0) return -1;
         set_io_timeout(sock);
@@ -297,12 +338,13 @@ static int connect_and_hello(void) {
             hello_exchange(sock, version, &reply, fds, &nfds) == 0)
             break;
         close(sock);
-        if (!refused_version || version == 1) return -1;
+        if (refused_by == 0) return -1;
         static _Atomic int said;
         if (!atomic_exchange(&said, 1))
-            gm_warn("the node daemon speaks wire version 1, this hook %u: speaking version 1 to "
-                    "it (pages from the channel, the hook's default settings) until it is "
-                    "upgraded", GM_WIRE_VERSION);
+            gm_warn("the node daemon speaks wire version %u, this hook %u: speaking version %u "
+                    "to it%s until it is upgraded", refused_by, GM_WIRE_VERSION, refused_by,
+                    refused_by == 1 ? " (pages from the channel, the hook's default settings)"
+                                    : "");
     }
     const int64_t said[5] = {reply.settings.token_timeout_ns, reply.settings.fallback_retry_ns,
                              reply.settings.io_timeout_ns, (int64_t)reply.settings.context_bytes,

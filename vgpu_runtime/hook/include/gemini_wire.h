@@ -16,20 +16,30 @@
  * the socket the client connected through (one per allocation) and from
  * SO_PEERCRED; the pid in hello is only for logs.
  *
- * Version 2 (this one) changed only the hello reply; every other frame is laid out as in
- * version 1, whose hooks keep running in pods across a daemon upgrade. The daemon serves both:
- * a connection speaks the version of its hello, in every header, and a version-1 hook gets
- * struct gm_hello_reply_v1 and no page descriptors (it asks over the socket for every launch:
- * the daemon takes its requests as its activity). The version-2 reply adds:
- * - the allocation's pages, passed with SCM_RIGHTS on the reply's first byte (page_fds
- *   descriptors: for each GPU in order its token page, open O_RDONLY, then its activity page,
- *   open O_RDWR). The pages live in the daemon's state directory, never in the channel: the
- *   container needs no write access to anything, and nobody can open them by path;
- * - the enforcement settings (struct gm_settings), set per node in the daemon's configuration.
- *   The hook's environment may only ask for more safety than these.
- * A version-2 hook that meets a version-1 daemon (a rollback) gets GM_ERR_BAD_VERSION in a
- * version-1 error frame; it says so and speaks version 1 on a new connection (every later
- * connection tries version 2 first), opening that daemon's pages from the channel.
+ * Versions. A connection speaks the version of its hello, in every header both ways; the
+ * daemon serves GM_WIRE_VERSION_MIN to GM_WIRE_VERSION, so hooks already running in pods keep
+ * working across a daemon upgrade. Only the hello reply has ever changed; every other frame is
+ * laid out as in version 1.
+ * - Version 1: struct gm_hello_reply_v1. No page descriptors: the hook asks over the socket for
+ *   every launch (the daemon takes its requests as its activity).
+ * - Version 2: struct gm_hello_reply_v2 adds
+ *   - the allocation's pages, passed with SCM_RIGHTS on the reply's first byte (page_fds
+ *     descriptors: for each GPU in order its token page, open O_RDONLY, then its activity page,
+ *     open O_RDWR). The pages live in the daemon's state directory, never in the channel: the
+ *     container needs no write access to anything, and nobody can open them by path;
+ *   - the enforcement settings (struct gm_settings), set per node in the daemon's
+ *     configuration. The hook's environment may only ask for more safety than these.
+ * - Version 3 (this one): struct gm_hello_reply drops limit_ppm from each GPU's grant (the
+ *   daemon enforces the cap; no hook read it). Its place is `reserved`, zero, which the hook
+ *   checks, so the reply keeps version 2's size and alignment with no implicit padding. Version-1
+ *   and version-2 hooks still get limit_ppm (the daemon's effective cap) in their own layouts.
+ * The hook reads memory_limit and share_ppm (its fallback when no grant is to be had,
+ * launch/token.c), the pages and the settings.
+ *
+ * Rollback: a daemon refuses a hello of a version it does not serve with GM_ERR_BAD_VERSION in an
+ * error frame of its own (newest) version, then closes. The hook takes that frame's version as
+ * the daemon's, says so once, and speaks it on a new connection (every later connection tries
+ * GM_WIRE_VERSION first). With a version-1 daemon it opens the pages from the channel.
  */
 #ifndef GEMINI_WIRE_H
 #define GEMINI_WIRE_H
@@ -37,7 +47,7 @@
 #include <stdint.h>
 
 /* GM_CDEF_BEGIN */
-#define GM_WIRE_VERSION 2
+#define GM_WIRE_VERSION 3
 #define GM_WIRE_VERSION_MIN 1   /* the oldest hello the daemon still serves */
 #define GM_MAX_FRAME 4096
 #define GM_MAX_GPUS 16
@@ -104,9 +114,15 @@ struct gm_gpu_grant {
     uint8_t uuid[16];         /* GM_UUID_BYTES, as cuDeviceGetUuid returns it */
     uint64_t memory_limit;    /* bytes, for the whole container on this GPU */
     uint32_t share_ppm;       /* guaranteed share of GPU time, parts per million */
-    uint32_t limit_ppm;       /* cap on the share, parts per million; no hook reads it (the
-                               * daemon enforces the cap): kept so the v1 and v2 layouts stay
-                               * as running hooks know them, dropped in the next version */
+    uint32_t reserved;        /* zero (limit_ppm's place in versions 1 and 2) */
+};
+
+/* A GPU's grant in versions 1 and 2, which the daemon still sends to those hooks. */
+struct gm_gpu_grant_v2 {
+    uint8_t uuid[16];
+    uint64_t memory_limit;
+    uint32_t share_ppm;
+    uint32_t limit_ppm;       /* cap on the share, parts per million; no hook reads it */
 };
 
 /* Enforcement settings of the node (the daemon's configuration). Where the hook's environment
@@ -131,13 +147,25 @@ struct gm_hello_reply {
     struct gm_settings settings;
 };
 
+/* The version-2 hello reply, which the daemon still sends to version-2 hooks. */
+struct gm_hello_reply_v2 {
+    struct gm_header h;
+    uint32_t status;
+    uint32_t gpu_count;
+    char allocation_id[32];
+    struct gm_gpu_grant_v2 gpus[16];
+    uint32_t page_fds;
+    uint32_t reserved;
+    struct gm_settings settings;
+};
+
 /* The version-1 hello reply, which the daemon still sends to version-1 hooks. */
 struct gm_hello_reply_v1 {
     struct gm_header h;
     uint32_t status;
     uint32_t gpu_count;
     char allocation_id[32];
-    struct gm_gpu_grant gpus[16];
+    struct gm_gpu_grant_v2 gpus[16];
 };
 
 /* RESERVE and RELEASE carry a delta; SET carries the absolute amount this
