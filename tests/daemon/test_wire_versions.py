@@ -1,9 +1,11 @@
-"""The daemon serves the hooks of wire version 1 that keep running in pods across its upgrade.
+"""The daemon serves the hooks of older wire versions that keep running in pods across its upgrade.
 
-A version-1 hook gets the version-1 hello reply, every frame in version-1 headers, and no page
-descriptors: it asks for every launch, and the daemon takes its asks as its activity, so it is
-not released as idle 2 ms into every grant (the idle check once fell back to the grant time for
-a holder that never wrote an activity page).
+Each hello gets the reply layout of its version: version 3 without the cap, versions 1 and 2
+with it (the daemon's effective cap, which their structs carry). A version-1 hook gets every
+frame in version-1 headers and no page descriptors: it asks for every launch, and the daemon
+takes its asks as its activity, so it is not released as idle 2 ms into every grant (the idle
+check once fell back to the grant time for a holder that never wrote an activity page). A
+version the daemon does not serve is refused, naming those it does.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.daemon.helpers import UUID_A, DaemonProcess, make_record, wait_served
+import pytest
+
+from tests.daemon.helpers import UUID_A, UUID_B, DaemonProcess, make_record, wait_served
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.channel.terms import uuid_bytes
 
 C = wire.const
 V1 = frozenset((1,))
@@ -71,6 +77,58 @@ class V1Hook:
 
     def close(self) -> None:
         self.sock.close()
+
+
+REPLY_STRUCT = {1: "struct gm_hello_reply_v1", 2: "struct gm_hello_reply_v2",
+                3: "struct gm_hello_reply"}
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_each_hello_version_gets_its_own_reply_layout_with_its_values(
+        daemon: DaemonProcess, state_dir: Path, version: int) -> None:
+    """Versions 1 and 2 get each GPU's cap (0.6 asked; the whole GPU keeps 1.0), version 3 a
+    zero reserved field in its place; versions 2 and 3 get the settings and two pages per GPU."""
+    record = make_record(state_dir, gpus=((UUID_A, 300 * MiB, 0.3), (UUID_B, 700 * MiB, 1.0)),
+                         limit=0.6)
+    with ChannelClient(wait_served(record)) as client:
+        reply = client.hello_frame(version)
+        assert reply.h.version == version and reply.status == C("GM_OK")
+        assert reply.h.length == wire.ffi.sizeof(REPLY_STRUCT[version])
+        assert wire.text_field(reply.allocation_id) == record.id and reply.gpu_count == 2
+        gpus = [reply.gpus[i] for i in range(2)]
+        assert [bytes(g.uuid) for g in gpus] == [uuid_bytes(UUID_A), uuid_bytes(UUID_B)]
+        assert [g.memory_limit for g in gpus] == [300 * MiB, 700 * MiB]
+        assert [g.share_ppm for g in gpus] == [300_000, 1_000_000]
+        if version < 3:
+            assert [g.limit_ppm for g in gpus] == [600_000, 1_000_000]
+        else:
+            assert not hasattr(gpus[0], "limit_ppm") and [g.reserved for g in gpus] == [0, 0]
+        if version >= 2:
+            assert reply.page_fds == len(client.page_fds) == 4
+            assert reply.settings.token_timeout_ns == 30 * 1_000_000_000
+        else:
+            assert client.page_fds == []
+        # The connection goes on in its version: memory and tokens are served.
+        assert client.reserve(1, MiB).granted and client.request_token(0).valid()
+
+
+@pytest.mark.parametrize("header_version", [3, 4])
+def test_a_hello_of_a_version_not_served_is_refused_naming_those_served(
+        daemon: DaemonProcess, state_dir: Path, header_version: int) -> None:
+    """Version 4 in the hello (in a version-3 header, or in its own): GM_ERR_BAD_VERSION in a
+    version-3 frame (what a newer hook falls back on), naming versions 1 to 3; then closed."""
+    record = make_record(state_dir)
+    with ChannelClient(wait_served(record)) as client:
+        hello = wire.new(C("GM_MSG_HELLO"), proto_version=4, pid=1)
+        hello.h.version = header_version
+        client.send_raw(wire.encode(hello))
+        error = client.recv_frame()
+        assert error is not None and wire.frame_type(error) == C("GM_MSG_ERROR")
+        assert error.h.version == 3 and error.status == C("GM_ERR_BAD_VERSION")
+        reason = wire.text_field(error.reason)
+        assert "protocol 4" in reason or "protocol version 4" in reason, reason
+        assert "1 to 3" in reason or "1 or 2 or 3" in reason, reason
+        assert client.recv_frame() is None
 
 
 def test_a_version_1_hook_gets_its_own_reply_and_headers_and_no_pages(
