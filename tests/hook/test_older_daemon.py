@@ -1,16 +1,19 @@
 """The hook against older node daemons (a DaemonSet rolled back while pods with a newer hook run).
 
-The daemon here is a stub that speaks wire version 1 as those daemons did: hello, memory and
-token requests, its pages in the channel, a version-2 frame refused with GM_ERR_BAD_VERSION, and
-(before token request flags) "token request flags must be zero". The hook speaks version 1 to
-it. Against the flagless one, the hooked process runs in report mode with a long kernel, so its
-asks say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once without the flag,
-and never pass launches ungated for it.
+The daemon here is a stub that speaks wire version 1 or 2 as those daemons did: hello, memory
+and token requests, a frame of a newer version refused with GM_ERR_BAD_VERSION in a frame of its
+own version; version 1 with its pages in the channel and (before token request flags) "token
+request flags must be zero", version 2 with its pages passed with the hello. The hook speaks the
+daemon's version to it. Against the flagless one, the hooked process runs in report mode with a
+long kernel, so its asks say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once
+without the flag, and never pass launches ungated for it.
 """
 
 from __future__ import annotations
 
+import array
 import json
+import os
 import shutil
 import socket
 import sys
@@ -35,16 +38,20 @@ QUOTA_NS = 30_000_000
 
 
 class OlderDaemon:
-    """One channel served as the daemon of wire version 1 before GM_TOKEN_WORK_RUNNING: its pages
-    in the channel, every grant a fresh 30 ms quota (the token is this process's alone), a
-    flagged request malformed, and a frame of another version refused with GM_ERR_BAD_VERSION
-    in a version-1 frame (then the connection closes), as its header check did."""
+    """One channel served as the daemon of wire `version` did: every grant a fresh 30 ms quota
+    (the token is this process's alone), and a frame of another version refused with
+    GM_ERR_BAD_VERSION in a frame of its own version (then the connection closes), as its header
+    check did. Version 1 keeps its pages in the channel and, before GM_TOKEN_WORK_RUNNING
+    (`flags_known` False), finds a flagged request malformed; version 2 keeps them elsewhere
+    (the state directory) and passes them with the hello."""
 
-    def __init__(self, channel: Path, flags_known: bool = False) -> None:
+    def __init__(self, channel: Path, flags_known: bool = False, version: int = 1) -> None:
         self.channel = channel
         self.flags_known = flags_known
-        self.page = TokenPage(channel / "token.0", GATE_TOKEN)
-        self.activity = ActivityPage(channel / "activity.0")
+        self.version = version
+        self.pages = channel if version == 1 else Path(tempfile.mkdtemp(prefix="gmp-"))
+        self.page = TokenPage(self.pages / "token.0", GATE_TOKEN)
+        self.activity = ActivityPage(self.pages / "activity.0")
         self.seen: Counter[str] = Counter()
         self.generation = 0
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -70,23 +77,39 @@ class OlderDaemon:
                 if header is None:
                     return
                 parsed = wire.parse_header(header, wire.SUPPORTED_VERSIONS)
-                if parsed.version != 1:
+                if parsed.version != self.version:
                     self.seen["other version"] += 1
-                    error = wire.new(C("GM_MSG_ERROR"), version=1,
+                    error = wire.new(C("GM_MSG_ERROR"), version=self.version,
                                      status=C("GM_ERR_BAD_VERSION"))
-                    error.reason = b"protocol version 2, this daemon speaks 1"
+                    error.reason = (f"protocol version {parsed.version}, this daemon speaks "
+                                    f"{self.version}").encode()
                     conn.sendall(wire.encode(error))
                     return
                 body = self._read(conn, parsed.length - wire.HEADER_SIZE)
                 if body is None:
                     return
-                frame = wire.decode(header + body, frozenset((1,)))
+                frame = wire.decode(header + body, frozenset((self.version,)))
                 reply = self._answer(frame)
-                if reply is not None:
+                if reply is not None and wire.frame_type(frame) == C("GM_MSG_HELLO") and (
+                        self.version >= 2):
+                    self._send_with_pages(conn, reply)
+                elif reply is not None:
                     conn.sendall(reply)
                 if (wire.frame_type(frame) == C("GM_MSG_TOKEN_REQUEST") and frame.flags
                         and not self.flags_known):
                     return   # an error closes the connection
+
+    def _send_with_pages(self, conn: socket.socket, reply: bytes) -> None:
+        """The hello reply with its pages on the first byte: token page read-only, activity
+        page writable, as the version-2 daemon passed them."""
+        fds = [self.page.open_for_hook(), self.activity.open_for_hook()]
+        try:
+            sent = conn.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                           array.array("i", fds))])
+            conn.sendall(reply[sent:])
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     @staticmethod
     def _read(conn: socket.socket, size: int) -> bytes | None:
@@ -103,30 +126,33 @@ class OlderDaemon:
         seq = frame.h.seq  # type: ignore[attr-defined]
         if kind == C("GM_MSG_HELLO"):
             self.seen["hello"] += 1
-            reply = wire.new(C("GM_MSG_HELLO_REPLY"), seq=seq, version=1, status=C("GM_OK"),
-                             gpu_count=1)
+            reply = wire.new(C("GM_MSG_HELLO_REPLY"), seq=seq, version=self.version,
+                             status=C("GM_OK"), gpu_count=1)
             reply.allocation_id = b"older-daemon"
             reply.gpus[0].uuid = list(uuid_bytes(UUID))
             reply.gpus[0].memory_limit = LIMIT
             reply.gpus[0].share_ppm = 500_000
             reply.gpus[0].limit_ppm = 1_000_000
+            if self.version >= 2:
+                reply.page_fds = 2
             return wire.encode(reply)
         if kind in (C("GM_MSG_MEM_RESERVE"), C("GM_MSG_MEM_RELEASE"), C("GM_MSG_MEM_SET")):
             self.seen["memory"] += 1
-            return wire.encode(wire.new(C("GM_MSG_MEM_REPLY"), seq=seq, version=1,
+            return wire.encode(wire.new(C("GM_MSG_MEM_REPLY"), seq=seq, version=self.version,
                                         status=C("GM_OK"), gpu=0, used=0, limit=LIMIT))
         if kind == C("GM_MSG_TOKEN_REQUEST"):
             if frame.flags and not self.flags_known:  # type: ignore[attr-defined]
                 self.seen["flagged"] += 1
-                error = wire.new(C("GM_MSG_ERROR"), version=1, status=C("GM_ERR_MALFORMED"))
+                error = wire.new(C("GM_MSG_ERROR"), version=self.version,
+                                 status=C("GM_ERR_MALFORMED"))
                 error.reason = b"token request flags must be zero"
                 return wire.encode(error)
             self.seen["token"] += 1
             self.generation += 1
             until = time.monotonic_ns() + QUOTA_NS
             self.page.grant(self.generation, until)
-            return wire.encode(wire.new(C("GM_MSG_TOKEN_GRANT"), seq=seq, version=1, gpu=0,
-                                        status=C("GM_OK"), generation=self.generation,
+            return wire.encode(wire.new(C("GM_MSG_TOKEN_GRANT"), seq=seq, version=self.version,
+                                        gpu=0, status=C("GM_OK"), generation=self.generation,
                                         valid_until_ns=until))
         return None   # usage reports have no reply
 
@@ -134,6 +160,8 @@ class OlderDaemon:
         self.server.close()
         self.page.close(remove=False)
         self.activity.close(remove=False)
+        if self.pages != self.channel:
+            shutil.rmtree(self.pages, ignore_errors=True)
 
 
 @pytest.fixture
@@ -184,26 +212,31 @@ def test_a_refused_flag_is_dropped_and_the_request_sent_again_at_once(
     assert seen["token"] >= 5 and stats["daemon_connects"] == 2, (seen, stats)
 
 
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("pod", [False, True], ids=["writable-channel", "read-only-pod"])
-def test_a_version_1_daemon_is_spoken_to_in_version_1(hooked: Hooked, pod: bool) -> None:
+def test_an_older_daemon_is_spoken_to_in_its_version(hooked: Hooked, pod: bool,
+                                                      version: int) -> None:
     """A DaemonSet rolled back under pods started with this hook: the hook says so once and
-    speaks version 1 on each connection (after trying 2): memory is served, and launches are
-    gated on that daemon's token page, read from the channel (read-only in a pod, where the
-    activity page cannot be opened for writing and is left out)."""
+    speaks the daemon's version on each connection (after trying its own, refused in a frame of
+    the daemon's version): it gets its memory limit, memory is served, and launches are gated on
+    that daemon's token page: passed with the hello by a version-2 daemon, read from the channel
+    of a version-1 one (read-only in a pod, where its activity page cannot be opened for
+    writing and is left out)."""
     if pod and shutil.which("unshare") is None:
         pytest.skip("needs unshare(1)")
     root = Path(tempfile.mkdtemp(prefix="gmv-"))
-    daemon = OlderDaemon(root, flags_known=True)
+    daemon = OlderDaemon(root, flags_known=True, version=version)
     try:
         argv = [sys.executable, "-c", PRELUDE + textwrap.dedent("""
             import time
             lib = cuda()
             context(lib)
             rc, _ = alloc(lib, 1 << 20)
+            _free, total = mem_info(lib)
             end = time.monotonic() + 0.3
             while time.monotonic() < end:
                 assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None) == 0
-            print(json.dumps({"alloc": rc, "stats": stats()}))
+            print(json.dumps({"alloc": rc, "total": total, "stats": stats()}))
         """)]
         proc = hooked.run(in_pod(str(root), argv) if pod else argv, {
             "GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
@@ -212,13 +245,14 @@ def test_a_version_1_daemon_is_spoken_to_in_version_1(hooked: Hooked, pod: bool)
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         stats = result["stats"]
         assert result["alloc"] == 0 and daemon.seen["memory"] >= 1, (result, daemon.seen)
+        assert result["total"] == LIMIT, result                 # the hello's memory limit
         assert stats["ungated_launches"] == 0, stats
         assert stats["token_requests"] >= 1 and stats["token_requests"] * 20 < stats[
             "kernel_launches"], stats                    # the fast path, on its token page
         assert daemon.seen["other version"] == daemon.seen["hello"] == 1, daemon.seen
-        assert proc.stderr.count("speaks wire version 1") == 1, proc.stderr
-        # Its activity page was written where the channel is writable, and only there.
-        assert (daemon.activity.read().launches > 0) == (not pod)
+        assert proc.stderr.count(f"speaks wire version {version}") == 1, proc.stderr
+        # Its activity page was written where it was passed or the channel is writable.
+        assert (daemon.activity.read().launches > 0) == (version >= 2 or not pod)
     finally:
         daemon.close()
         shutil.rmtree(root, ignore_errors=True)
