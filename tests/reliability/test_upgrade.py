@@ -1,8 +1,10 @@
 """Rolling upgrade of the node daemon while a container runs: the install step (a real
 `python -m vgpu_runtime.install` run, as the new DaemonSet pod's init container runs it), then
-the daemon stopped and started again on the same state directory. And records in the format
-the plugin and daemon wrote before pod bindings (version 1), served after the upgrade with the
-limits they had, to the interposer built from this tree (wire version 2, as in running pods)."""
+the daemon stopped and started again on the same state directory. Hooks of the release before
+wire version 3 (built from that commit's sources), running in containers under that release's
+daemon, keep their token and memory limit across the upgrade to this tree's daemon. And records
+in the format the plugin and daemon wrote before pod bindings (version 1), served after the
+upgrade with the limits they had."""
 
 from __future__ import annotations
 
@@ -11,15 +13,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.childenv import child_env
 from tests.daemon.helpers import REPO, DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
+from tests.older_release import NoOlderRelease, OlderRelease, extract
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import allocation, install, paths
+from vgpu_runtime import allocation, install, paths, wire
 from vgpu_runtime.allocation import Binding, PodRef
+from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
+from vgpu_runtime.devkit.daemon_process import wait_served
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 RETIRED = install.LIBRARY_PREFIX + "0.0.1"     # an old version no record uses
@@ -42,6 +50,77 @@ def mapped_library(pid: int, name: str) -> tuple[str, int]:
 
 def share_ppm(daemon: DaemonProcess, allocation_id: str) -> int:
     return int(daemon.allocation(allocation_id)["gpus"][0]["share_ppm"])
+
+
+@pytest.fixture(scope="module")
+def wire_2_release(tmp_path_factory: pytest.TempPathFactory) -> OlderRelease:
+    """The release before wire version 3: its daemon and its hook (built here with gcc)."""
+    try:
+        return extract(2, tmp_path_factory.mktemp("wire2"))
+    except NoOlderRelease as err:
+        pytest.skip(f"needs the repository's history to build the wire-2 release: {err}")
+
+
+def hellos(log_text: str) -> list[dict[str, Any]]:
+    """The daemon's structured "hello" log entries."""
+    entries = (json.loads(line) for line in log_text.splitlines() if line.startswith("{"))
+    return [e for e in entries if e.get("msg") == "hello"]
+
+
+def launch_together(containers: list[Container], seconds: float) -> list[list[int]]:
+    """Every container launches (synchronising each kernel) for `seconds`, all at once: they
+    contend for the token. What each saw return."""
+    for container in containers:
+        container.send(f"launch {seconds}")
+    return [container.read()["returns"] for container in containers]
+
+
+async def test_version_2_hooks_keep_their_token_and_memory_limit_across_the_upgrade(
+        node: PluginNode, hooked: Hooked, wire_2_release: OlderRelease) -> None:
+    """Pass: two containers of 3 slices each share a GPU (gated by the token), running the
+    wire-2 release's hook under that release's daemon (which refuses a version-3 hello in a
+    version-2 frame). After the upgrade to this tree's daemon, each hook says hello again in
+    version 2 and gets its pages; the first keeps its 3 GiB limit (2.5 GiB held, counted once;
+    1 GiB more refused, 0.4 GiB more granted), and both keep launching under the new daemon's
+    token (each holds it in turn)."""
+    state_dir = node.state_dir
+    await node.start_plugin(args=ONE_GIB_SLICES)
+    records = await admit_records(node, (3, 3))
+    assert len({r.gpus[0].uuid for r in records}) == 1, "best fit packs them on one GPU"
+    daemon = DaemonProcess(state_dir, wrap=wire_2_release.daemon_wrap()).wait_ready()
+    with ChannelClient(wait_served(records[0])) as probe, pytest.raises(ChannelClosed) as refused:
+        probe.hello()
+    assert refused.value.status == wire.const("GM_ERR_BAD_VERSION"), refused.value
+    assert "speaks 1 or 2" in refused.value.reason, "the wire-2 daemon runs"
+    old_hook = Hooked(wire_2_release.hook, hooked.fake)
+    containers = [Container(old_hook, record) for record in records]
+    first = containers[0]
+    try:
+        assert first.alloc(2 * GiB + 512 * MiB) == 0
+        assert all(launch_together(containers, 0.3))
+        assert {h["version"] for h in hellos(daemon.logs())} == {2}
+
+        assert daemon.stop() == 0, daemon.logs()
+        upgraded_at = len(daemon.logs())
+        daemon = DaemonProcess(state_dir).wait_ready()
+        assert first.alloc(GiB) == 2, "2.5 GiB held + 1 GiB must pass the 3 GiB limit"
+        assert first.alloc(400 * MiB) == 0
+        wait_for(lambda: used_by(daemon).get(records[0].id) == 2 * GiB + 912 * MiB, 5,
+                 "holding counted once")
+        grants_before = daemon.status()["gpus"][0]["grants"]
+        assert all(launch_together(containers, 0.5))
+        (gpu,) = [g for g in daemon.status()["gpus"] if g["uuid"] == records[0].gpus[0].uuid]
+        assert gpu["gate"] == "token" and gpu["grants"] > grants_before + 1, gpu
+        assert all(t["achieved"] > 0 for t in gpu["tenants"]), gpu["tenants"]
+        after = hellos(daemon.logs()[upgraded_at:])
+        assert sorted(h["allocation"] for h in after) == sorted(r.id for r in records), after
+        assert all(h["version"] == 2 and h["pages_passed"] == 2 for h in after), after
+        for record in records:
+            assert len(daemon.allocation(record.id)["connections"]) == 1
+    finally:
+        for container in containers:
+            container.stop()
+        assert daemon.stop() == 0, daemon.logs()
 
 
 async def test_rolling_upgrade_keeps_the_running_containers_library_and_quota(

@@ -191,14 +191,18 @@ class ChannelClient:
         head = self._recv_fds(wire.HEADER_SIZE)
         if not head:
             raise ChannelClosed("the daemon closed the connection")
-        header = wire.parse_header(head, self.versions)
+        # An older daemon refuses a newer version in an error frame of its own version.
+        header = wire.parse_header(head, wire.SUPPORTED_VERSIONS)
         reply = wire.decode(head + self._recv_exact(header.length - wire.HEADER_SIZE),
-                            self.versions)
+                            wire.SUPPORTED_VERSIONS)
         if wire.frame_type(reply) == C("GM_MSG_ERROR"):
             reason = wire.text_field(reply.reason)
-            raise ChannelClosed(f"daemon error {reply.status}: {reason}", reply.status, reason)
-        if wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq:
-            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)}")
+            raise ChannelClosed(f"daemon error {reply.status} (wire version {header.version}): "
+                                f"{reason}", reply.status, reason)
+        if (wire.frame_type(reply) != C("GM_MSG_HELLO_REPLY") or reply.h.seq != self._seq
+                or header.version != version):
+            raise ChannelClosed(f"unexpected reply type {wire.frame_type(reply)} "
+                                f"(wire version {header.version})")
         return reply
 
     def token_page(self, gpu: int) -> TokenPageReader:
