@@ -1,12 +1,13 @@
 """The hook against older node daemons (a DaemonSet rolled back while pods with a newer hook run).
 
-The daemon here is a stub that speaks wire version 1 or 2 as those daemons did: hello, memory
-and token requests, a frame of a newer version refused with GM_ERR_BAD_VERSION in a frame of its
-own version; version 1 with its pages in the channel and (before token request flags) "token
-request flags must be zero", version 2 with its pages passed with the hello. The hook speaks the
-daemon's version to it. Against the flagless one, the hooked process runs in report mode with a
-long kernel, so its asks say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once
-without the flag, and never pass launches ungated for it.
+The daemon here is a stub that speaks wire version 1 or 2 as those daemons did (or 3, with a
+reserved field set that the hook must refuse): hello, memory and token requests, a frame of a
+newer version refused with GM_ERR_BAD_VERSION in a frame of its own version; version 1 with its
+pages in the channel and (before token request flags) "token request flags must be zero",
+version 2 with its pages passed with the hello. The hook speaks the daemon's version to it.
+Against the flagless one, the hooked process runs in report mode with a long kernel, so its asks
+say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once without the flag, and
+never pass launches ungated for it.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ class OlderDaemon:
     (`flags_known` False), finds a flagged request malformed; version 2 keeps them elsewhere
     (the state directory) and passes them with the hello."""
 
-    def __init__(self, channel: Path, flags_known: bool = False, version: int = 1) -> None:
+    def __init__(self, channel: Path, flags_known: bool = False, version: int = 1,
+                 grant_reserved: int = 0) -> None:
         self.channel = channel
         self.flags_known = flags_known
         self.version = version
+        self.grant_reserved = grant_reserved   # version 3: what its grant's reserved field says
         self.pages = channel if version == 1 else Path(tempfile.mkdtemp(prefix="gmp-"))
         self.page = TokenPage(self.pages / "token.0", GATE_TOKEN)
         self.activity = ActivityPage(self.pages / "activity.0")
@@ -132,7 +135,10 @@ class OlderDaemon:
             reply.gpus[0].uuid = list(uuid_bytes(UUID))
             reply.gpus[0].memory_limit = LIMIT
             reply.gpus[0].share_ppm = 500_000
-            reply.gpus[0].limit_ppm = 1_000_000
+            if self.version < 3:
+                reply.gpus[0].limit_ppm = 1_000_000
+            else:
+                reply.gpus[0].reserved = self.grant_reserved
             if self.version >= 2:
                 reply.page_fds = 2
             return wire.encode(reply)
@@ -253,6 +259,31 @@ def test_an_older_daemon_is_spoken_to_in_its_version(hooked: Hooked, pod: bool,
         assert proc.stderr.count(f"speaks wire version {version}") == 1, proc.stderr
         # Its activity page was written where it was passed or the channel is writable.
         assert (daemon.activity.read().launches > 0) == (version >= 2 or not pod)
+    finally:
+        daemon.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_hello_reply_whose_reserved_field_is_not_zero_is_refused(hooked: Hooked) -> None:
+    """A version-3 reply with its grant's reserved field set (not this version's layout) is not
+    taken: the hook says why, the allocation fails closed when the wait runs out, and nothing
+    is launched ungated."""
+    root = Path(tempfile.mkdtemp(prefix="gmr-"))
+    daemon = OlderDaemon(root, flags_known=True, version=3, grant_reserved=1_000_000)
+    try:
+        proc = hooked.run([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+            lib = cuda()
+            context(lib)
+            rc, _ = alloc(lib, 1 << 20)
+            print(json.dumps({"alloc": rc, "stats": stats()}))
+        """)], {"GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
+                "FAKE_CUDA_TOTAL_MEM": str(16 * LIMIT), "GEMINI_HOOK_DAEMON_WAIT": "0.5"})
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["alloc"] == 2, result                 # CUDA_ERROR_OUT_OF_MEMORY
+        assert result["stats"]["daemon_connects"] == 0, result
+        assert "reserved field that is not zero" in proc.stderr, proc.stderr
+        assert daemon.seen["hello"] >= 1 and daemon.seen["memory"] == 0, daemon.seen
     finally:
         daemon.close()
         shutil.rmtree(root, ignore_errors=True)
