@@ -13,6 +13,7 @@ never pass launches ungated for it.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import shutil
@@ -74,7 +75,8 @@ class OlderDaemon:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
+        with conn, contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            # A hook that refuses a reply hangs up: that ends its connection, nothing else.
             while True:
                 header = self._read(conn, wire.HEADER_SIZE)
                 if header is None:
@@ -109,7 +111,8 @@ class OlderDaemon:
         try:
             sent = conn.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                            array.array("i", fds))])
-            conn.sendall(reply[sent:])
+            if sent < len(reply):
+                conn.sendall(reply[sent:])
         finally:
             for fd in fds:
                 os.close(fd)
