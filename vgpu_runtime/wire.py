@@ -123,6 +123,10 @@ OLDER_STRUCTS: dict[int, dict[int, str]] = {
     1: {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v1"},
     2: {const("GM_MSG_HELLO_REPLY"): "struct gm_hello_reply_v2"},
 }
+# Per version served: frame type -> its exact size (one lookup per frame on the hot path).
+SIZE_IN_VERSION: dict[int, dict[int, int]] = {
+    v: {**SIZE_OF_TYPE, **{t: ffi.sizeof(s) for t, s in OLDER_STRUCTS.get(v, {}).items()}}
+    for v in SUPPORTED_VERSIONS}
 _POINTER_OF_TYPE: dict[int, Any] = {t: ffi.typeof(s + " *") for t, s in STRUCT_OF_TYPE.items()}
 
 
@@ -143,8 +147,7 @@ def check_header(data: bytes, offset: int = 0,
     if version not in versions:
         raise WrongVersion(f"protocol version {version}, this daemon speaks "
                            f"{' or '.join(map(str, sorted(versions)))}")
-    older = OLDER_STRUCTS.get(version, {}).get(msg_type)
-    size = ffi.sizeof(older) if older else SIZE_OF_TYPE.get(msg_type)
+    size = SIZE_IN_VERSION.get(version, SIZE_OF_TYPE).get(msg_type)
     if size is None:
         raise MalformedFrame(f"unknown frame type {msg_type}")
     if length != size:
