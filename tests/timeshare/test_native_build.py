@@ -90,6 +90,36 @@ def test_a_rebuild_keeps_the_file_and_a_different_one_is_replaced_by_rename(
     assert again.read_bytes().startswith(b"\x7fELF")
 
 
+SANITIZED_RUN = """
+import sys
+import pytest
+from vgpu_runtime.timeshare import nativepolicy
+nativepolicy._lib = nativepolicy.ffi.dlopen(sys.argv[1])
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-x", "-k", "not max_tenants",
+                      "tests/timeshare/test_native_equal.py"]))
+"""
+
+
+def test_the_equality_tests_pass_under_address_and_undefined_sanitizers(tmp_path: Path) -> None:
+    # The rings and the handle table are index arithmetic: ASan and UBSan check every access
+    # of the equality test's sequences (an out-of-bounds slot or an overflow aborts the run).
+    runtimes = [subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+                for name in ("libasan.so", "libubsan.so")]
+    if not all(os.path.isabs(path) for path in runtimes):
+        pytest.skip(f"gcc has no sanitizer runtimes here: {runtimes}")
+    library = tmp_path / "libgemini-timeshare-sanitized.so"
+    command = build.compile_command(library, strict=True)
+    command[1:1] = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-fno-omit-frame-pointer"]
+    subprocess.run(command, check=True, capture_output=True)
+    env = {**os.environ, "LD_PRELOAD": ":".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0"}
+    proc = subprocess.run([sys.executable, "-c", SANITIZED_RUN, str(library)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout
+
+
 def test_the_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench-timeshare"), "--runs",
