@@ -46,7 +46,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
-from vgpu_runtime.timeshare.window import UsageWindow
+from vgpu_runtime.timeshare.window import UsageWindow, add_up
+
+# Tenants on one GPU: every per-tenant array of the native scheduler is bounded (timeshare.h).
+MAX_TENANTS = 64
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class TokenScheduler:
             raise ValueError(f"need 0 < share <= limit <= 1, got {share}, {limit}")
         if tenant in self.tenants:
             raise ValueError(f"tenant {tenant} is already scheduled on this GPU")
+        if len(self.tenants) >= MAX_TENANTS:
+            raise ValueError(f"at most {MAX_TENANTS} tenants on one GPU: cannot add {tenant}")
         self.tenants[tenant] = Tenant(
             tenant, share, limit, UsageWindow(self.config.window),
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
@@ -166,6 +171,8 @@ class TokenScheduler:
 
     def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
         state = self.tenants[tenant]
+        if not 0 < limit <= 1:
+            raise ValueError(f"need 0 < limit <= 1, got {limit}")
         self._refill(state, now)            # what it earned so far, at the old rate
         state.limit = max(limit, state.share)
         state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
@@ -249,7 +256,7 @@ class TokenScheduler:
         return dict(self._shares)
 
     def _rescale(self) -> None:
-        total = sum(t.share for t in self.tenants.values())
+        total = add_up(t.share for t in self.tenants.values())
         scale = 1.0 / total if total > 1.0 else 1.0
         self._shares = {t.id: t.share * scale for t in self.tenants.values()}
 
@@ -411,7 +418,7 @@ class TokenScheduler:
             shares = self._shares
             # Spare capacity is shared in proportion too, so size the round on the
             # tenant's part of all requests rather than its request alone.
-            part = shares[tenant.id] / sum(shares.values())
+            part = shares[tenant.id] / add_up(shares.values())
             quota = part * cfg.cycle + self._lag(tenant) * cfg.catch_up
             burst = tenant.burst_hint or tenant.bursts.estimate(now)
             if burst is not None and burst < cfg.max_quota:

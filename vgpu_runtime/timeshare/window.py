@@ -3,6 +3,20 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
+
+# Charged intervals kept (the oldest forgotten beyond): a tenant's history is bounded however
+# short its grants, as in the native scheduler (TS_WINDOW_INTERVALS in native/timeshare.h).
+MAX_INTERVALS = 4096
+
+
+def add_up(values: Iterable[float]) -> float:
+    """Left to right from 0.0: the sum the native scheduler computes (Python 3.12's sum()
+    compensates rounding, so its last bits depend on the Python version)."""
+    total = 0.0
+    for value in values:
+        total += value
+    return total
 
 
 class UsageWindow:
@@ -30,12 +44,15 @@ class UsageWindow:
             lo, hi = self._intervals[last]
             start, end = min(start, lo), max(end, hi)
             last += 1
-        added = (end - start) - sum(hi - lo for lo, hi in self._intervals[first:last])
+        added = (end - start) - add_up(hi - lo for lo, hi in self._intervals[first:last])
         self._intervals[first:last] = [(start, end)]
         # Charges end no later than the present, so what ended a window before this one is
         # history no share will read: dropped here, or the list grows with every grant
         # while nobody asks for the usage (no status, no scrape).
         self._expire(end)
+        if len(self._intervals) > MAX_INTERVALS:
+            self._forgotten_until = max(self._forgotten_until, self._intervals[0][1])
+            del self._intervals[0]
         return added
 
     def _expire(self, now: float) -> None:
@@ -59,5 +76,5 @@ class UsageWindow:
                 start, end = intervals.pop()
                 ongoing_since, until = min(start, ongoing_since), max(end, until)
             intervals.append((ongoing_since, until))
-        return sum(min(end, now) - max(start, horizon)
-                   for start, end in intervals if min(end, now) > max(start, horizon))
+        return add_up(min(end, now) - max(start, horizon)
+                      for start, end in intervals if min(end, now) > max(start, horizon))
