@@ -1,7 +1,9 @@
-"""Builds the interposer (C, gcc only) as part of `pip install .`.
+"""Builds the interposer and the native token scheduler (C, gcc only) as part of `pip install .`.
 
-The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>; see
-vgpu_runtime/hook/build.py for the compiler line, the name and the glibc symbol-version rules.
+The libraries land in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>
+(see vgpu_runtime/hook/build.py for the compiler line, the name and the glibc symbol-version
+rules) and vgpu_runtime/lib/libgemini-timeshare.so.<version>-<digest> (the token scheduler,
+vgpu_runtime/timeshare/native/build.py).
 The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
 it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
 """
@@ -23,12 +25,20 @@ HERE = Path(__file__).parent
 MANYLINUX2014 = {"x86_64", "aarch64"}
 
 
-def _hook_builder():
-    spec = importlib.util.spec_from_file_location(
-        "_gemini_hook_build", HERE / "vgpu_runtime/hook/build.py")
+def _builder(name, path):
+    spec = importlib.util.spec_from_file_location(name, HERE / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _hook_builder():
+    return _builder("_gemini_hook_build", "vgpu_runtime/hook/build.py")
+
+
+def _timeshare_builder():
+    # vgpu_runtime/timeshare/native/build.py: libgemini-timeshare, the token scheduler in C.
+    return _builder("_gemini_timeshare_build", "vgpu_runtime/timeshare/native/build.py")
 
 
 def platform_tag():
@@ -44,6 +54,7 @@ class BuildWithHook(build_py):
         super().run()
         out_dir = Path(self.build_lib) / "vgpu_runtime" / "lib"
         _hook_builder().build_library(out_dir)
+        _timeshare_builder().build_library(out_dir)
 
 
 class WithNativeLibrary(Distribution):
