@@ -569,6 +569,25 @@ def test_usage_reports_are_accepted(long_daemon: DaemonProcess, state_dir: Path)
         tenant.close()
 
 
+def test_a_burst_reported_to_end_in_the_future_ends_now(long_daemon: DaemonProcess,
+                                                         state_dir: Path) -> None:
+    # A hostile hook's bursts: one claimed to run 100 s into the future would size the
+    # tenant's quotas for it, and ends spaced into the future would be kept without bound.
+    # The daemon's clock cuts the first to what has run, and drops the wholly future ones.
+    tenant = Tenant(make_record(state_dir))
+    try:
+        now = time.monotonic_ns()
+        tenant.client.report_usage(0, now - 1_000_000, now + 100 * NS)
+        for i in range(1, 50):
+            start = now + i * 100_000_000
+            tenant.client.report_usage(0, start, start + 50 * NS)
+        assert tenant.client.request_token(0).status == C("GM_OK")   # the reports are in
+        burst_ms = tenants_of(long_daemon)[tenant.record.id]["burst_ms"]
+        assert burst_ms is not None and 1.0 <= burst_ms < 1000.0
+    finally:
+        tenant.close()
+
+
 def test_two_saturating_tenants_get_their_shares_end_to_end(daemon_process: DaemonProcess,
                                                             state_dir: Path) -> None:
     """Loose bound (0.05): the tight ones are the algorithm tests' and the share benchmark's."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,23 +82,62 @@ class NativeUsage:
         return value
 
 
-@dataclass(frozen=True)
 class NativeTenant:
-    """One tenant's state when it was read (policy.Tenant's fields; `usage` reads live)."""
-    id: str
-    share: float
-    limit: float
-    vtime: float
-    credit: float
-    credit_at: float
-    waiting_since: float | None
-    burst_hint: float | None
-    last_release: float | None
-    revocations: int
-    last_quota: float | None
-    waits: list[float]
-    usage: NativeUsage
-    handle: int
+    """One tenant, read live from the library (policy.Tenant's fields)."""
+
+    def __init__(self, owner: NativeTokenScheduler, name: str, handle: int) -> None:
+        self._owner = owner
+        self.id = name
+        self.handle = handle
+        self.usage = NativeUsage(owner, handle)
+
+    def _state(self) -> Any:
+        return self._owner._state(self.handle)
+
+    @property
+    def share(self) -> float:
+        return float(self._state().share)
+
+    @property
+    def limit(self) -> float:
+        return float(self._state().limit)
+
+    @property
+    def vtime(self) -> float:
+        return float(self._state().vtime)
+
+    @property
+    def credit(self) -> float:
+        return float(self._state().credit)
+
+    @property
+    def credit_at(self) -> float:
+        return float(self._state().credit_at)
+
+    @property
+    def waiting_since(self) -> float | None:
+        return _none(self._state().waiting_since)
+
+    @property
+    def burst_hint(self) -> float | None:
+        return _none(self._state().burst_hint)
+
+    @property
+    def last_release(self) -> float | None:
+        return _none(self._state().last_release)
+
+    @property
+    def last_quota(self) -> float | None:
+        return _none(self._state().last_quota)
+
+    @property
+    def revocations(self) -> int:
+        return int(self._state().revocations)
+
+    @property
+    def waits(self) -> list[float]:
+        """The token waits kept, oldest first."""
+        return self._owner._waits(self.handle)
 
 
 class NativeTokenScheduler:
@@ -121,6 +159,7 @@ class NativeTokenScheduler:
         self._ptr = ffi.gc(pointer, self._lib.ts_destroy)
         self._handles: dict[str, int] = {}
         self._names: dict[int, str] = {}
+        self._tenants: dict[str, NativeTenant] = {}
         self._grant = ffi.new("struct ts_grant *")
         self._handle_out = ffi.new("int32_t *")
 
@@ -138,11 +177,13 @@ class NativeTokenScheduler:
         handle = int(self._handle_out[0])
         self._handles[tenant] = handle
         self._names[handle] = tenant
+        self._tenants[tenant] = NativeTenant(self, tenant, handle)
         return self._result(rc)
 
     def remove(self, tenant: str, now: float) -> Grant | None:
         handle = self._handles.pop(tenant, -1)
         self._names.pop(handle, None)
+        self._tenants.pop(tenant, None)
         return self._result(self._lib.ts_remove(self._ptr, handle, now, self._grant))
 
     def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
@@ -199,7 +240,7 @@ class NativeTokenScheduler:
     @property
     def tenants(self) -> Mapping[str, NativeTenant]:
         """Every tenant's state as of now, in the order they were added."""
-        return {name: self._tenant(name, handle) for name, handle in self._ordered()}
+        return {name: self._tenants[name] for name, _ in self._ordered()}
 
     def shares(self) -> dict[str, float]:
         return {name: float(self._state(handle).effective_share)
@@ -242,15 +283,10 @@ class NativeTokenScheduler:
         self._lib.ts_tenant_state(self._ptr, handle, state)
         return state
 
-    def _tenant(self, name: str, handle: int) -> NativeTenant:
-        state = self._state(handle)
+    def _waits(self, handle: int) -> list[float]:
         waits = ffi.new("double[]", self._lib.TS_WAITS_KEPT)
         count = self._lib.ts_tenant_waits(self._ptr, handle, waits, self._lib.TS_WAITS_KEPT)
-        return NativeTenant(
-            name, state.share, state.limit, state.vtime, state.credit, state.credit_at,
-            _none(state.waiting_since), _none(state.burst_hint), _none(state.last_release),
-            int(state.revocations), _none(state.last_quota), list(waits[0:count]),
-            NativeUsage(self, handle), handle)
+        return list(waits[0:count])
 
     def _grant_of(self, grant: Any) -> Grant:
         return Grant(self._names[int(grant.tenant)], int(grant.generation), grant.granted_at,

@@ -213,7 +213,9 @@ class GpuTokens:
         self._publish(now)
 
     def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
-        self.scheduler.observe_burst(allocation_id, start, end)
+        # A burst cannot end after now: a claimed future end would stretch quotas and stay in
+        # the history; clamped, a burst wholly in the future ends before it starts and is dropped.
+        self.scheduler.observe_burst(allocation_id, start, min(end, self.clock()))
 
     def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
         """A connection went away; with the tenant's last one goes the token it held."""
