@@ -1,6 +1,6 @@
 /* Kernel-burst estimation: estimator.py, operation for operation, in a bounded ring. */
 #include <math.h>
-#include <stdlib.h>
+#include <stddef.h>
 
 #include "internal.h"
 
@@ -30,9 +30,28 @@ void ts_bursts_observe(struct ts_bursts *b, double start, double end) {
     b->count++;
 }
 
-static int by_value(const void *x, const void *y) {
-    double a = *(const double *)x, b = *(const double *)y;
-    return (a > b) - (a < b);
+static void sift_down(double *v, size_t root, size_t n) {
+    for (size_t child; (child = 2 * root + 1) < n; root = child) {
+        if (child + 1 < n && v[child] < v[child + 1])
+            child++;
+        if (!(v[root] < v[child]))
+            return;
+        double swap = v[root];
+        v[root] = v[child];
+        v[child] = swap;
+    }
+}
+
+void ts_sort(double *v, size_t n) {
+    /* Heapsort: in place, O(n log n), and no allocation (glibc's qsort mallocs a buffer). */
+    for (size_t i = n / 2; i-- > 0;)
+        sift_down(v, i, n);
+    for (size_t end = n; end-- > 1;) {
+        double top = v[0];
+        v[0] = v[end];
+        v[end] = top;
+        sift_down(v, 0, end);
+    }
 }
 
 double ts_bursts_estimate(struct ts_bursts *b, double now) {
@@ -44,7 +63,7 @@ double ts_bursts_estimate(struct ts_bursts *b, double now) {
         return NAN;
     for (uint32_t i = 0; i < b->count; i++)
         b->scratch[i] = BURST(b, i).end - BURST(b, i).start;
-    qsort(b->scratch, b->count, sizeof b->scratch[0], by_value);
+    ts_sort(b->scratch, b->count);
     size_t index = (size_t)(b->percentile * (double)b->count);
     return b->scratch[index < b->count - 1 ? index : b->count - 1];
 }

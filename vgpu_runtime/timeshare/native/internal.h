@@ -3,6 +3,7 @@
 #ifndef GEMINI_TIMESHARE_INTERNAL_H
 #define GEMINI_TIMESHARE_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "timeshare.h"
@@ -31,6 +32,9 @@ void ts_window_init(struct ts_window *w, double span);
 double ts_window_charge(struct ts_window *w, double start, double end);
 /* ongoing_since: NaN for none. */
 double ts_window_usage(struct ts_window *w, double now, double ongoing_since);
+
+/* Sorts ascending, in place, allocating nothing. */
+void ts_sort(double *v, size_t n);
 
 /* estimator.py's BurstEstimator, in a ring of TS_BURSTS_KEPT. */
 struct ts_bursts {

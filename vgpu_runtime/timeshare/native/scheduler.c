@@ -522,11 +522,6 @@ TS_API int ts_has_credit(ts_scheduler *s, int32_t tenant, double now) {
     return t == NULL ? TS_ENOENT : has_credit(s, t, now);
 }
 
-static int by_value(const void *x, const void *y) {
-    double a = *(const double *)x, b = *(const double *)y;
-    return (a > b) - (a < b);
-}
-
 TS_API int ts_tenant_view(ts_scheduler *s, int32_t tenant, double now,
                           struct ts_tenant_view *out) {
     struct tenant *t = find(s, tenant);
@@ -534,7 +529,7 @@ TS_API int ts_tenant_view(ts_scheduler *s, int32_t tenant, double now,
         return TS_ENOENT;
     double waits[TS_WAITS_KEPT];
     int n = ts_tenant_waits(s, tenant, waits, TS_WAITS_KEPT);
-    qsort(waits, (size_t)n, sizeof waits[0], by_value);
+    ts_sort(waits, (size_t)n);
     double p50 = NONE, p99 = NONE;
     if (n > 0) {
         /* statistics.median, and waits[min(n - 1, int(0.99 * n))] */
