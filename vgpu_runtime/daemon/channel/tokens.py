@@ -132,6 +132,7 @@ class GpuTokens:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_fires = math.inf               # when the pending idle check runs
         self._idle_backoff = config.idle_release
         self.grants = 0
         self.idle_releases = 0
@@ -351,16 +352,19 @@ class GpuTokens:
             self._cancel_idle_check()   # the quota ends first; the deadline timer handles it
             return
         self._cancel_idle_check()
-        self._idle_timer = asyncio.get_running_loop().call_later(
-            timer_delay(at - now), self._on_idle_check)
+        delay = timer_delay(at - now)
+        self._idle_timer = asyncio.get_running_loop().call_later(delay, self._on_idle_check)
+        self._idle_fires = now + delay
 
     def _cancel_idle_check(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+            self._idle_fires = math.inf
 
     def _on_idle_check(self) -> None:
         self._idle_timer = None
+        self._idle_fires = math.inf
         now = self.clock()
         holder = self.scheduler.holder
         if holder is None or not self._someone_else_waits(holder):
