@@ -25,14 +25,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+from vgpu_runtime.common import config as cfg
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -429,17 +431,40 @@ class GpuTokens:
         }
 
 
+# Either implementation of one GPU's token: the same API, the same decisions.
+AnyGpuTokens: TypeAlias = "GpuTokens | NativeGpuTokens"
+
+
+def token_path(choice: str) -> tuple[str, Callable[[str, DaemonConfig], AnyGpuTokens]]:
+    """(name, class) of the token code `choice` (the token_path setting) names: auto is the
+    native code when its library loads, else this module's, with one log line saying why."""
+    if choice == "python":
+        return "python", GpuTokens
+    try:
+        from vgpu_runtime.daemon.channel import nativetokens
+        nativetokens.library()
+    except Exception as err:   # OSError, a build error (no gcc), cffi's errors
+        if choice == "native":
+            raise cfg.ConfigError(f"token_path native: the native token code does not load: "
+                                  f"{err}") from None
+        log.warning("token path: python, the native token code does not load",
+                    extra={"error": str(err)})
+        return "python", GpuTokens
+    return "native", nativetokens.NativeGpuTokens
+
+
 class TokenService:
     """Every GPU's token on this node, keyed by UUID."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.gpus: dict[str, GpuTokens] = {}
+        self.gpus: dict[str, AnyGpuTokens] = {}
+        self.path, self._gpu_tokens = token_path(config.token_path)
 
-    def gpu(self, uuid: str) -> GpuTokens:
+    def gpu(self, uuid: str) -> AnyGpuTokens:
         tokens = self.gpus.get(uuid)
         if tokens is None:
-            tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
+            tokens = self.gpus[uuid] = self._gpu_tokens(uuid, self.config)
         return tokens
 
     def close(self) -> None:
