@@ -10,7 +10,9 @@ is what needs Python: the connections (`Waiter.send_grant`), the log lines, one 
   are handed to C by address, and a slot's pages stay mapped while it is attached (the channel
   closes them only after `remove`).
 * The C code says when it wants to run next (already on whole milliseconds, as
-  tokens.timer_delay rounds); one loop timer per GPU is re-armed only when that time changes.
+  tokens.timer_delay rounds). One loop timer per GPU runs no later than that: it is re-armed
+  only when the time moves earlier; one that comes early looks again (as tokens.py keeps a
+  deadline timer that runs early), so a grant and its release move no timer at all.
 * tests/daemon/test_native_tokens.py runs both implementations side by side and compares the
   grants, the pages, the timers and the snapshot after every step.
 """
@@ -63,7 +65,13 @@ def library() -> Any:
         bounds = list(ffi.unpack(_lib.td_wait_bounds(), _lib.TD_WAIT_BUCKETS))
         if bounds != list(WAIT_BUCKETS):
             raise OSError(f"the native wait buckets {bounds} are not tokens.WAIT_BUCKETS")
+        if _lib.TD_EVENTS_SHIFT != EVENTS_SHIFT or _lib.TD_MAX_GRANTS_OUT > GRANTS_MASK:
+            raise OSError("the native token code's result layout is not this binding's")
     return _lib
+
+
+GRANTS_MASK = (1 << 16) - 1
+EVENTS_SHIFT = 16   # TD_EVENTS_SHIFT; checked against the library when it loads
 
 
 def _nan(value: float | None) -> float:
@@ -99,7 +107,9 @@ class NativeGpuTokens:
         self._waiters: list[Waiter | None] = [None] * lib.TD_MAX_CONNECTIONS
         self._free_ids = list(range(lib.TD_MAX_CONNECTIONS - 1, -1, -1))   # lowest last
         self._timer: asyncio.TimerHandle | None = None
-        self._armed_at = math.nan
+        self._armed_at = math.inf                  # what the loop timer is for; inf: none
+        self._debug = log.isEnabledFor(logging.DEBUG)
+        lib.td_debug_events(self._gpu, self._debug)
 
     # ---- membership ----
 
@@ -115,13 +125,13 @@ class NativeGpuTokens:
                 self._free_slot(c_slot)
             raise
         handle = self.scheduler.tenants[slot.allocation_id].handle
-        self._check(self._lib.td_attach(self._gpu, c_slot, handle, now, self._out))
+        result = self._check(self._lib.td_attach(self._gpu, c_slot, handle, now, self._out))
         if c_slot in self._detached:
             self._detached.remove(c_slot)
         self.slots[slot.allocation_id] = slot
         self._attached[slot.allocation_id] = c_slot
         self._slot_names[c_slot] = slot.allocation_id
-        self._deliver()
+        self._deliver(result)
 
     def remove(self, allocation_id: str) -> TenantSlot | None:
         c_slot = self._attached.get(allocation_id)
@@ -133,8 +143,7 @@ class NativeGpuTokens:
         self._check(self._lib.td_detach(self._gpu, c_slot))   # its page cleared first
         self.scheduler.remove(allocation_id, now)
         self._detached.append(c_slot)
-        self._check(self._lib.td_publish(self._gpu, now, self._out))
-        self._deliver()
+        self._deliver(self._check(self._lib.td_publish(self._gpu, now, self._out)))
         return slot
 
     def set_limit(self, allocation_id: str, limit: float) -> None:
@@ -142,8 +151,7 @@ class NativeGpuTokens:
         rc = self._lib.td_set_limit(self._gpu, c_slot, limit, self.clock(), self._out)
         if rc == self._lib.TD_EINVAL:
             raise ValueError(f"need 0 < limit <= 1, got {limit}")
-        self._check(rc)
-        self._deliver()
+        self._deliver(self._check(rc))
 
     def share_of(self, allocation_id: str) -> float:
         return self.scheduler.tenants[allocation_id].share
@@ -167,24 +175,23 @@ class NativeGpuTokens:
             if new:
                 self._forget_connection(waiter, conn)
             raise
-        if rc != 0:
+        if rc < 0:
             if new:
                 self._forget_connection(waiter, conn)
             if rc == self._lib.TD_EINVAL:
                 raise ValueError(f"this connection already asks through another allocation "
                                  f"than {allocation_id} on GPU {self.uuid}")
             self._check(rc)
-        self._deliver()
+        self._deliver(rc)
 
     def release(self, allocation_id: str, work_end: float | None) -> None:
         c_slot = self._attached.get(allocation_id)
         now = self.clock()
         if c_slot is None:   # the scheduler ignores it; the pages are brought in line anyway
-            self._check(self._lib.td_publish(self._gpu, now, self._out))
+            result = self._lib.td_publish(self._gpu, now, self._out)
         else:
-            self._check(self._lib.td_release(self._gpu, c_slot, _nan(work_end), now,
-                                             self._out))
-        self._deliver()
+            result = self._lib.td_release(self._gpu, c_slot, _nan(work_end), now, self._out)
+        self._deliver(self._check(result))
 
     def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
         self._check(self._lib.td_observe_burst(self._gpu, self._attached[allocation_id], start,
@@ -196,29 +203,35 @@ class NativeGpuTokens:
         if c_slot is None:
             return
         conn = self._conn_ids.get(waiter, -1)   # -1: it never asked
-        self._check(self._lib.td_connection_closed(self._gpu, conn, c_slot, last, self.clock(),
-                                                   self._out))
+        result = self._check(self._lib.td_connection_closed(self._gpu, conn, c_slot, last,
+                                                            self.clock(), self._out))
         if conn >= 0 and self._lib.td_connection_slot(self._gpu, conn) < 0:
             self._forget_connection(waiter, conn)
-        self._deliver()
+        self._deliver(result)
 
     # ---- what the C code asks of Python ----
 
-    def _deliver(self) -> None:
-        """Send the grants of the last call, log its events, arm the timer it wants."""
+    def _deliver(self, result: int) -> None:
+        """Send the grants of the last call, log its events, keep a timer for its wakeup.
+        `result`: the call's (grants | events << TD_EVENTS_SHIFT)."""
         out = self._out
-        waiters = self._waiters
-        for i in range(out.grants):
-            grant = out.grant[i]
-            waiter = waiters[grant.connection]
-            assert waiter is not None
-            waiter.send_grant(grant.seq, grant.gpu_index, grant.generation,
-                              grant.valid_until_ns)
-        for i in range(out.events):
-            self._log_event(out.event[i])
+        if result:
+            waiters = self._waiters
+            for i in range(result & GRANTS_MASK):
+                grant = out.grant[i]
+                waiter = waiters[grant.connection]
+                assert waiter is not None
+                waiter.send_grant(grant.seq, grant.gpu_index, grant.generation,
+                                  grant.valid_until_ns)
+            for i in range(result >> EVENTS_SHIFT):
+                self._log_event(out.event[i])
         wakeup = out.wakeup
-        if wakeup != self._armed_at and not (math.isnan(wakeup) and math.isnan(self._armed_at)):
+        if wakeup < self._armed_at:   # earlier than the timer (none: inf), and not NaN
             self._arm(wakeup)
+        debug = log.isEnabledFor(logging.DEBUG)
+        if debug is not self._debug:   # the debug lines' events, only while they are logged
+            self._debug = debug
+            self._lib.td_debug_events(self._gpu, debug)
 
     def _log_event(self, event: Any) -> None:
         lib = self._lib
@@ -242,26 +255,28 @@ class NativeGpuTokens:
                      extra={"gpu": self.uuid, "allocation": allocation})
 
     def _arm(self, wakeup: float) -> None:
-        """One loop timer at `wakeup`: the C code rounded it to whole milliseconds from the
+        """The loop timer at `wakeup`: the C code rounded it to whole milliseconds from the
         `now` it was given, so the delay from the clock is that rounding (or what is left of
-        an earlier one, the timer tokens.py would have kept)."""
+        it, for a time set in an earlier call)."""
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
         self._armed_at = wakeup
-        if not math.isnan(wakeup):
-            delay = max(0.0, wakeup - self.clock())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+        delay = max(0.0, wakeup - self.clock())
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
     def _on_timer(self) -> None:
+        armed_at = self._armed_at
         self._timer = None
-        self._armed_at = math.nan
-        self.on_timer(self.clock())
+        self._armed_at = math.inf
+        wakeup = float(self._lib.td_next_wakeup(self._gpu))
+        if wakeup <= armed_at:   # its time has come (the loop may run a timer a little early)
+            self.on_timer(self.clock())
+        elif wakeup == wakeup:   # later than this timer was for: wait for it
+            self._arm(wakeup)
 
     def on_timer(self, now: float) -> None:
         """The earliest wakeup has come: run what is due (the loop timer, or a test)."""
-        self._check(self._lib.td_on_timer(self._gpu, now, self._out))
-        self._deliver()
+        self._deliver(self._check(self._lib.td_on_timer(self._gpu, now, self._out)))
 
     def next_wakeup(self) -> float | None:
         """When the C code wants `on_timer`; None: never."""
@@ -273,7 +288,7 @@ class NativeGpuTokens:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._armed_at = math.nan
+        self._armed_at = math.inf
 
     # ---- handles ----
 
@@ -328,11 +343,13 @@ class NativeGpuTokens:
         self._waiters[conn] = None
         self._free_ids.append(conn)
 
-    def _check(self, rc: int) -> None:
+    def _check(self, rc: int) -> int:
+        """rc, where it is not an error."""
         if rc == self._lib.TD_ENOENT:
             raise KeyError("no such allocation on this GPU")
         if rc < 0:
             raise RuntimeError(f"native token code: error {rc}")
+        return rc
 
     # ---- status ----
 

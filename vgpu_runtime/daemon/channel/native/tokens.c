@@ -55,6 +55,7 @@ struct td_gpu {
     uint64_t grants;
     uint64_t idle_releases;
     int32_t gate;               /* -1: None */
+    bool debug_events;          /* report TD_EVENT_GRANTED and TD_EVENT_IDLE_RELEASE */
 };
 
 /* ---- helpers: Python's numbers ---- */
@@ -131,7 +132,7 @@ static double next_wakeup(const td_gpu *gpu) {
 
 static int finish(td_gpu *gpu, struct td_out *out) {
     out->wakeup = next_wakeup(gpu);
-    return TD_OK;
+    return out->grants | out->events << TD_EVENTS_SHIFT;
 }
 
 /* ---- lookups ---- */
@@ -313,7 +314,8 @@ static void hand_over(td_gpu *gpu, const struct ts_grant *grant, int32_t slot, d
         send_grant(out, c, conn->seq, s->index, grant->generation, valid_until);
         c = next;
     }
-    event(out, TD_EVENT_GRANTED, slot, grant->generation, grant->quota);
+    if (gpu->debug_events)
+        event(out, TD_EVENT_GRANTED, slot, grant->generation, grant->quota);
 }
 
 /* _publish */
@@ -607,8 +609,9 @@ static void on_idle_check(td_gpu *gpu, double now, struct td_out *out) {
         arm_idle_check(gpu, now, now + gpu->idle_backoff);
     } else {
         gpu->idle_releases++;
-        event(out, TD_EVENT_IDLE_RELEASE, gpu->slot_of_tenant[holder.tenant], holder.generation,
-              now - holder.granted_at);
+        if (gpu->debug_events)
+            event(out, TD_EVENT_IDLE_RELEASE, gpu->slot_of_tenant[holder.tenant], holder.generation,
+                  now - holder.granted_at);
         ts_release(gpu->scheduler, holder.tenant, now, NAN, NULL);
         publish(gpu, now, out);
     }
@@ -638,6 +641,10 @@ int td_on_timer(td_gpu *gpu, double now, struct td_out *out) {
         }
     }
     return finish(gpu, out);
+}
+
+void td_debug_events(td_gpu *gpu, bool on) {
+    gpu->debug_events = on;
 }
 
 void td_close(td_gpu *gpu) {

@@ -19,7 +19,9 @@
  * - a connection is a small integer the caller picks, 0 <= id < TD_MAX_CONNECTIONS, bound to the
  *   slot it first asks through until it closes or the slot is freed; asking through another
  *   slot is refused (TD_EINVAL).
- * Errors are negative TD_E* codes, returned before anything changed. Not thread-safe.
+ * Calls that fill a td_out return how many grants (bits 0-15) and events (from bit
+ * TD_EVENTS_SHIFT) it holds, so the caller reads only what is there; errors are negative TD_E*
+ * codes, returned before anything changed. Not thread-safe.
  *
  * The part between TD_CDEF_BEGIN and TD_CDEF_END is what the Python binding (cffi, ABI mode)
  * reads: plain declarations only, no preprocessor. It uses timeshare.h's types.
@@ -41,7 +43,8 @@ enum {
     TD_MAX_CONNECTIONS = 4096,    /* connection ids 0 .. TD_MAX_CONNECTIONS - 1 on one GPU */
     TD_MAX_GRANTS_OUT = 8192,     /* grants one call may send: two hand-overs (td_on_timer) */
     TD_MAX_EVENTS = 8,            /* events one call may report */
-    TD_WAIT_BUCKETS = 14          /* finite bounds of the token-wait histogram */
+    TD_WAIT_BUCKETS = 14,         /* finite bounds of the token-wait histogram */
+    TD_EVENTS_SHIFT = 16          /* a call's result: grants | events << TD_EVENTS_SHIFT */
 };
 
 enum {
@@ -53,7 +56,7 @@ enum {
     TD_ENOMEM = -4
 };
 
-enum {
+enum {   /* GRANTED and IDLE_RELEASE are debug lines: reported after td_debug_events(gpu, 1) */
     TD_EVENT_GRANTED = 1,       /* value: the grant's quota, seconds */
     TD_EVENT_REVOKED = 2,       /* not returned in time; value: the overrun, seconds */
     TD_EVENT_IDLE_RELEASE = 3,  /* value: how long it was held, seconds */
@@ -129,7 +132,7 @@ TD_API int td_slot_info(const td_gpu *gpu, int32_t slot, struct td_slot_info *ou
 /* The connection's slot; -1: unbound (or an id out of range). */
 TD_API int32_t td_connection_slot(const td_gpu *gpu, int32_t connection);
 
-/* GpuTokens' methods. `out` is filled on TD_OK and emptied on an error. */
+/* GpuTokens' methods. `out` is filled on success and emptied on an error. */
 /* add: the caller's ts_add, then td_attach with the tenant's handle. remove: td_detach (the
  * page cleared first), the caller's ts_remove, then td_publish. */
 TD_API int td_attach(td_gpu *gpu, int32_t slot, int32_t tenant, double now, struct td_out *out);
@@ -153,6 +156,8 @@ TD_API int td_connection_closed(td_gpu *gpu, int32_t connection, int32_t slot, b
  * the deadline before the idle check at the same time. */
 TD_API double td_next_wakeup(const td_gpu *gpu);
 TD_API int td_on_timer(td_gpu *gpu, double now, struct td_out *out);
+/* Whether to report the events logged at debug level (off when made). */
+TD_API void td_debug_events(td_gpu *gpu, bool on);
 /* Disarm both timers (GpuTokens.close). */
 TD_API void td_close(td_gpu *gpu);
 TD_API void td_counters(const td_gpu *gpu, struct td_counters *out);
