@@ -89,7 +89,8 @@ class Node:
             page.last_sync_ns = -1 if step[3] is None else round((self.now - step[3]) * NS)
             page.launches += 1
         elif kind == "burst":
-            tokens.observe_burst(name, self.now - step[2], self.now)
+            start = self.now - step[2]
+            tokens.observe_burst(name, start, start + step[3])   # perhaps past now: clamped
         elif kind == "limit":
             tokens.set_limit(name, step[2])
         elif kind == "rejoin":
@@ -124,7 +125,8 @@ step_strategy = st.one_of(
     st.tuples(st.just("close"), tenant_index, st.integers(0, CONNECTIONS - 1), st.booleans()),
     st.tuples(st.just("activity"), tenant_index, st.sampled_from([0.0, 0.001, 0.003, 0.02]),
               st.sampled_from([None, 0.0, 0.002, 0.05])),
-    st.tuples(st.just("burst"), tenant_index, st.sampled_from([0.0002, 0.003, 0.03])),
+    st.tuples(st.just("burst"), tenant_index, st.sampled_from([0.0002, 0.003, 0.03]),
+              st.sampled_from([0.0001, 0.003, 0.1])),
     st.tuples(st.just("limit"), tenant_index, st.sampled_from([0.2, 0.5, 1.0])),
     st.tuples(st.just("rejoin"), tenant_index),
     st.tuples(st.just("wait"), st.one_of(st.floats(0.0, 0.01), st.floats(0.0, 0.2),

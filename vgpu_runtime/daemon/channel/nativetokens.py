@@ -195,7 +195,7 @@ class NativeGpuTokens:
 
     def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
         self._check(self._lib.td_observe_burst(self._gpu, self._attached[allocation_id], start,
-                                               end))
+                                               end, self.clock()))
 
     def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
         """A connection went away; with the tenant's last one goes the token it held."""

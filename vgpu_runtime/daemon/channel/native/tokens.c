@@ -543,11 +543,14 @@ int td_release(td_gpu *gpu, int32_t slot, double work_end, double now, struct td
     return finish(gpu, out);
 }
 
-int td_observe_burst(td_gpu *gpu, int32_t slot, double start, double end) {
+/* observe_burst */
+int td_observe_burst(td_gpu *gpu, int32_t slot, double start, double end, double now) {
     struct slot *s = attached(gpu, slot);
     if (s == NULL)
         return TD_ENOENT;
-    ts_observe_burst(gpu->scheduler, s->tenant, start, end);
+    /* A burst cannot end after now: a claimed future end would stretch quotas and stay in
+     * the history; clamped, a burst wholly in the future ends before it starts and is dropped. */
+    ts_observe_burst(gpu->scheduler, s->tenant, start, now < end ? now : end);
     return TD_OK;
 }
 

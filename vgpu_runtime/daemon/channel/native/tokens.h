@@ -146,7 +146,9 @@ TD_API int td_request(td_gpu *gpu, int32_t connection, bool has_activity_page, i
                       double now, struct td_out *out);
 TD_API int td_release(td_gpu *gpu, int32_t slot, double work_end, double now,
                       struct td_out *out);
-TD_API int td_observe_burst(td_gpu *gpu, int32_t slot, double start, double end);
+/* The burst's end is clamped to now. */
+TD_API int td_observe_burst(td_gpu *gpu, int32_t slot, double start, double end,
+                            double now);
 /* A connection closed (-1: one that never asked); `last`: the allocation's last one. A slot
  * not attached: nothing. */
 TD_API int td_connection_closed(td_gpu *gpu, int32_t connection, int32_t slot, bool last,
