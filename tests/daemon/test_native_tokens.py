@@ -254,3 +254,27 @@ def test_the_wait_buckets_are_the_same_in_c() -> None:
     assert list(nativetokens.ffi.unpack(lib.td_wait_bounds(), lib.TD_WAIT_BUCKETS)) == list(
         WAIT_BUCKETS)
     assert not math.isnan(WAIT_BUCKETS[0])
+
+
+async def test_the_c_api_refuses_ids_out_of_range_and_changes_nothing(tmp_path: Path) -> None:
+    node, _ = _native(tmp_path)
+    tokens = node.tokens
+    assert isinstance(tokens, NativeGpuTokens)
+    tokens.request(node.conns["t0"][0], "t0", 1, None, None)
+    before = json.dumps(node.state(), sort_keys=True)
+    lib, gpu, out, nan = tokens._lib, tokens._gpu, tokens._out, math.nan
+    slot = tokens._attached["t0"]
+    for conn in (-1, lib.TD_MAX_CONNECTIONS, 1 << 30):
+        assert lib.td_request(gpu, conn, True, slot, 1, nan, nan, False, node.now,
+                              out) == lib.TD_EINVAL
+    assert lib.td_connection_closed(gpu, -2, slot, True, node.now, out) == lib.TD_EINVAL
+    for bad in (-1, lib.TD_MAX_SLOTS, 77):
+        assert lib.td_release(gpu, bad, nan, node.now, out) == lib.TD_ENOENT
+        assert lib.td_request(gpu, 5, True, bad, 1, nan, nan, False, node.now,
+                              out) == lib.TD_ENOENT
+        assert lib.td_slot_free(gpu, bad) == lib.TD_ENOENT
+    assert lib.td_slot_free(gpu, slot) == lib.TD_EINVAL          # attached: remove it first
+    assert lib.td_attach(gpu, slot, 0, node.now, out) == lib.TD_EINVAL   # attached already
+    assert lib.td_connection_slot(gpu, 5) == -1
+    assert json.dumps(node.state(), sort_keys=True) == before
+    tokens.close()
