@@ -242,7 +242,11 @@ async def test_a_removed_slot_is_forgotten_once_nothing_holds_it(tmp_path: Path)
     slot = tokens.remove("t1")
     assert slot is not None and len(tokens._detached) == 1
     del node.slots["t1"], node.conns["t1"], slot
-    assert not tokens._detached and len(tokens._known) == 1
+    assert tokens._gone and tokens._detached   # freed at the next add, between calls
+    again = TenantSlot("t2", 0, TokenPage(tmp_path / "t2.token", GATE_TOKEN),
+                       ActivityPage(tmp_path / "t2.activity"), MemoryLedger([1 << 30]))
+    tokens.add(again, 0.3, 1.0)
+    assert not tokens._detached and not tokens._gone and len(tokens._known) == 2
     assert len(tokens._conn_ids) == 0 or all(
         tokens._lib.td_connection_slot(tokens._gpu, c) >= 0 for c in tokens._conn_ids.values())
     tokens.close()

@@ -103,6 +103,7 @@ class NativeGpuTokens:
         self._slot_names: dict[int, str] = {}      # C slot -> allocation (events)
         self._known: dict[int, tuple[weakref.ref[TenantSlot], int]] = {}   # id(slot) -> C slot
         self._detached: list[int] = []             # C slots not attached, oldest first
+        self._gone: list[int] = []                 # C slots whose TenantSlot was collected
         self._conn_ids: dict[Waiter, int] = {}
         self._waiters: list[Waiter | None] = [None] * lib.TD_MAX_CONNECTIONS
         self._free_ids = list(range(lib.TD_MAX_CONNECTIONS - 1, -1, -1))   # lowest last
@@ -298,6 +299,10 @@ class NativeGpuTokens:
         known = self._known.get(id(slot))
         if known is not None and known[0]() is slot:
             return known[1], False
+        while self._gone:   # collected TenantSlots: their C slots go now, between calls
+            c_slot = self._gone.pop()
+            if c_slot in self._detached:
+                self._free_slot(c_slot)
         lib = self._lib
         page = ffi.cast("void *", slot.page.address)
         activity = ffi.cast("void *", slot.activity.address)
@@ -315,19 +320,21 @@ class NativeGpuTokens:
         return c_slot, True
 
     def _slot_gone(self, key: int, c_slot: int) -> None:
-        """A TenantSlot was collected: its detached C slot goes too."""
-        if c_slot in self._detached:
-            self._free_slot(c_slot)
+        """A TenantSlot was collected (at any moment, the collector may run inside a call
+        here): its C slot is freed at the next add, which is the only one that needs it."""
+        self._gone.append(c_slot)
 
     def _free_slot(self, c_slot: int) -> None:
+        """Forget a detached slot and the connections bound to it."""
+        bound = [(waiter, conn) for waiter, conn in self._conn_ids.items()
+                 if self._lib.td_connection_slot(self._gpu, conn) == c_slot]
         self._check(self._lib.td_slot_free(self._gpu, c_slot))
         if c_slot in self._detached:
             self._detached.remove(c_slot)
         self._slot_names.pop(c_slot, None)
         self._known = {key: value for key, value in self._known.items() if value[1] != c_slot}
-        for waiter, conn in list(self._conn_ids.items()):
-            if self._lib.td_connection_slot(self._gpu, conn) < 0:
-                self._forget_connection(waiter, conn)
+        for waiter, conn in bound:
+            self._forget_connection(waiter, conn)
 
     def _new_connection(self, waiter: Waiter) -> int:
         if not self._free_ids:
