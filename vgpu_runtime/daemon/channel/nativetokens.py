@@ -29,7 +29,13 @@ from typing import Any
 
 import cffi
 
-from vgpu_runtime.daemon.channel.tokens import WAIT_BUCKETS, TenantSlot, Waiter, now_s
+from vgpu_runtime.daemon.channel.tokens import (
+    WAIT_BUCKETS,
+    TenantSlot,
+    Waiter,
+    now_s,
+    timer_delay,
+)
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare import nativepolicy
 from vgpu_runtime.timeshare.nativepolicy import NativeTokenScheduler
@@ -256,14 +262,15 @@ class NativeGpuTokens:
                      extra={"gpu": self.uuid, "allocation": allocation})
 
     def _arm(self, wakeup: float) -> None:
-        """The loop timer at `wakeup`: the C code rounded it to whole milliseconds from the
-        `now` it was given, so the delay from the clock is that rounding (or what is left of
-        it, for a time set in an earlier call)."""
+        """The loop timer for `wakeup`, never before it: the delay rounded up to whole
+        milliseconds (timer_delay's rule) from the loop's own time, which uvloop reads once per
+        iteration (in whole ms), so it is behind the clock by up to the iteration's work: a
+        delay from the clock ran up to 0.9 ms early there. Both read CLOCK_MONOTONIC."""
         if self._timer is not None:
             self._timer.cancel()
         self._armed_at = wakeup
-        delay = max(0.0, wakeup - self.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(timer_delay(wakeup - loop.time()), self._on_timer)
 
     def _on_timer(self) -> None:
         armed_at = self._armed_at
