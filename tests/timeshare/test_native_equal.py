@@ -22,8 +22,9 @@ NAMES = ("a", "b", "c", "d")
 STEPS = st.one_of(st.sampled_from([0.0, 0.0, 1e-9, 1e-6, 0.0005, 0.001, 0.02, 0.05, 0.2, 0.3,
                                    1.0, 3.0]),
                   st.floats(0.0, 0.5, allow_nan=False))
-OFFSETS = st.one_of(st.none(), st.sampled_from([0.0, 1e-9, 0.001, 0.01, 0.2, 1.0]),
-                    st.floats(0.0, 2.0, allow_nan=False))
+# How far back a report reaches: within a grant, or windows back (into forgotten history).
+OFFSETS = st.one_of(st.none(), st.sampled_from([0.0, 1e-9, 0.001, 0.01, 0.2, 1.0, 5.0]),
+                    st.floats(0.0, 12.0, allow_nan=False))
 SHARES = st.one_of(st.sampled_from([0.05, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0]),
                    st.floats(0.01, 1.0, allow_nan=False))
 LIMITS = st.one_of(st.sampled_from([None, 1.0, 0.1, 0.3, 0.5]), st.floats(0.0, 1.0))
@@ -192,6 +193,21 @@ def test_an_interval_ending_at_the_horizon_is_forgotten(make: type[TokenSchedule
     assert sched.used("a", 2.5) == 0.0
     sched.request("a", 3.0, work_running=True, work_since=0.0)
     assert sched.tenants["a"].vtime == 1.0 / 0.5 + 1.0 / 0.5
+
+
+@BOTH
+def test_a_charge_forgets_what_ended_a_window_before_it(make: type[TokenScheduler]) -> None:
+    # [0, 0.1) ended more than a 0.5 s window before the charge ending at 1.1, so it is
+    # forgotten then: a report of work since -0.5 is charged from 0.1 on, [0.1, 1.5) less
+    # the [1.0, 1.1) already charged, 1.3 s; 0.4 + 1.3 / 0.5 in virtual time.
+    sched = make(TimeshareSettings(window=0.5), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    sched.release("a", 0.1)
+    sched.request("a", 1.0)
+    sched.release("a", 1.1)
+    sched.request("a", 1.5, work_running=True, work_since=-0.5)
+    assert sched.tenants["a"].vtime == 3.0
 
 
 # ---- what a tenant keeps is bounded, alike in both ----
