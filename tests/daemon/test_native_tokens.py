@@ -2,7 +2,7 @@
 GpuTokens: the same generated steps on both, each with its own real pages and a clock the test
 moves, compared after every step: the grants sent (connection, seq, GPU index, generation,
 valid_until_ns, in order), every token page (generation, valid_until_ns, gate), when the next
-timer runs, and the snapshot (the JSON status and metrics are made of).
+timer runs, the snapshot (the JSON status and metrics are made of) and the log lines.
 
 Steps: asks with any report (none, work just ended, a bogus one reaching back to the release,
 work still running), burst hints, releases, connections closing (the tenant's last or not),
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import tempfile
 from pathlib import Path
@@ -34,6 +35,19 @@ from vgpu_runtime.daemon.config import DaemonConfig
 
 NS = 1_000_000_000
 CONNECTIONS = 3   # per tenant; the last has no activity page (a version-1 hook)
+LOGGED = ("gpu", "allocation", "generation", "quota_ms", "overrun_ms", "held_ms")
+
+
+class Lines(logging.Handler):
+    """The token code's log lines: message and fields."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[Any, ...]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage(),
+                           *(getattr(record, name, None) for name in LOGGED)))
 
 
 class Connection(Waiter):
@@ -50,9 +64,11 @@ class Node:
     """One implementation with its own pages; `now` is its clock."""
 
     def __init__(self, implementation: str, root: Path, tenants: list[tuple[int, bool]],
-                 config: DaemonConfig) -> None:
+                 config: DaemonConfig, lines: Lines) -> None:
         self.now = 1000.0
         self.sent: list[tuple[Any, ...]] = []
+        self.lines = lines
+        self.logged: list[tuple[Any, ...]] = []
         self.tokens: AnyTokens = make_tokens(implementation, config, lambda: self.now)
         self.names = [f"t{i}" for i in range(len(tenants))]
         self.shares = {name: (request / 10, request / 10 if capped else 1.0)
@@ -69,6 +85,13 @@ class Node:
             self.tokens.add(self.slots[name], *self.shares[name])
 
     def step(self, step: tuple[Any, ...]) -> None:
+        self.lines.lines = self.logged
+        try:
+            self._step(step)
+        finally:
+            self.lines.lines = []
+
+    def _step(self, step: tuple[Any, ...]) -> None:
         kind, tokens = step[0], self.tokens
         name = self.names[int(step[1]) % len(self.names)] if kind != "wait" else ""
         if kind == "ask":
@@ -108,6 +131,7 @@ class Node:
                       for name, slot in self.slots.items()},
             "wakeup": next_wakeup(tokens),
             "snapshot": json.dumps(tokens.snapshot(), sort_keys=True),
+            "logged": list(self.logged),
         }
 
 
@@ -144,9 +168,13 @@ def test_native_gpu_tokens_do_what_gpu_tokens_do_step_by_step(
     config = DaemonConfig(idle_release=idle_release)
 
     async def body() -> None:
+        logger = logging.getLogger("vgpu_runtime.daemon.channel.tokens")
+        lines, level = Lines(), logger.level
+        logger.addHandler(lines)
+        logger.setLevel(logging.DEBUG)   # the debug lines too: every grant, every idle release
         with tempfile.TemporaryDirectory(prefix="gnt-") as tmp:
-            python = Node("python", Path(tmp), tenants, config)
-            native = Node("native", Path(tmp), tenants, config)
+            python = Node("python", Path(tmp), tenants, config, lines)
+            native = Node("native", Path(tmp), tenants, config, lines)
             try:
                 assert native.state() == python.state()
                 for index, step in enumerate(steps):
@@ -157,13 +185,15 @@ def test_native_gpu_tokens_do_what_gpu_tokens_do_step_by_step(
             finally:
                 python.tokens.close()
                 native.tokens.close()
+                logger.removeHandler(lines)
+                logger.setLevel(level)
     asyncio.run(body())
 
 
 # ---- bad input: a clear error, nothing changed ----
 
 def _native(tmp: Path) -> tuple[Node, str]:
-    node = Node("native", tmp, [(3, False), (3, False)], DaemonConfig())
+    node = Node("native", tmp, [(3, False), (3, False)], DaemonConfig(), Lines())
     return node, json.dumps(node.state(), sort_keys=True)
 
 
