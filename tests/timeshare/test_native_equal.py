@@ -28,6 +28,9 @@ OFFSETS = st.one_of(st.none(), st.sampled_from([0.0, 1e-9, 0.001, 0.01, 0.2, 1.0
 SHARES = st.one_of(st.sampled_from([0.05, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0]),
                    st.floats(0.01, 1.0, allow_nan=False))
 LIMITS = st.one_of(st.sampled_from([None, 1.0, 0.1, 0.3, 0.5]), st.floats(0.0, 1.0))
+# Burst hints: none (None, -1, 0) and both max_quota settings exactly among them.
+HINTS = st.one_of(st.none(), st.sampled_from([0.0, -1.0, 0.001, 0.05, 0.1, 0.2, 0.5]),
+                  st.floats(0.0, 0.3))
 BAD = st.sampled_from([0.0, -0.5, 1.5, float("nan")])
 
 SETTINGS = st.builds(
@@ -48,10 +51,8 @@ ARGUMENTS: dict[str, st.SearchStrategy[tuple[Any, ...]]] = {
     "add_bad": st.tuples(st.sampled_from(NAMES), BAD, SHARES),
     "remove": st.tuples(st.sampled_from(NAMES)),
     "set_limit": st.tuples(st.sampled_from(NAMES), st.one_of(LIMITS, BAD)),
-    "request": st.tuples(st.sampled_from(NAMES),
-                         st.one_of(st.none(), st.sampled_from([0.0, -1.0, 0.001, 0.1, 0.5]),
-                                   st.floats(0.0, 0.3)),
-                         OFFSETS, st.booleans(), OFFSETS, st.booleans()),
+    "request": st.tuples(st.sampled_from(NAMES), HINTS, OFFSETS, st.booleans(), OFFSETS,
+                         st.booleans()),
     "release": st.tuples(st.sampled_from(NAMES), OFFSETS, st.booleans()),
     "burst": st.tuples(st.sampled_from(NAMES), st.floats(0.0, 1.0), st.floats(-0.01, 0.3)),
     "tick": st.tuples(),
