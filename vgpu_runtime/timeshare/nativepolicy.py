@@ -171,6 +171,8 @@ class NativeTokenScheduler:
         rc = self._lib.ts_add(self._ptr, share, limit, now, self._handle_out, self._grant)
         if rc == self._lib.TS_EINVAL:
             raise ValueError(f"need 0 < share <= limit <= 1, got {share}, {limit}")
+        if rc == self._lib.TS_ENOMEM:
+            raise MemoryError(f"no memory for tenant {tenant}'s histories")
         if rc == self._lib.TS_EFULL:
             raise ValueError(f"at most {self._lib.TS_MAX_TENANTS} tenants on one GPU: "
                              f"cannot add {tenant}")

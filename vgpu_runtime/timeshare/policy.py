@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from vgpu_runtime.timeshare.estimator import BurstEstimator
 from vgpu_runtime.timeshare.window import UsageWindow, add_up
 
-# Tenants on one GPU: every per-tenant array of the native scheduler is bounded (timeshare.h).
-MAX_TENANTS = 64
+# Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
+# a GPU can be cut into (paths.MAX_SLICES_PER_GPU, 1000).
+MAX_TENANTS = 1024
 
 
 @dataclass(frozen=True)

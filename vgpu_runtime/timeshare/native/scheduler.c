@@ -8,7 +8,7 @@
 #include "internal.h"
 
 struct tenant {
-    bool present;
+    int32_t handle;
     double share;
     double limit;
     double effective;           /* the scaled share: TokenScheduler._shares */
@@ -37,7 +37,7 @@ struct ts_scheduler {
     uint64_t preemptions;
     int count;
     int32_t order[TS_MAX_TENANTS];   /* handles in the order added: the dict's order */
-    struct tenant tenants[TS_MAX_TENANTS];
+    struct tenant *tenants[TS_MAX_TENANTS];   /* by handle; NULL: free (allocated by add) */
 };
 
 static const double NONE = NAN;
@@ -45,18 +45,19 @@ static const double NONE = NAN;
 static bool is_none(double x) { return isnan(x); }
 
 static struct tenant *find(ts_scheduler *s, int32_t handle) {
-    if (handle < 0 || handle >= TS_MAX_TENANTS || !s->tenants[handle].present)
+    if (handle < 0 || handle >= TS_MAX_TENANTS)
         return NULL;
-    return &s->tenants[handle];
+    return s->tenants[handle];
 }
 
 static int32_t handle_of(const ts_scheduler *s, const struct tenant *t) {
-    return (int32_t)(t - s->tenants);
+    (void)s;
+    return t->handle;
 }
 
 #define EACH(s, i, t) \
     for (int i = 0; i < (s)->count; i++) \
-        for (struct tenant *t = &(s)->tenants[(s)->order[i]]; t; t = NULL)
+        for (struct tenant *t = (s)->tenants[(s)->order[i]]; t; t = NULL)
 
 static bool holds(const ts_scheduler *s, int32_t handle) {
     return s->has_holder && s->holder.tenant == handle;
@@ -161,7 +162,7 @@ static void charge_work(ts_scheduler *s, struct tenant *t, double now, double wo
 }
 
 static void end_grant(ts_scheduler *s, double now) {
-    struct tenant *t = &s->tenants[s->holder.tenant];
+    struct tenant *t = s->tenants[s->holder.tenant];
     charge(s, t, s->holder.granted_at, py_max(now, s->holder.granted_at));
     t->last_release = now;
     s->has_holder = false;
@@ -173,7 +174,7 @@ static void preempt_for(ts_scheduler *s, struct tenant *waiter, double now) {
             || !waiting(waiter) || waiter->waiting_since <= grant->granted_at
             || !has_credit(s, waiter, now))
         return;
-    struct tenant *holder = &s->tenants[grant->tenant];
+    struct tenant *holder = s->tenants[grant->tenant];
     double running = holder->vtime + (now - grant->granted_at) / holder->effective;
     if (waiter->vtime >= running)
         return;
@@ -311,7 +312,13 @@ TS_API ts_scheduler *ts_create(const struct ts_settings *settings, double now) {
     return s;
 }
 
-TS_API void ts_destroy(ts_scheduler *s) { free(s); }
+TS_API void ts_destroy(ts_scheduler *s) {
+    if (s == NULL)
+        return;
+    for (int i = 0; i < TS_MAX_TENANTS; i++)
+        free(s->tenants[i]);
+    free(s);
+}
 
 TS_API int ts_add(ts_scheduler *s, double share, double limit, double now, int32_t *tenant,
                   struct ts_grant *granted) {
@@ -320,12 +327,17 @@ TS_API int ts_add(ts_scheduler *s, double share, double limit, double now, int32
     if (s->count >= TS_MAX_TENANTS)
         return TS_EFULL;
     int32_t handle = 0;
-    while (s->tenants[handle].present)
+    while (s->tenants[handle] != NULL)
         handle++;
     double vtime;
     floor_of(s, -1, true, &vtime);
-    struct tenant *t = &s->tenants[handle];
-    t->present = true;
+    /* Each tenant's histories are allocated when it joins (about 100 KiB), never on the token
+     * path; calloc'd pages a tenant never fills stay untouched. */
+    struct tenant *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return TS_ENOMEM;
+    s->tenants[handle] = t;
+    t->handle = handle;
     t->share = share;
     t->limit = limit;
     t->effective = share;
@@ -354,11 +366,13 @@ TS_API int ts_remove(ts_scheduler *s, int32_t tenant, double now, struct ts_gran
     if (t != NULL) {
         if (holds(s, tenant))
             end_grant(s, now);
-        t->present = false;
+        s->tenants[tenant] = NULL;
+        free(t);
         int at = 0;
         while (s->order[at] != tenant)
             at++;
-        memmove(&s->order[at], &s->order[at + 1], sizeof s->order[0] * (size_t)(s->count - at - 1));
+        memmove(&s->order[at], &s->order[at + 1],
+                sizeof s->order[0] * (size_t)(s->count - at - 1));
         s->count--;
     }
     rescale(s);
@@ -379,7 +393,7 @@ TS_API int ts_set_limit(ts_scheduler *s, int32_t tenant, double limit, double no
 }
 
 TS_API bool ts_needs_token(const ts_scheduler *s) {
-    return !(s->count == 1 && s->tenants[s->order[0]].share >= 1.0);
+    return !(s->count == 1 && s->tenants[s->order[0]]->share >= 1.0);
 }
 
 TS_API int ts_request(ts_scheduler *s, int32_t tenant, double now, double burst_hint,
@@ -435,7 +449,7 @@ TS_API int ts_observe_burst(ts_scheduler *s, int32_t tenant, double start, doubl
 TS_API int ts_tick(ts_scheduler *s, double now, struct ts_grant *granted) {
     if (s->has_holder
             && now >= s->holder.granted_at + s->holder.quota + s->cfg.revoke_grace) {
-        s->tenants[s->holder.tenant].revocations++;
+        s->tenants[s->holder.tenant]->revocations++;
         end_grant(s, now);
     }
     return dispatch(s, now, granted);

@@ -11,6 +11,8 @@
  * - Calls that may hand the token over return TS_GRANTED (1) and fill *granted (when not NULL)
  *   with the new holder, TS_OK (0) when the token did not change hands, or a negative TS_E*
  *   code, in which case nothing changed. Nothing aborts.
+ * - Only ts_create and ts_add allocate (a tenant's histories, about 100 KiB, when it joins):
+ *   the token path (request, release, tick, next_deadline) allocates nothing.
  * - Not thread-safe: one caller at a time per scheduler (the daemon's token thread).
  *
  * The part between TS_CDEF_BEGIN and TS_CDEF_END is what the Python binding (cffi, ABI mode)
@@ -30,7 +32,7 @@ extern "C" {
 
 /* TS_CDEF_BEGIN */
 enum {
-    TS_MAX_TENANTS = 64,          /* tenants on one GPU; add refuses more (TS_EFULL) */
+    TS_MAX_TENANTS = 1024,        /* tenants on one GPU (slices go to 1000); more: TS_EFULL */
     TS_WAITS_KEPT = 1024,         /* token waits kept per tenant for p50/p99 */
     TS_BURSTS_KEPT = 1024,        /* kernel bursts kept per tenant (the oldest dropped) */
     TS_WINDOW_INTERVALS = 4096    /* charged intervals kept per tenant (the oldest dropped) */
@@ -41,7 +43,8 @@ enum {
     TS_GRANTED = 1,     /* done; the token went to *granted */
     TS_EINVAL = -1,     /* need 0 < share <= limit <= 1 (add), 0 < limit <= 1 (set_limit) */
     TS_ENOENT = -2,     /* no tenant with that handle */
-    TS_EFULL = -3       /* TS_MAX_TENANTS tenants already */
+    TS_EFULL = -3,      /* TS_MAX_TENANTS tenants already */
+    TS_ENOMEM = -4      /* no memory for a new tenant's histories */
 };
 
 struct ts_settings {            /* TimeshareSettings, field for field */
