@@ -312,3 +312,30 @@ async def test_the_c_api_refuses_ids_out_of_range_and_changes_nothing(tmp_path: 
     assert lib.td_connection_slot(gpu, 5) == -1
     assert json.dumps(node.state(), sort_keys=True) == before
     tokens.close()
+
+
+def test_many_tenants_on_one_gpu_alike() -> None:
+    """Past the 64 tenants a GPU once took: 150 allocations asking in turn, every release and
+    quota end, compared as above after each step."""
+    tenants = [(1 + i % 6, i % 3 == 0) for i in range(150)]
+    config = DaemonConfig()
+
+    async def body() -> None:
+        with tempfile.TemporaryDirectory(prefix="gnt-") as tmp:
+            python = Node("python", Path(tmp), tenants, config, Lines())
+            native = Node("native", Path(tmp), tenants, config, Lines())
+            python.names = native.names = [f"t{i}" for i in range(len(tenants))]
+            steps: list[tuple[Any, ...]] = []
+            for i in range(len(tenants)):
+                steps.append(("ask", i, i % 2, "none", None, False, i))
+            for i in range(0, len(tenants), 7):
+                steps += [("release", i, True), ("wait", 0.05), ("rejoin", i + 3)]
+            try:
+                for index, step in enumerate(steps):
+                    python.step(step)
+                    native.step(step)
+                    assert native.state() == python.state(), (index, step)
+            finally:
+                python.tokens.close()
+                native.tokens.close()
+    asyncio.run(body())

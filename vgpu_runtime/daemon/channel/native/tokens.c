@@ -46,6 +46,8 @@ struct td_gpu {
     double max_quota;
     struct slot slots[TD_MAX_SLOTS];
     int32_t slot_of_tenant[TS_MAX_TENANTS];
+    int32_t attached[TS_MAX_TENANTS];   /* the attached slots, in no order */
+    int32_t attached_count;
     struct conn conns[TD_MAX_CONNECTIONS];
     bool published_valid;
     struct ts_grant published;
@@ -224,10 +226,9 @@ static void arm_deadline(td_gpu *gpu, double now) {
 
 /* _someone_else_waits */
 static bool someone_else_waits(td_gpu *gpu, int32_t holder) {
-    for (int32_t t = 0; t < TS_MAX_TENANTS; t++) {
-        if (t == holder || gpu->slot_of_tenant[t] < 0)
-            continue;
-        if (!isnan(tenant_state(gpu, t).waiting_since))
+    for (int32_t i = 0; i < gpu->attached_count; i++) {
+        int32_t t = gpu->slots[gpu->attached[i]].tenant;
+        if (t != holder && !isnan(tenant_state(gpu, t).waiting_since))
             return true;
     }
     return false;
@@ -275,10 +276,8 @@ static void update_gates(td_gpu *gpu) {
     int32_t gate = ts_needs_token(gpu->scheduler) ? GM_GATE_TOKEN : GM_GATE_OPEN;
     if (gate == gpu->gate)
         return;
-    for (int32_t i = 0; i < TD_MAX_SLOTS; i++) {
-        struct slot *s = &gpu->slots[i];
-        if (!s->used || s->tenant < 0)
-            continue;
+    for (int32_t i = 0; i < gpu->attached_count; i++) {
+        struct slot *s = &gpu->slots[gpu->attached[i]];
         if (__atomic_load_n(&s->page->gate, __ATOMIC_RELAXED) != (uint32_t)gate)
             __atomic_store_n(&s->page->gate, (uint32_t)gate, __ATOMIC_RELAXED);
     }
@@ -448,6 +447,7 @@ int td_attach(td_gpu *gpu, int32_t slot, int32_t tenant, double now, struct td_o
         return TD_ENOENT;
     s->tenant = tenant;
     gpu->slot_of_tenant[tenant] = slot;
+    gpu->attached[gpu->attached_count++] = slot;
     gpu->gate = -1;
     publish(gpu, now, out);
     return finish(gpu, out);
@@ -462,6 +462,11 @@ int td_detach(td_gpu *gpu, int32_t slot) {
     int32_t tenant = s->tenant;
     s->tenant = -1;
     gpu->slot_of_tenant[tenant] = -1;
+    for (int32_t i = 0; i < gpu->attached_count; i++)
+        if (gpu->attached[i] == slot) {
+            gpu->attached[i] = gpu->attached[--gpu->attached_count];
+            break;
+        }
     if (gpu->published_valid && gpu->published.tenant == tenant)
         gpu->published_valid = false;
     return TD_OK;

@@ -39,9 +39,9 @@ extern "C" {
 
 /* TD_CDEF_BEGIN */
 enum {
-    TD_MAX_SLOTS = 128,           /* slots alive on one GPU, attached or not (2 x TS_MAX_TENANTS) */
-    TD_MAX_CONNECTIONS = 4096,    /* connection ids 0 .. TD_MAX_CONNECTIONS - 1 on one GPU */
-    TD_MAX_GRANTS_OUT = 8192,     /* grants one call may send: two hand-overs (td_on_timer) */
+    TD_MAX_SLOTS = 2048,          /* slots alive on one GPU, attached or not (2 x TS_MAX_TENANTS) */
+    TD_MAX_CONNECTIONS = 8192,    /* connection ids 0 .. TD_MAX_CONNECTIONS - 1 on one GPU */
+    TD_MAX_GRANTS_OUT = 16384,    /* grants one call may send: two hand-overs (td_on_timer) */
     TD_MAX_EVENTS = 8,            /* events one call may report */
     TD_WAIT_BUCKETS = 14,         /* finite bounds of the token-wait histogram */
     TD_EVENTS_SHIFT = 16          /* a call's result: grants | events << TD_EVENTS_SHIFT */
@@ -89,7 +89,7 @@ struct td_out {
     int32_t grants;             /* how many of grant[] were filled */
     int32_t events;
     struct td_event event[8];   /* TD_MAX_EVENTS */
-    struct td_grant_out grant[8192];   /* TD_MAX_GRANTS_OUT */
+    struct td_grant_out grant[16384];  /* TD_MAX_GRANTS_OUT */
 };
 
 struct td_slot_info {
