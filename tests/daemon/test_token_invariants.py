@@ -21,12 +21,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.daemon.tokenimpl import IMPLEMENTATIONS, make_tokens, run_timers, waiting_connections
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
-from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, Waiter
+from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter
 from vgpu_runtime.daemon.config import DaemonConfig
 
 NS = 1_000_000_000
@@ -48,10 +50,10 @@ step_strategy = st.one_of(
 
 
 class Node:
-    def __init__(self, root: Path, tenants: list[tuple[int, bool]]) -> None:
+    def __init__(self, root: Path, tenants: list[tuple[int, bool]], implementation: str) -> None:
         self.now = 1000.0
         self.config = DaemonConfig()
-        self.tokens = GpuTokens("GPU-test", self.config, clock=lambda: self.now)
+        self.tokens = make_tokens(implementation, self.config, lambda: self.now)
         self.names = [f"t{i}" for i in range(len(tenants))]
         self.conns = {name: [Connection(), Connection()] for name in self.names}
         for name, (request, capped) in zip(self.names, tenants, strict=True):
@@ -84,13 +86,8 @@ class Node:
             self.wait(float(step[1]))
 
     def wait(self, seconds: float) -> None:
-        """Time passes; each deadline on the way runs at its time, as the daemon's timer."""
-        until = self.now + seconds
-        while self.tokens._deadline_timer is not None and self.tokens._deadline_fires <= until:
-            self.now = max(self.now, self.tokens._deadline_fires)
-            self.tokens._deadline_timer.cancel()
-            self.tokens._on_deadline()
-        self.now = until
+        """Time passes; each timer on the way runs at its time, as the daemon's would."""
+        run_timers(self.tokens, self, self.now + seconds)
 
     def violation(self) -> str | None:
         scheduler = self.tokens.scheduler
@@ -112,21 +109,24 @@ class Node:
             if t.limit < 1 and t.credit < self.config.algorithm().credit_floor(t.limit) - 1e-6:
                 return f"{t.id} credit {t.credit:.3f}"
         if holder is None:
-            waiting = [name for name, slot in self.tokens.slots.items() if slot.waiters
+            waiting = [name for name in self.tokens.slots
+                       if waiting_connections(self.tokens, name)
                        and scheduler._has_credit(scheduler.tenants[name], self.now)]
             if waiting:
                 return f"no holder while {waiting} wait with credit"
         return None
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(tenant_strategy, min_size=2, max_size=4),
        st.lists(step_strategy, min_size=1, max_size=40))
 def test_gpu_tokens_keep_the_invariants_over_generated_steps(
-        tenants: list[tuple[int, bool]], steps: list[tuple[Any, ...]]) -> None:
+        implementation: str, tenants: list[tuple[int, bool]],
+        steps: list[tuple[Any, ...]]) -> None:
     async def body() -> None:
         with tempfile.TemporaryDirectory(prefix="gti-") as tmp:
-            node = Node(Path(tmp), tenants)
+            node = Node(Path(tmp), tenants, implementation)
             try:
                 for index, step in enumerate(steps):
                     node.step(step)

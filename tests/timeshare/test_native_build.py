@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from vgpu_runtime import __version__
+from vgpu_runtime.daemon.channel import nativetokens
 from vgpu_runtime.timeshare import nativepolicy
 from vgpu_runtime.timeshare.native import build
 
@@ -26,6 +27,13 @@ def checkout(root: Path) -> Path:
     package = root / "vgpu_runtime"
     shutil.copytree(REPO / "vgpu_runtime" / "timeshare" / "native",
                     package / "timeshare" / "native", ignore=shutil.ignore_patterns("__pycache__"))
+    # The daemon's token code, built into the same library, and the wire header it includes.
+    shutil.copytree(REPO / "vgpu_runtime" / "daemon" / "channel" / "native",
+                    package / "daemon" / "channel" / "native",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "hook" / "include").mkdir(parents=True)
+    shutil.copy2(REPO / "vgpu_runtime" / "hook" / "include" / "gemini_wire.h",
+                 package / "hook" / "include" / "gemini_wire.h")
     shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
     return package / "timeshare" / "native" / "build.py"
 
@@ -69,6 +77,7 @@ def test_only_the_api_is_exported_and_glibc_2_17_is_enough() -> None:
                            check=True).stdout
     defined = {row.split()[-1] for row in table.splitlines() if re.search(r"\.text\s", row)}
     declared = set(re.findall(r"\b(ts_[a-z_]+)\(", nativepolicy._cdef_text()))
+    declared |= set(re.findall(r"\b(td_[a-z_]+)\(", nativetokens._cdef_text()))
     assert defined == declared
     versions = {tuple(int(p) for p in v.split(".")) for v in re.findall(r"GLIBC_([0-9.]+)", table)}
     assert versions and max(versions) <= OLDEST_GLIBC, versions

@@ -31,6 +31,7 @@ def default_node_name() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname()
 LIMIT_POLICIES = ("work-conserving", "strict")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+TOKEN_PATHS = ("auto", "native", "python")
 PROCESS_MEMORY_SOURCES = ("auto", "nvml", "simulated", "off")
 
 
@@ -84,6 +85,10 @@ class DaemonConfig:
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
+    token_path: str = cfg.setting(
+        "auto", "the daemon's token code: auto (native when its library loads, else python, "
+        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
+        cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "

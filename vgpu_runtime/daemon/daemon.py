@@ -130,7 +130,8 @@ class Daemon:
         log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name,
-                                                    "event_loop": event_loop_name()})
+                                                    "event_loop": event_loop_name(),
+                                                    "token_path": self.tokens.path})
         idle_since = time.monotonic()
         try:
             while not self._stop.is_set():

@@ -24,7 +24,7 @@ import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime import paths, wire
 from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
@@ -42,7 +42,10 @@ from vgpu_runtime.daemon.channel.pages import (
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
 from vgpu_runtime.daemon.channel.session import Session
 from vgpu_runtime.daemon.channel.terms import GpuTerms
-from vgpu_runtime.daemon.channel.tokens import GpuTokens, TenantSlot, TokenService
+from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
+
+if TYPE_CHECKING:
+    from vgpu_runtime.daemon.channel.tokens import AnyGpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class AllocationChannel:
         self.binding = binding
         self.terms = terms
         self.tokens = tokens
-        self.token_gpus: list[GpuTokens] = []      # by GPU index, once started
+        self.token_gpus: list[AnyGpuTokens] = []   # by GPU index, once started
         self.slots: list[TenantSlot] = []
         self.ledger = MemoryLedger([g.memory_limit for g in terms])
         self.sessions: set[Session] = set()

@@ -137,6 +137,12 @@ class _MappedPage:
         self._buffer = wire.ffi.from_buffer(self._map)
         self._page: Any = wire.ffi.cast(f"struct {struct} *", self._buffer)
 
+    @property
+    def address(self) -> int:
+        """Where the page is mapped in this process (the native token code writes it there);
+        valid until close()."""
+        return int(wire.ffi.cast("uintptr_t", self._page))
+
     def open_for_hook(self) -> int:
         """A new descriptor of the file, as a hook may have it (the caller closes it)."""
         return os.open(self.path, self.HOOK_ACCESS | os.O_CLOEXEC | os.O_NOFOLLOW)

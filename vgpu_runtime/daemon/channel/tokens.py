@@ -25,14 +25,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
+from vgpu_runtime.common import config as cfg
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,7 @@ class GpuTokens:
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_fires = math.inf               # when the pending idle check runs
         self._idle_backoff = config.idle_release
         self.grants = 0
         self.idle_releases = 0
@@ -351,16 +354,19 @@ class GpuTokens:
             self._cancel_idle_check()   # the quota ends first; the deadline timer handles it
             return
         self._cancel_idle_check()
-        self._idle_timer = asyncio.get_running_loop().call_later(
-            timer_delay(at - now), self._on_idle_check)
+        delay = timer_delay(at - now)
+        self._idle_timer = asyncio.get_running_loop().call_later(delay, self._on_idle_check)
+        self._idle_fires = now + delay
 
     def _cancel_idle_check(self) -> None:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+            self._idle_fires = math.inf
 
     def _on_idle_check(self) -> None:
         self._idle_timer = None
+        self._idle_fires = math.inf
         now = self.clock()
         holder = self.scheduler.holder
         if holder is None or not self._someone_else_waits(holder):
@@ -425,17 +431,40 @@ class GpuTokens:
         }
 
 
+# Either implementation of one GPU's token: the same API, the same decisions.
+AnyGpuTokens: TypeAlias = "GpuTokens | NativeGpuTokens"
+
+
+def token_path(choice: str) -> tuple[str, Callable[[str, DaemonConfig], AnyGpuTokens]]:
+    """(name, class) of the token code `choice` (the token_path setting) names: auto is the
+    native code when its library loads, else this module's, with one log line saying why."""
+    if choice == "python":
+        return "python", GpuTokens
+    try:
+        from vgpu_runtime.daemon.channel import nativetokens
+        nativetokens.library()
+    except Exception as err:   # OSError, a build error (no gcc), cffi's errors
+        if choice == "native":
+            raise cfg.ConfigError(f"token_path native: the native token code does not load: "
+                                  f"{err}") from None
+        log.warning("token path: python, the native token code does not load",
+                    extra={"error": str(err)})
+        return "python", GpuTokens
+    return "native", nativetokens.NativeGpuTokens
+
+
 class TokenService:
     """Every GPU's token on this node, keyed by UUID."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.gpus: dict[str, GpuTokens] = {}
+        self.gpus: dict[str, AnyGpuTokens] = {}
+        self.path, self._gpu_tokens = token_path(config.token_path)
 
-    def gpu(self, uuid: str) -> GpuTokens:
+    def gpu(self, uuid: str) -> AnyGpuTokens:
         tokens = self.gpus.get(uuid)
         if tokens is None:
-            tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
+            tokens = self.gpus[uuid] = self._gpu_tokens(uuid, self.config)
         return tokens
 
     def close(self) -> None:

@@ -22,6 +22,10 @@ from pathlib import Path
 
 NATIVE_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = NATIVE_DIR.parents[1]   # vgpu_runtime/
+# The daemon's token code (GpuTokens in C) is built into the same library: it calls the
+# scheduler C to C, and writes the pages laid out by the hook's wire header.
+TOKENS_DIR = PACKAGE_DIR / "daemon" / "channel" / "native"
+WIRE_INCLUDE_DIR = PACKAGE_DIR / "hook" / "include"
 # Plain C11, no -ffast-math and no FMA contraction: the doubles must be the ones Python computes,
 # operation for operation. Symbols are hidden but for the API (TS_API in timeshare.h).
 CFLAGS = (
@@ -46,7 +50,7 @@ def package_version() -> str:
 
 
 def source_files() -> list[Path]:
-    sources = sorted(NATIVE_DIR.glob("*.c"))
+    sources = sorted(NATIVE_DIR.glob("*.c")) + sorted(TOKENS_DIR.glob("*.c"))
     if not sources:
         raise NativeBuildError(f"no scheduler sources under {NATIVE_DIR}")
     return sources
@@ -54,13 +58,14 @@ def source_files() -> list[Path]:
 
 def input_files() -> list[Path]:
     """Everything the library is made from: sources, headers, this script."""
-    return [*source_files(), *sorted(NATIVE_DIR.glob("*.h")), Path(__file__).resolve()]
+    return [*source_files(), *sorted(NATIVE_DIR.glob("*.h")), *sorted(TOKENS_DIR.glob("*.h")),
+            WIRE_INCLUDE_DIR / "gemini_wire.h", Path(__file__).resolve()]
 
 
 def sources_digest() -> str:
     digest = hashlib.sha256()
     for path in input_files():
-        digest.update(path.relative_to(NATIVE_DIR).as_posix().encode() + b"\0")
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -71,7 +76,8 @@ def library_name() -> str:
 
 def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -> list[str]:
     """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings)."""
-    prefix_map = [f"-ffile-prefix-map={NATIVE_DIR}=vgpu_runtime/timeshare/native"]
+    prefix_map = [f"-ffile-prefix-map={PACKAGE_DIR}=vgpu_runtime",
+                  f"-I{NATIVE_DIR}", f"-I{WIRE_INCLUDE_DIR}"]
     werror = ["-Werror"] if strict else []
     return [compiler, *CFLAGS, *prefix_map, *werror, f"-Wl,-soname,{library_name()}",
             *map(str, source_files()), "-o", str(output), *LDFLAGS]
