@@ -20,7 +20,7 @@ AnyTokens = GpuTokens | NativeGpuTokens
 def make_tokens(implementation: str, config: DaemonConfig, clock: Callable[[], float],
                 uuid: str = "GPU-test") -> AnyTokens:
     if implementation == "native":
-        return NativeGpuTokens(uuid, config, clock=clock)
+        return NativeGpuTokens(uuid, config, clock=clock, exact_timers=False)
     return GpuTokens(uuid, config, clock=clock)
 
 

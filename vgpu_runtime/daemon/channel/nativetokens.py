@@ -9,10 +9,13 @@ is what needs Python: the connections (`Waiter.send_grant`), the log lines, one 
 * Connections (`Waiter`s) get small integer ids, allocations' slots the C slot ids; the pages
   are handed to C by address, and a slot's pages stay mapped while it is attached (the channel
   closes them only after `remove`).
-* The C code says when it wants to run next (already on whole milliseconds, as
-  tokens.timer_delay rounds). One loop timer per GPU runs no later than that: it is re-armed
-  only when the time moves earlier; one that comes early looks again (as tokens.py keeps a
-  deadline timer that runs early), so a grant and its release move no timer at all.
+* The C code says when it wants to run next. In the daemon (`exact_timers`) that is the time
+  itself, and a timerfd on CLOCK_MONOTONIC (native/wakeup.c) watched by the loop wakes it
+  then: the loop's own timers run on whole milliseconds, up to two late on uvloop, and an idle
+  check that late misses an inference loop's idle gap. Without (the tests that compare it with
+  tokens.py) the times are on whole milliseconds as tokens.timer_delay rounds, and a loop timer
+  runs them. Either is re-armed only when the time moves earlier; one that comes early looks
+  again, so a grant and its release move no timer at all.
 * tests/daemon/test_native_tokens.py runs both implementations side by side and compares the
   grants, the pages, the timers and the snapshot after every step.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +34,7 @@ from typing import Any
 import cffi
 
 from vgpu_runtime.daemon.channel.tokens import (
+    TIMER_RESOLUTION,
     WAIT_BUCKETS,
     TenantSlot,
     Waiter,
@@ -88,15 +93,19 @@ class NativeGpuTokens:
     """The token of one physical GPU (tokens.GpuTokens' API)."""
 
     def __init__(self, uuid: str, config: DaemonConfig,
-                 clock: Callable[[], float] = now_s) -> None:
+                 clock: Callable[[], float] = now_s, exact_timers: bool = True) -> None:
         lib = library()
         self._lib = lib
         self.uuid = uuid
         self.config = config
         self.clock = clock
         self.scheduler = NativeTokenScheduler(config.algorithm(), clock())
-        settings = ffi.new("struct td_settings *", {"idle_release": config.idle_release,
-                                                    "max_quota": config.max_quota})
+        settings = ffi.new("struct td_settings *", {
+            "idle_release": config.idle_release, "max_quota": config.max_quota,
+            "timer_resolution": 0.0 if exact_timers else TIMER_RESOLUTION})
+        self._exact_timers = exact_timers
+        self._wakeup_fd = -1                       # the timerfd (exact timers), once armed
+        self._wakeup_loop: asyncio.AbstractEventLoop | None = None   # the loop watching it
         pointer = lib.td_create(settings, self.scheduler._ptr)
         if pointer == ffi.NULL:
             raise MemoryError("the native token code could not be allocated")
@@ -262,15 +271,34 @@ class NativeGpuTokens:
                      extra={"gpu": self.uuid, "allocation": allocation})
 
     def _arm(self, wakeup: float) -> None:
-        """The loop timer for `wakeup`, never before it: the delay rounded up to whole
-        milliseconds (timer_delay's rule) from the loop's own time, which uvloop reads once per
-        iteration (in whole ms), so it is behind the clock by up to the iteration's work: a
-        delay from the clock ran up to 0.9 ms early there. Both read CLOCK_MONOTONIC."""
-        if self._timer is not None:
-            self._timer.cancel()
+        """Wake for `wakeup`, never before it. Exact: the timerfd, set to the time itself.
+        Otherwise a loop timer, its delay rounded up to whole milliseconds (timer_delay's rule)
+        from the loop's own time, which uvloop reads once per iteration (in whole ms), so it is
+        behind the clock: a delay from the clock ran up to 0.9 ms early there."""
         self._armed_at = wakeup
         loop = asyncio.get_running_loop()
+        if self._exact_timers:
+            if self._wakeup_fd < 0:
+                fd = self._lib.td_wakeup_create()
+                if fd < 0:
+                    raise OSError(-fd, f"timerfd_create: {os.strerror(-fd)}")
+                self._wakeup_fd = fd
+                self._wakeup_loop = loop
+                loop.add_reader(fd, self._on_wakeup_fd)
+            rc = self._lib.td_wakeup_set(self._wakeup_fd, wakeup)
+            if rc < 0:
+                raise OSError(-rc, f"timerfd_settime: {os.strerror(-rc)}")
+            return
+        if self._timer is not None:
+            self._timer.cancel()
         self._timer = loop.call_later(timer_delay(wakeup - loop.time()), self._on_timer)
+
+    def _on_wakeup_fd(self) -> None:
+        try:
+            os.read(self._wakeup_fd, 8)   # the expiry count; none: a wake-up already served
+        except BlockingIOError:
+            return
+        self._on_timer()
 
     def _on_timer(self) -> None:
         armed_at = self._armed_at
@@ -296,6 +324,11 @@ class NativeGpuTokens:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._wakeup_fd >= 0:
+            if self._wakeup_loop is not None and not self._wakeup_loop.is_closed():
+                self._wakeup_loop.remove_reader(self._wakeup_fd)
+            os.close(self._wakeup_fd)
+            self._wakeup_fd = -1
         self._armed_at = math.inf
 
     # ---- handles ----

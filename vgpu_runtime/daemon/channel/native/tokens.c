@@ -8,7 +8,6 @@
 #include "gemini_wire.h"
 
 #define NS 1000000000.0
-#define TIMER_RESOLUTION 0.001
 
 static const double WAIT_BOUNDS[TD_WAIT_BUCKETS] = {
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0};
@@ -43,6 +42,7 @@ struct slot {
 struct td_gpu {
     ts_scheduler *scheduler;
     double idle_release;
+    double timer_resolution;
     double max_quota;
     struct slot slots[TD_MAX_SLOTS];
     int32_t slot_of_tenant[TS_MAX_TENANTS];
@@ -62,9 +62,12 @@ struct td_gpu {
 
 /* ---- helpers: Python's numbers ---- */
 
-static double timer_delay(double delay) {
-    double ticks = ceil(delay / TIMER_RESOLUTION - 1e-6);
-    return (ticks > 1.0 ? ticks : 1.0) * TIMER_RESOLUTION;
+static double timer_delay(const td_gpu *gpu, double delay) {
+    double resolution = gpu->timer_resolution;
+    if (!(resolution > 0))
+        return delay > 0 ? delay : 0;   /* exact: the timerfd fires at the time itself */
+    double ticks = ceil(delay / resolution - 1e-6);
+    return (ticks > 1.0 ? ticks : 1.0) * resolution;
 }
 
 static int64_t to_ns(double seconds) {
@@ -221,7 +224,7 @@ static void arm_deadline(td_gpu *gpu, double now) {
         gpu->deadline_fires = INFINITY;
     }
     if (!isnan(deadline))
-        gpu->deadline_fires = now + timer_delay(deadline - now);
+        gpu->deadline_fires = now + timer_delay(gpu, deadline - now);
 }
 
 /* _someone_else_waits */
@@ -266,7 +269,7 @@ static void arm_idle_check(td_gpu *gpu, double now, double at) {
         cancel_idle_check(gpu);   /* the quota ends first; the deadline timer handles it */
         return;
     }
-    gpu->idle_fires = now + timer_delay(at - now);
+    gpu->idle_fires = now + timer_delay(gpu, at - now);
 }
 
 /* ---- keeping pages and connections in line with the scheduler ---- */
@@ -359,6 +362,7 @@ td_gpu *td_create(const struct td_settings *settings, ts_scheduler *scheduler) {
         return NULL;
     gpu->scheduler = scheduler;
     gpu->idle_release = settings->idle_release;
+    gpu->timer_resolution = settings->timer_resolution;
     gpu->max_quota = settings->max_quota;
     for (int32_t t = 0; t < TS_MAX_TENANTS; t++)
         gpu->slot_of_tenant[t] = -1;

@@ -66,6 +66,9 @@ enum {   /* GRANTED and IDLE_RELEASE are debug lines: reported after td_debug_ev
 struct td_settings {
     double idle_release;
     double max_quota;           /* the scheduler's */
+    double timer_resolution;    /* > 0: timers on whole multiples, rounded up, at least one (an
+                                   event loop's timers: tokens.timer_delay); 0: exact (the
+                                   daemon's timerfd, td_wakeup_set) */
 };
 
 struct td_grant_out {
@@ -162,6 +165,11 @@ TD_API int td_on_timer(td_gpu *gpu, double now, struct td_out *out);
 TD_API void td_debug_events(td_gpu *gpu, bool on);
 /* Disarm both timers (GpuTokens.close). */
 TD_API void td_close(td_gpu *gpu);
+
+/* The wakeup timer (wakeup.c): a timerfd on CLOCK_MONOTONIC for the event loop to watch, set to
+ * an absolute time in seconds (NaN or infinite: disarmed). Negative errno on failure. */
+TD_API int td_wakeup_create(void);
+TD_API int td_wakeup_set(int fd, double at);
 TD_API void td_counters(const td_gpu *gpu, struct td_counters *out);
 /* TD_CDEF_END */
 
