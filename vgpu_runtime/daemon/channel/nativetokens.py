@@ -38,6 +38,7 @@ from vgpu_runtime.daemon.channel.tokens import (
     WAIT_BUCKETS,
     TenantSlot,
     Waiter,
+    gpu_snapshot,
     now_s,
     timer_delay,
 )
@@ -418,36 +419,10 @@ class NativeGpuTokens:
         return self._info
 
     def snapshot(self) -> dict[str, Any]:
-        now = self.clock()
-        holder = self.scheduler.holder
-        tenants = []
-        for view in self.scheduler.snapshot(now):
-            slot = self.slots[view.id]
-            info = self.slot_info(view.id)
-            tenants.append({
-                "allocation": view.id, "gpu_index": slot.index,
-                "request": view.share, "limit": view.limit, "achieved": view.used,
-                "waiting": view.waiting, "holder": view.holder,
-                "connections_waiting": int(info.connections_waiting),
-                "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
-                "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
-                "revocations": view.revocations,
-                "burst_ms": None if view.burst is None else view.burst * 1000,
-                "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
-                "memory_used": slot.ledger.used(slot.index),
-                "memory_limit": slot.ledger.limit(slot.index),
-                "waits": {"bounds": list(WAIT_BUCKETS),
-                          "counts": [int(count) for count in info.wait_counts],
-                          "sum": float(info.wait_sum), "count": int(info.wait_count)},
-            })
-        return {
-            "uuid": self.uuid,
-            "gate": "token" if self.scheduler.needs_token() else "open",
-            "holder": holder.tenant if holder else None,
-            "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
-            "generation": self.scheduler.generation,
-            "grants": self.grants, "idle_releases": self.idle_releases,
-            "preemptions": self.scheduler.preemptions,
-            "window_s": self.config.window,
-            "tenants": tenants,
-        }
+        return gpu_snapshot(self, self._waiting)
+
+    def _waiting(self, allocation_id: str) -> tuple[int, dict[str, Any]]:
+        info = self.slot_info(allocation_id)
+        return int(info.connections_waiting), {
+            "bounds": list(WAIT_BUCKETS), "counts": [int(count) for count in info.wait_counts],
+            "sum": float(info.wait_sum), "count": int(info.wait_count)}

@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
@@ -399,36 +399,8 @@ class GpuTokens:
     # ---- status ----
 
     def snapshot(self) -> dict[str, Any]:
-        now = self.clock()
-        holder = self.scheduler.holder
-        tenants = []
-        for view in self.scheduler.snapshot(now):
-            slot = self.slots[view.id]
-            tenants.append({
-                "allocation": view.id, "gpu_index": slot.index,
-                "request": view.share, "limit": view.limit, "achieved": view.used,
-                "waiting": view.waiting, "holder": view.holder,
-                "connections_waiting": len(slot.waiters),
-                "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
-                "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
-                "revocations": view.revocations,
-                "burst_ms": None if view.burst is None else view.burst * 1000,
-                "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
-                "memory_used": slot.ledger.used(slot.index),
-                "memory_limit": slot.ledger.limit(slot.index),
-                "waits": slot.waits.snapshot(),
-            })
-        return {
-            "uuid": self.uuid,
-            "gate": "token" if self.scheduler.needs_token() else "open",
-            "holder": holder.tenant if holder else None,
-            "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
-            "generation": self.scheduler.generation,
-            "grants": self.grants, "idle_releases": self.idle_releases,
-            "preemptions": self.scheduler.preemptions,
-            "window_s": self.config.window,
-            "tenants": tenants,
-        }
+        return gpu_snapshot(self, lambda allocation_id: (
+            len(self.slots[allocation_id].waiters), self.slots[allocation_id].waits.snapshot()))
 
 
 # Either implementation of one GPU's token: the same API, the same decisions.
@@ -451,6 +423,62 @@ def token_path(choice: str) -> tuple[str, Callable[[str, DaemonConfig], AnyGpuTo
                     extra={"error": str(err)})
         return "python", GpuTokens
     return "native", nativetokens.NativeGpuTokens
+
+
+class TokenState(Protocol):
+    """What a GPU's status is read from, in either implementation (this module's GpuTokens,
+    nativetokens.NativeGpuTokens)."""
+
+    uuid: str
+    config: DaemonConfig
+    clock: Callable[[], float]
+    slots: dict[str, TenantSlot]
+
+    @property
+    def scheduler(self) -> Any: ...
+    @property
+    def grants(self) -> int: ...
+    @property
+    def idle_releases(self) -> int: ...
+
+
+def gpu_snapshot(tokens: TokenState,
+                 waiting: Callable[[str], tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The status of one GPU's token (`gemini-vgpu status`, metrics, MQTT): the same JSON from
+    both implementations. `waiting(allocation)`: its connections waiting and its wait
+    histogram (WaitHistogram.snapshot's shape)."""
+    now = tokens.clock()
+    scheduler = tokens.scheduler
+    holder = scheduler.holder
+    tenants = []
+    for view in scheduler.snapshot(now):
+        slot = tokens.slots[view.id]
+        connections_waiting, waits = waiting(view.id)
+        tenants.append({
+            "allocation": view.id, "gpu_index": slot.index,
+            "request": view.share, "limit": view.limit, "achieved": view.used,
+            "waiting": view.waiting, "holder": view.holder,
+            "connections_waiting": connections_waiting,
+            "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
+            "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
+            "revocations": view.revocations,
+            "burst_ms": None if view.burst is None else view.burst * 1000,
+            "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
+            "memory_used": slot.ledger.used(slot.index),
+            "memory_limit": slot.ledger.limit(slot.index),
+            "waits": waits,
+        })
+    return {
+        "uuid": tokens.uuid,
+        "gate": "token" if scheduler.needs_token() else "open",
+        "holder": holder.tenant if holder else None,
+        "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
+        "generation": scheduler.generation,
+        "grants": tokens.grants, "idle_releases": tokens.idle_releases,
+        "preemptions": scheduler.preemptions,
+        "window_s": tokens.config.window,
+        "tenants": tenants,
+    }
 
 
 class TokenService:
