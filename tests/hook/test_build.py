@@ -6,11 +6,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.librarybuild import build_in
 from vgpu_runtime import __version__, hooklib, paths
 from vgpu_runtime.hook import build
 
@@ -34,14 +34,6 @@ def checkout(root: Path) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
     return package / "hook" / "build.py"
-
-
-def build_in(script: Path, out: Path, cwd: Path) -> Path:
-    """The checkout's own build.py, run the way setup.py runs it, from cwd."""
-    result = subprocess.run([sys.executable, str(script), str(out)], cwd=cwd,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return Path(result.stdout.strip())
 
 
 def test_two_checkouts_of_the_same_sources_build_identical_bytes(tmp_path: Path) -> None:

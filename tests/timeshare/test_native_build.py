@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.librarybuild import build_in
 from vgpu_runtime import __version__
 from vgpu_runtime.daemon.channel import nativetokens
 from vgpu_runtime.timeshare import nativepolicy
@@ -36,14 +37,6 @@ def checkout(root: Path) -> Path:
                  package / "hook" / "include" / "gemini_wire.h")
     shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
     return package / "timeshare" / "native" / "build.py"
-
-
-def build_in(script: Path, out: Path, cwd: Path) -> Path:
-    """The checkout's own build.py, run the way setup.py runs it."""
-    result = subprocess.run([sys.executable, str(script), str(out)], cwd=cwd,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return Path(result.stdout.strip())
 
 
 def test_two_checkouts_build_identical_bytes_under_the_versioned_name(tmp_path: Path) -> None:
