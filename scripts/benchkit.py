@@ -47,13 +47,16 @@ def _build_tool(source: Path, binary: Path) -> Path:
 
 def token_rtt_in_allocation(state: Path, client: Path, count: int, hold_us: int, out: Path,
                             share: float = 0.5, simulate: bool = False,
-                            handshake: bool = False) -> subprocess.Popen[bytes]:
+                            handshake: bool = False,
+                            spin: bool = False) -> subprocess.Popen[bytes]:
     """The C token client inside a gemini-run allocation: COUNT rounds, each holding HOLD_US;
     OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round. With `handshake` its
-    stdin and stdout are pipes (see `rounds_cpu`)."""
+    stdin and stdout are pipes (see `rounds_cpu`); with `spin` it polls for each grant
+    without blocking (awake when the grant comes)."""
     from vgpu_runtime import paths
     command = (f'exec "{client}" "${paths.ENV_CHANNEL_DIR}/{paths.CHANNEL_SOCKET_NAME}" '
-               f'{count} {hold_us} "{out}" hello{" handshake" if handshake else ""}')
+               f'{count} {hold_us} "{out}" hello{" handshake" if handshake else ""}'
+               f'{" spin" if spin else ""}')
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE} if handshake else {}
     return subprocess.Popen([sys.executable, "-m", "vgpu_runtime.run", "--state-dir",
                              str(state), *(["--simulate-gpus", "1"] if simulate else []),

@@ -2,16 +2,19 @@
  * token_rtt.c: token round trips over an allocation's channel, as the hook's C client makes
  * them (one blocking socket, whole frames), with nothing of Python on the client side.
  *
- * Usage: token_rtt SOCKET COUNT HOLD_US OUT [hello|plain] [handshake]
- * With `hello` it says HELLO first (version 2; the page descriptors it is passed are closed), as
+ * Usage: token_rtt SOCKET COUNT HOLD_US OUT [hello|plain] [handshake] [spin]
+ * With `hello` it says HELLO first (the page descriptors it is passed are closed), as
  * on a daemon's channel; without (or `plain`), it talks to a bare echo server. With `handshake`
  * it prints "ready" and reads a line from stdin before the rounds, and prints "done" and reads
  * another after them, so a benchmark can read the server's CPU time around the rounds alone.
+ * With `spin` it waits for each grant by polling the socket without blocking, so it is awake
+ * when the grant comes: a handoff then costs the daemon's wake-up and work, not the waiter's.
  * Then COUNT times: TOKEN_REQUEST
  * for GPU 0, block for the TOKEN_GRANT, hold HOLD_US (a spin on the clock, so the process stays
  * on the CPU as a launching one would), TOKEN_RELEASE. OUT gets one line per round:
  * "asked granted released" in CLOCK_MONOTONIC nanoseconds.
  */
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,13 +32,22 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static int recv_all(int fd, void *buf, size_t size) {
+static int recv_all_flags(int fd, void *buf, size_t size, int flags) {
     size_t got = 0;
     while (got < size) {
-        ssize_t n = recv(fd, (char *)buf + got, size - got, 0);
+        ssize_t n = recv(fd, (char *)buf + got, size - got, flags);
+        if (n < 0 && errno == EAGAIN && (flags & MSG_DONTWAIT)) continue;
         if (n <= 0) return -1;
         got += (size_t)n;
     }
+    return 0;
+}
+
+static int recv_all(int fd, void *buf, size_t size) { return recv_all_flags(fd, buf, size, 0); }
+
+static int has_flag(int argc, char **argv, const char *flag) {
+    for (int i = 5; i < argc; i++)
+        if (strcmp(argv[i], flag) == 0) return 1;
     return 0;
 }
 
@@ -69,7 +81,7 @@ static int hello(int fd) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: token_rtt SOCKET COUNT HOLD_US OUT [hello]\n");
+        fprintf(stderr, "usage: token_rtt SOCKET COUNT HOLD_US OUT [hello] [handshake] [spin]\n");
         return 2;
     }
     long count = atol(argv[2]);
@@ -81,11 +93,12 @@ int main(int argc, char **argv) {
         perror("token_rtt: connect");
         return 1;
     }
-    if (argc > 5 && strcmp(argv[5], "hello") == 0 && hello(fd) != 0) {
+    if (has_flag(argc, argv, "hello") && hello(fd) != 0) {
         fprintf(stderr, "token_rtt: hello refused\n");
         return 1;
     }
-    int handshake = argc > 6 && strcmp(argv[6], "handshake") == 0;
+    int handshake = has_flag(argc, argv, "handshake");
+    int wait_flags = has_flag(argc, argv, "spin") ? MSG_DONTWAIT : 0;
     char line[64];
     if (handshake && (printf("ready\n") < 0 || fflush(stdout) != 0 ||
                       fgets(line, sizeof line, stdin) == NULL))
@@ -97,7 +110,7 @@ int main(int argc, char **argv) {
         struct gm_token_grant grant;
         rounds[i][0] = now_ns();
         if (send(fd, &request, sizeof request, MSG_NOSIGNAL) != (ssize_t)sizeof request ||
-            recv_all(fd, &grant, sizeof grant) != 0 || grant.h.type != GM_MSG_TOKEN_GRANT) {
+            recv_all_flags(fd, &grant, sizeof grant, wait_flags) != 0 || grant.h.type != GM_MSG_TOKEN_GRANT) {
             fprintf(stderr, "token_rtt: no grant for round %ld\n", i);
             return 1;
         }
