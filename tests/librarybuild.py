@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def build_in(script: Path, out: Path, cwd: Path) -> Path:
@@ -13,3 +16,12 @@ def build_in(script: Path, out: Path, cwd: Path) -> Path:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return Path(result.stdout.strip())
+
+
+def copy_build_base(package: Path) -> Path:
+    """Into another checkout's vgpu_runtime/: what every library's build reads besides its own
+    files, the version and the shared recipe (common/cbuild.py); returns the recipe's copy."""
+    (package / "common").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
+    return Path(shutil.copy2(REPO / "vgpu_runtime" / "common" / "cbuild.py",
+                             package / "common" / "cbuild.py"))

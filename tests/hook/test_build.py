@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.librarybuild import build_in
+from tests.librarybuild import build_in, copy_build_base
 from vgpu_runtime import __version__, hooklib, paths
 from vgpu_runtime.hook import build
 
@@ -28,11 +28,12 @@ def test_library_has_the_versioned_name(hook_lib: Path) -> None:
 
 
 def checkout(root: Path) -> Path:
-    """A copy of the package as another checkout would hold it: the hook and the version file."""
+    """A copy of the package as another checkout would hold it: the hook, the version file and
+    the shared build recipe."""
     package = root / "vgpu_runtime"
     shutil.copytree(REPO / "vgpu_runtime" / "hook", package / "hook",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
+    copy_build_base(package)
     return package / "hook" / "build.py"
 
 
@@ -60,8 +61,13 @@ def test_a_changed_source_gives_a_new_name(tmp_path: Path) -> None:
     assert changed.name.startswith(f"{paths.HOOK_LIBRARY_PREFIX}{__version__}-")
     # Flags live in build.py, which the digest covers too.
     script.write_text(script.read_text().replace('"-O2"', '"-O1"'))
-    assert build_in(script, tmp_path / "out", tmp_path).name not in (changed.name,
-                                                                     paths.HOOK_LIBRARY_NAME)
+    flagged = build_in(script, tmp_path / "out", tmp_path)
+    assert flagged.name not in (changed.name, paths.HOOK_LIBRARY_NAME)
+    # And the build machinery it shares with the native scheduler's.
+    recipe = script.parents[1] / "common" / "cbuild.py"
+    recipe.write_text(recipe.read_text() + "\n# a change\n")
+    assert build_in(script, tmp_path / "out", tmp_path).name not in (
+        flagged.name, changed.name, paths.HOOK_LIBRARY_NAME)
 
 
 def required_glibc_versions(library: Path) -> set[tuple[int, ...]]:

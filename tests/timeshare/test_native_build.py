@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.librarybuild import build_in
+from tests.librarybuild import build_in, copy_build_base
 from vgpu_runtime import __version__
 from vgpu_runtime.daemon.channel import nativetokens
 from vgpu_runtime.timeshare import nativepolicy
@@ -24,7 +24,8 @@ OLDEST_GLIBC = (2, 17)
 
 
 def checkout(root: Path) -> Path:
-    """The scheduler's sources and the version file, as another checkout would hold them."""
+    """The scheduler's sources, the version file and the shared build recipe, as another
+    checkout would hold them."""
     package = root / "vgpu_runtime"
     shutil.copytree(REPO / "vgpu_runtime" / "timeshare" / "native",
                     package / "timeshare" / "native", ignore=shutil.ignore_patterns("__pycache__"))
@@ -35,7 +36,7 @@ def checkout(root: Path) -> Path:
     (package / "hook" / "include").mkdir(parents=True)
     shutil.copy2(REPO / "vgpu_runtime" / "hook" / "include" / "gemini_wire.h",
                  package / "hook" / "include" / "gemini_wire.h")
-    shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
+    copy_build_base(package)
     return package / "timeshare" / "native" / "build.py"
 
 
@@ -57,8 +58,13 @@ def test_a_changed_source_or_flag_gives_a_new_name(tmp_path: Path) -> None:
     changed = build_in(script, tmp_path / "out", tmp_path)
     assert changed.name != build.library_name()
     script.write_text(script.read_text().replace('"-O2"', '"-O1"'))
-    assert build_in(script, tmp_path / "out", tmp_path).name not in (changed.name,
-                                                                     build.library_name())
+    flagged = build_in(script, tmp_path / "out", tmp_path)
+    assert flagged.name not in (changed.name, build.library_name())
+    # And the build machinery it shares with the hook's.
+    recipe = script.parents[2] / "common" / "cbuild.py"
+    recipe.write_text(recipe.read_text() + "\n# a change\n")
+    assert build_in(script, tmp_path / "out", tmp_path).name not in (
+        flagged.name, changed.name, build.library_name())
 
 
 def test_only_the_api_is_exported_and_glibc_2_17_is_enough() -> None:

@@ -10,22 +10,24 @@ old one and running pods keep theirs. The build is reproducible: the same source
 bytes wherever they are checked out (no build paths, no timestamps, no debug info), so a rebuild
 of unchanged sources installs over nothing.
 
-A running program's library is never rewritten. A file of that name with the same content
-is left alone; one with different content is replaced by an atomic rename (a process that
-mapped the old file keeps the old inode), never overwritten in place.
+A running program's library is never rewritten: the name, the digest and the install by rename
+are vgpu_runtime/common/cbuild.py's, shared with the native scheduler's build.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-import shutil
-import subprocess
-import tempfile
+import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 HOOK_DIR = Path(__file__).resolve().parent
+if TYPE_CHECKING:
+    from vgpu_runtime.common import cbuild
+else:  # setup.py runs this file where vgpu_runtime is not importable: cbuild is loaded by path
+    _spec = importlib.util.spec_from_file_location("_gemini_cbuild",
+                                                   HOOK_DIR.parent / "common" / "cbuild.py")
+    cbuild = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(cbuild)
 FAMILIES = ("core", "launch", "memory", "nvml", "channel")
 # No -g: debug info records the build directory, and the name promises the same bytes for the
 # same sources. The symbol table stays, so backtraces still name functions.
@@ -53,18 +55,9 @@ class HookBuildError(RuntimeError):
     """gcc is missing or the sources do not compile; the message holds gcc's output."""
 
 
-def package_version() -> str:
-    """vgpu_runtime.__version__, read without importing the package (setup.py)."""
-    init = (HOOK_DIR.parent / "__init__.py").read_text()
-    match = re.search(r'^__version__\s*=\s*"([^"]+)"', init, re.M)
-    if match is None:
-        raise HookBuildError("cannot find __version__ in vgpu_runtime/__init__.py")
-    return match.group(1)
-
-
 def library_name() -> str:
     """vgpu_runtime.paths.HOOK_LIBRARY_NAME: the package version and the sources' digest."""
-    return f"{LIBRARY_PREFIX}{package_version()}-{sources_digest()}"
+    return f"{LIBRARY_PREFIX}{cbuild.package_version(HookBuildError)}-{sources_digest()}"
 
 
 def source_files() -> list[Path]:
@@ -75,18 +68,15 @@ def source_files() -> list[Path]:
 
 
 def input_files() -> list[Path]:
-    """Everything the library is made from: sources, headers, the table, this script."""
+    """Everything the library is made from: sources, headers, the table, this script (and
+    cbuild.py, which sources_digest adds)."""
     headers = sorted((HOOK_DIR / "include").glob("*.h"))
     headers += sorted(p for family in FAMILIES for p in (HOOK_DIR / family).glob("*.h"))
     return [*source_files(), *headers, HOOK_DIR / "hooks.def", Path(__file__).resolve()]
 
 
 def sources_digest() -> str:
-    digest = hashlib.sha256()
-    for path in input_files():
-        digest.update(path.relative_to(HOOK_DIR).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+    return cbuild.inputs_digest(input_files())
 
 
 def compile_command(output: Path, compiler: str = "gcc", strict: bool = False,
@@ -108,27 +98,10 @@ def build_library(out_dir: Path, compiler: str | None = None, strict: bool = Fal
                   profile: bool = False) -> Path:
     """Compile into out_dir/<versioned name> (with `profile`, <versioned name>.profile: never
     the name an installed library has); returns that path."""
-    compiler = compiler or os.environ.get("CC", "gcc")
-    if shutil.which(compiler) is None:
-        raise HookBuildError(f"the interposer needs a C compiler: {compiler!r} was not found")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / (library_name() + (".profile" if profile else ""))
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        command = compile_command(tmp, compiler, strict, profile)
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise HookBuildError(f"building {target.name} failed:\n{proc.stderr}")
-        if target.exists() and target.read_bytes() == tmp.read_bytes():
-            return target
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)   # a new inode: programs that mapped the old file keep it
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    compiler = cbuild.find_compiler(compiler, "the interposer", HookBuildError)
+    target = Path(out_dir) / (library_name() + (".profile" if profile else ""))
+    return cbuild.install_built(
+        target, lambda tmp: compile_command(tmp, compiler, strict, profile), HookBuildError)
 
 
 if __name__ == "__main__":

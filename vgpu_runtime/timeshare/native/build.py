@@ -6,22 +6,25 @@ vgpu_runtime.timeshare.nativepolicy imports it to build on demand from a source 
 
 The name is `libgemini-timeshare.so.<package version>-<sources digest>`: any change to a source,
 a header or this script (its flags) gives a new name. The build is reproducible (no paths, no
-timestamps, no debug info), and an existing file is never rewritten in place: a different one
-is replaced by an atomic rename, so a daemon that mapped the old file keeps it.
+timestamps, no debug info), and an existing file is never rewritten in place (the name, the
+digest and the install by rename are vgpu_runtime/common/cbuild.py's, shared with the hook's).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import re
-import shutil
-import subprocess
-import tempfile
+import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 NATIVE_DIR = Path(__file__).resolve().parent
 PACKAGE_DIR = NATIVE_DIR.parents[1]   # vgpu_runtime/
+if TYPE_CHECKING:
+    from vgpu_runtime.common import cbuild
+else:  # setup.py runs this file where vgpu_runtime is not importable: cbuild is loaded by path
+    _spec = importlib.util.spec_from_file_location("_gemini_cbuild",
+                                                   PACKAGE_DIR / "common" / "cbuild.py")
+    cbuild = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(cbuild)
 # The daemon's token code (GpuTokens in C) is built into the same library: it calls the
 # scheduler C to C, and writes the pages laid out by the hook's wire header.
 TOKENS_DIR = PACKAGE_DIR / "daemon" / "channel" / "native"
@@ -40,15 +43,6 @@ class NativeBuildError(RuntimeError):
     """gcc is missing or the sources do not compile; the message holds gcc's output."""
 
 
-def package_version() -> str:
-    """vgpu_runtime.__version__, read without importing the package (setup.py)."""
-    init = (PACKAGE_DIR / "__init__.py").read_text()
-    match = re.search(r'^__version__\s*=\s*"([^"]+)"', init, re.M)
-    if match is None:
-        raise NativeBuildError("cannot find __version__ in vgpu_runtime/__init__.py")
-    return match.group(1)
-
-
 def source_files() -> list[Path]:
     sources = sorted(NATIVE_DIR.glob("*.c")) + sorted(TOKENS_DIR.glob("*.c"))
     if not sources:
@@ -57,21 +51,18 @@ def source_files() -> list[Path]:
 
 
 def input_files() -> list[Path]:
-    """Everything the library is made from: sources, headers, this script."""
+    """Everything the library is made from: sources, headers, this script (and cbuild.py, which
+    sources_digest adds)."""
     return [*source_files(), *sorted(NATIVE_DIR.glob("*.h")), *sorted(TOKENS_DIR.glob("*.h")),
             WIRE_INCLUDE_DIR / "gemini_wire.h", Path(__file__).resolve()]
 
 
 def sources_digest() -> str:
-    digest = hashlib.sha256()
-    for path in input_files():
-        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()[:16]
+    return cbuild.inputs_digest(input_files())
 
 
 def library_name() -> str:
-    return f"{LIBRARY_PREFIX}{package_version()}-{sources_digest()}"
+    return f"{LIBRARY_PREFIX}{cbuild.package_version(NativeBuildError)}-{sources_digest()}"
 
 
 def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -> list[str]:
@@ -85,28 +76,10 @@ def compile_command(output: Path, compiler: str = "gcc", strict: bool = False) -
 
 def build_library(out_dir: Path, compiler: str | None = None, strict: bool = False) -> Path:
     """Compile into out_dir/<versioned name>; returns that path."""
-    compiler = compiler or os.environ.get("CC", "gcc")
-    if shutil.which(compiler) is None:
-        raise NativeBuildError(f"the native scheduler needs a C compiler: {compiler!r} was "
-                               "not found")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / library_name()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=out_dir)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        proc = subprocess.run(compile_command(tmp, compiler, strict), capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            raise NativeBuildError(f"building {target.name} failed:\n{proc.stderr}")
-        if target.exists() and target.read_bytes() == tmp.read_bytes():
-            return target
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, target)   # a new inode: a process that mapped the old file keeps it
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+    compiler = cbuild.find_compiler(compiler, "the native scheduler", NativeBuildError)
+    return cbuild.install_built(Path(out_dir) / library_name(),
+                                lambda tmp: compile_command(tmp, compiler, strict),
+                                NativeBuildError)
 
 
 if __name__ == "__main__":
