@@ -1,9 +1,10 @@
 """Builds the interposer and the native token scheduler (C, gcc only) as part of `pip install .`.
 
 The libraries land in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>
-(see vgpu_runtime/hook/build.py for the compiler line, the name and the glibc symbol-version
-rules) and vgpu_runtime/lib/libgemini-timeshare.so.<version>-<digest> (the token scheduler,
-vgpu_runtime/timeshare/native/build.py).
+(see vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules) and
+vgpu_runtime/lib/libgemini-timeshare.so.<version>-<digest> (the token scheduler,
+vgpu_runtime/timeshare/native/build.py); both build.py files load vgpu_runtime/common/cbuild.py,
+which names them and installs them by rename.
 The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
 it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
 """

@@ -284,6 +284,7 @@ def test_the_build_context_leaves_out_the_venv_and_caches(image: Image, tmp_path
         with oci.mounted_image(image.podman, name) as root:
             context = root / "context"
             assert (context / "vgpu_runtime" / "hook" / "build.py").is_file()
+            assert (context / "vgpu_runtime" / "common" / "cbuild.py").is_file()
             assert (context / "daemonset" / "image" / "Dockerfile").is_file()
             for left_out in (".venv", "build", ".git"):
                 assert not (context / left_out).exists(), left_out
