@@ -85,12 +85,12 @@ class DaemonConfig:
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
-    # python by default until the native path's exact timers are measured across the share
-    # matrix (BENCHMARKS.md, "The native token path on the H200").
+    # auto: the C path decides as the Python one and does the same GPU work, in less time per
+    # frame (BENCHMARKS.md, "Deciding the token path's default").
     token_path: str = cfg.setting(
-        "python", "the daemon's token code: python (channel/tokens.py), native (C, "
-        "channel/native/tokens.c; measured faster, not yet the default) or auto (native when "
-        "its library loads, else python, saying why)", cfg.choice(*TOKEN_PATHS), "PATH")
+        "auto", "the daemon's token code: auto (native when its library loads, else python, "
+        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
+        cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "
