@@ -24,8 +24,8 @@ import sys
 import time
 
 import torch
+from tenant import idle_until_ramp, ready_operands  # this directory: the same load's set-up
 
-RAMP = 3.0      # seconds of common load before the window opens, as tenant.py
 GIVE_UP = 5.0   # seconds past the window after which a waiter stops waiting for the other
 
 
@@ -37,13 +37,8 @@ def main() -> None:
     # Read ends are opened read-write, so neither open waits for the other tenant.
     inbox = os.open(in_fifo, os.O_RDWR | (os.O_NONBLOCK if spin else 0))
     outbox = os.open(out_fifo, os.O_RDWR)
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    torch.matmul(a, b, out=c)
-    torch.cuda.synchronize()
-    while time.time() < start_at - RAMP:
-        time.sleep(0.005)
+    a, b, c = ready_operands(size)
+    idle_until_ramp(start_at)
     end = start_at + duration
     done = handoffs = 0   # matmuls finished and batons received inside the window
     holding = first

@@ -21,16 +21,27 @@ import torch
 RAMP = 3.0   # seconds of common load before the window opens
 
 
-def main() -> None:
-    size, sync_every = int(sys.argv[1]), int(sys.argv[2])
-    start_at, duration, out = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+def ready_operands(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """a, b and the output of the load's bf16 matmul, after a first one (context, cuBLAS)."""
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     c = torch.empty_like(a)
     torch.matmul(a, b, out=c)
     torch.cuda.synchronize()
+    return a, b, c
+
+
+def idle_until_ramp(start_at: float) -> None:
+    """Idle until RAMP seconds before the common window opens at start_at."""
     while time.time() < start_at - RAMP:
         time.sleep(0.005)
+
+
+def main() -> None:
+    size, sync_every = int(sys.argv[1]), int(sys.argv[2])
+    start_at, duration, out = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    a, b, c = ready_operands(size)
+    idle_until_ramp(start_at)
     while time.time() < start_at - 0.5:      # warm up until just before the common window
         for _ in range(sync_every):
             torch.matmul(a, b, out=c)
