@@ -85,11 +85,14 @@ class DaemonConfig:
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
-    # auto: the C path decides as the Python one and does the same GPU work, in less time per
-    # frame (BENCHMARKS.md, "Deciding the token path's default").
+    # python: at the default settings handoffs are rare, so the C path's faster frames buy
+    # little GPU time, and host-bound tenants did up to 3 % less work beside its exact idle
+    # checks (BENCHMARKS.md, "Deciding the token path's default"). native pays off with the
+    # inference setting's many handoffs.
     token_path: str = cfg.setting(
-        "auto", "the daemon's token code: auto (native when its library loads, else python, "
-        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
+        "python", "the daemon's token code: python (channel/tokens.py), native (C, "
+        "channel/native/tokens.c: faster frames, for nodes with many handoffs such as the "
+        "inference setting) or auto (native when its library loads, else python, saying why)",
         cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
