@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon.tokenimpl import AnyTokens, make_tokens, next_wakeup, run_timers
+from tests.daemon.tokenimpl import AnyTokens, make_tokens, run_timers
 from vgpu_runtime.daemon.channel import nativetokens
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens, TokenCapacityError
@@ -129,7 +129,7 @@ class Node:
             "sent": list(self.sent),
             "pages": {name: (slot.page.generation, slot.page.valid_until_ns, slot.page.gate)
                       for name, slot in self.slots.items()},
-            "wakeup": next_wakeup(tokens),
+            "wakeup": tokens.next_wakeup(),
             "snapshot": json.dumps(tokens.snapshot(), sort_keys=True),
             "logged": list(self.logged),
         }

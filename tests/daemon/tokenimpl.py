@@ -4,7 +4,6 @@ the event loop, so no loop timer fires: `run_timers` runs what is due as the loo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,14 +23,6 @@ def make_tokens(implementation: str, config: DaemonConfig, clock: Callable[[], f
     return GpuTokens(uuid, config, clock=clock)
 
 
-def next_wakeup(tokens: AnyTokens) -> float | None:
-    """When the next timer runs: the earlier of the deadline and the idle check."""
-    if isinstance(tokens, NativeGpuTokens):
-        return tokens.next_wakeup()
-    at = min(tokens._deadline_fires, tokens._idle_fires)
-    return None if math.isinf(at) else at
-
-
 def run_one_timer(tokens: AnyTokens, now: float) -> None:
     """The earliest timer runs at `now` (the deadline before the idle check at one time)."""
     if isinstance(tokens, NativeGpuTokens):
@@ -49,7 +40,7 @@ def run_one_timer(tokens: AnyTokens, now: float) -> None:
 def run_timers(tokens: AnyTokens, clock: Any, until: float) -> None:
     """Time passes to `until`; each timer on the way runs at its time. `clock.now` is the
     clock the tokens read."""
-    while (at := next_wakeup(tokens)) is not None and at <= until:
+    while (at := tokens.next_wakeup()) is not None and at <= until:
         clock.now = max(clock.now, at)
         run_one_timer(tokens, clock.now)
     clock.now = until

@@ -398,6 +398,12 @@ class GpuTokens:
 
     # ---- status ----
 
+    def next_wakeup(self) -> float | None:
+        """When the next timer runs (this object's clock): the earlier of the deadline and the
+        idle check; None: neither is pending (NativeGpuTokens.next_wakeup's answer)."""
+        at = min(self._deadline_fires, self._idle_fires)
+        return None if math.isinf(at) else at
+
     def snapshot(self) -> dict[str, Any]:
         return gpu_snapshot(self, lambda allocation_id: (
             len(self.slots[allocation_id].waiters), self.slots[allocation_id].waits.snapshot()))
