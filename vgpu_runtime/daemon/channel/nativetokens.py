@@ -38,6 +38,7 @@ from vgpu_runtime.daemon.channel.tokens import (
     WAIT_BUCKETS,
     TenantSlot,
     Waiter,
+    WaitHistogram,
     gpu_snapshot,
     now_s,
     timer_delay,
@@ -423,6 +424,6 @@ class NativeGpuTokens:
 
     def _waiting(self, allocation_id: str) -> tuple[int, dict[str, Any]]:
         info = self.slot_info(allocation_id)
-        return int(info.connections_waiting), {
-            "bounds": list(WAIT_BUCKETS), "counts": [int(count) for count in info.wait_counts],
-            "sum": float(info.wait_sum), "count": int(info.wait_count)}
+        waits = WaitHistogram(counts=[int(count) for count in info.wait_counts],
+                              total=float(info.wait_sum), count=int(info.wait_count))
+        return int(info.connections_waiting), waits.snapshot()
