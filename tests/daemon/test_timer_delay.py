@@ -68,14 +68,15 @@ def test_the_native_token_codes_timer_never_runs_before_its_wakeup(
                                   ActivityPage(tmp_path / f"{name}.a"), MemoryLedger([1 << 30])),
                        0.5, 1.0)
         early: list[float] = []
-        run = tokens.on_timer
+        run = tokens._on_wakeup_fd
 
-        def on_timer(now: float) -> None:
-            wakeup = tokens.next_wakeup()
-            early.append(0.0 if wakeup is None else wakeup - now)
-            run(now)
+        def on_wakeup_fd() -> None:   # the loop's callback; the C call in it reads the clock later
+            wakeup, now = tokens.next_wakeup(), now_s()
+            if wakeup is not None and wakeup <= tokens._armed_at:   # what it will run now
+                early.append(wakeup - now)
+            run()
 
-        tokens.on_timer = on_timer  # type: ignore[method-assign]
+        tokens._on_wakeup_fd = on_wakeup_fd  # type: ignore[method-assign]   # before the first arm
         a, b = Quiet(), Quiet()
         try:
             for i in range(20):   # each: one holds idle, the other waits; the idle check passes it
@@ -98,3 +99,41 @@ def test_the_native_token_codes_timer_never_runs_before_its_wakeup(
     else:
         early = asyncio.run(body())
     assert early and max(early) <= 0, early
+
+
+def test_a_native_wakeup_that_has_not_fired_changes_nothing(tmp_path: Path) -> None:
+    """The loop may call the timerfd's callback when the descriptor has nothing to read (a
+    wake-up already served): the C call then runs no timer and leaves the descriptor set."""
+    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
+    from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
+    from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter, now_s
+    from vgpu_runtime.daemon.config import DaemonConfig
+
+    class Quiet(Waiter):
+        def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
+            pass
+
+    async def body() -> None:
+        tokens = NativeGpuTokens("GPU-test", DaemonConfig(idle_release=0.05))
+        for name in ("a", "b"):
+            tokens.add(TenantSlot(name, 0, TokenPage(tmp_path / f"{name}.t", GATE_TOKEN),
+                                  ActivityPage(tmp_path / f"{name}.a"), MemoryLedger([1 << 30])),
+                       0.5, 1.0)
+        try:
+            tokens.request(Quiet(), "a", 0, None, None)
+            tokens.request(Quiet(), "b", 0, None, None)   # waits: an idle check is set for a
+            armed, wakeup = tokens._armed_at, tokens.next_wakeup()
+            assert wakeup is not None and armed == wakeup > now_s()
+            tokens._on_wakeup_fd()                         # early: nothing to read yet
+            assert (tokens._armed_at, tokens.next_wakeup(), tokens.idle_releases) == (
+                armed, wakeup, 0)
+            started = now_s()
+            while tokens.idle_releases == 0 and now_s() - started < 2.0:
+                await asyncio.sleep(0.005)
+            assert tokens.idle_releases == 1               # the descriptor still fired, once
+            assert now_s() >= wakeup
+        finally:
+            tokens.close()
+
+    asyncio.run(body())

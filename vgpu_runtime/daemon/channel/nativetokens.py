@@ -296,11 +296,14 @@ class NativeGpuTokens:
         self._timer = loop.call_later(timer_delay(wakeup - loop.time()), self._on_timer)
 
     def _on_wakeup_fd(self) -> None:
-        try:
-            os.read(self._wakeup_fd, 8)   # the expiry count; none: a wake-up already served
-        except BlockingIOError:
-            return
-        self._on_timer()
+        """The timerfd fired: C reads it, runs what is due and sets it again; Python runs on
+        only for a grant or an event (an idle check that finds the holder busy has neither)."""
+        result = self._lib.td_on_wakeup(self._gpu, self._wakeup_fd, self._armed_at,
+                                        self.clock(), self._out)
+        wakeup = self._out.wakeup
+        self._armed_at = wakeup if wakeup == wakeup else math.inf   # NaN: disarmed
+        if result:
+            self._deliver(self._check(result))
 
     def _on_timer(self) -> None:
         armed_at = self._armed_at
