@@ -85,14 +85,12 @@ class DaemonConfig:
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
-    # python: at the default settings handoffs are rare, so the C path's faster frames buy
-    # little GPU time, and host-bound tenants did up to 3 % less work beside its exact idle
-    # checks (BENCHMARKS.md, "Deciding the token path's default"). native pays off with the
-    # inference setting's many handoffs.
+    # auto: the C path decides as the Python one, answers faster, uses less of the daemon's
+    # CPU, and pinned tenants did the same work beside either (BENCHMARKS.md, "Deciding the
+    # token path's default"); python stays for a node whose C library does not load.
     token_path: str = cfg.setting(
-        "python", "the daemon's token code: python (channel/tokens.py), native (C, "
-        "channel/native/tokens.c: faster frames, for nodes with many handoffs such as the "
-        "inference setting) or auto (native when its library loads, else python, saying why)",
+        "auto", "the daemon's token code: auto (native when its library loads, else python, "
+        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
         cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
