@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from vgpu_runtime.daemon.channel.tokens import timer_delay
+from vgpu_runtime.daemon.channel.tokens import Waiter, timer_delay
 
 
 @pytest.mark.parametrize("delay, expected", [
@@ -46,27 +47,38 @@ def test_a_timer_never_runs_before_its_time_on_either_loop(loop_name: str) -> No
     assert max(early) <= 0, early
 
 
+def native_tokens_of_a_and_b(tmp_path: Path, idle_release: float) -> Any:
+    """A NativeGpuTokens with tenants "a" and "b" at 0.5 each (made inside the running loop)."""
+    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
+    from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
+    from vgpu_runtime.daemon.channel.tokens import TenantSlot
+    from vgpu_runtime.daemon.config import DaemonConfig
+
+    tokens = NativeGpuTokens("GPU-test", DaemonConfig(idle_release=idle_release))
+    for name in ("a", "b"):
+        tokens.add(TenantSlot(name, 0, TokenPage(tmp_path / f"{name}.t", GATE_TOKEN),
+                              ActivityPage(tmp_path / f"{name}.a"), MemoryLedger([1 << 30])),
+                   0.5, 1.0)
+    return tokens
+
+
+class QuietWaiter(Waiter):
+    """A connection that drops its grants (the tests read the pages and counters)."""
+
+    def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
+        pass
+
+
 @pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
 def test_the_native_token_codes_timer_never_runs_before_its_wakeup(
         loop_name: str, tmp_path: Path) -> None:
     """The native path's one loop timer: each idle check (a holder that launched nothing while
     another tenant waits) runs at or after the time the C code asked for."""
-    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
-    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
-    from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
-    from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter, now_s
-    from vgpu_runtime.daemon.config import DaemonConfig
-
-    class Quiet(Waiter):
-        def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
-            pass
+    from vgpu_runtime.daemon.channel.tokens import now_s
 
     async def body() -> list[float]:
-        tokens = NativeGpuTokens("GPU-test", DaemonConfig(idle_release=0.0007))
-        for name in ("a", "b"):
-            tokens.add(TenantSlot(name, 0, TokenPage(tmp_path / f"{name}.t", GATE_TOKEN),
-                                  ActivityPage(tmp_path / f"{name}.a"), MemoryLedger([1 << 30])),
-                       0.5, 1.0)
+        tokens = native_tokens_of_a_and_b(tmp_path, 0.0007)
         early: list[float] = []
         run = tokens._on_wakeup_fd
 
@@ -77,7 +89,7 @@ def test_the_native_token_codes_timer_never_runs_before_its_wakeup(
             run()
 
         tokens._on_wakeup_fd = on_wakeup_fd  # type: ignore[method-assign]   # before the first arm
-        a, b = Quiet(), Quiet()
+        a, b = QuietWaiter(), QuietWaiter()
         try:
             for i in range(20):   # each: one holds idle, the other waits; the idle check passes it
                 tokens.request(a, "a", i, None, None)
@@ -104,25 +116,13 @@ def test_the_native_token_codes_timer_never_runs_before_its_wakeup(
 def test_a_native_wakeup_that_has_not_fired_changes_nothing(tmp_path: Path) -> None:
     """The loop may call the timerfd's callback when the descriptor has nothing to read (a
     wake-up already served): the C call then runs no timer and leaves the descriptor set."""
-    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
-    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
-    from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
-    from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter, now_s
-    from vgpu_runtime.daemon.config import DaemonConfig
-
-    class Quiet(Waiter):
-        def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
-            pass
+    from vgpu_runtime.daemon.channel.tokens import now_s
 
     async def body() -> None:
-        tokens = NativeGpuTokens("GPU-test", DaemonConfig(idle_release=0.05))
-        for name in ("a", "b"):
-            tokens.add(TenantSlot(name, 0, TokenPage(tmp_path / f"{name}.t", GATE_TOKEN),
-                                  ActivityPage(tmp_path / f"{name}.a"), MemoryLedger([1 << 30])),
-                       0.5, 1.0)
+        tokens = native_tokens_of_a_and_b(tmp_path, 0.05)
         try:
-            tokens.request(Quiet(), "a", 0, None, None)
-            tokens.request(Quiet(), "b", 0, None, None)   # waits: an idle check is set for a
+            tokens.request(QuietWaiter(), "a", 0, None, None)
+            tokens.request(QuietWaiter(), "b", 0, None, None)   # waits: an idle check is set for a
             armed, wakeup = tokens._armed_at, tokens.next_wakeup()
             assert wakeup is not None and armed == wakeup > now_s()
             tokens._on_wakeup_fd()                         # early: nothing to read yet
