@@ -161,6 +161,22 @@ def test_stop_is_refused_while_an_allocation_is_live_unless_forced(state_dir: Pa
         assert daemon.stop() == 0, daemon.logs()
 
 
+def test_stop_right_after_the_last_record_is_removed_is_not_refused(state_dir: Path) -> None:
+    # gemini-run removes its record and exits; a `stop` typed next must not wait for the poll.
+    # The poll is 10 s here, so only the stop's own look at the records can let it through.
+    state_dir.mkdir(parents=True, exist_ok=True)
+    record = make_record(state_dir)   # served by the first scan, before the long poll
+    daemon = DaemonProcess(state_dir, "--poll-interval", "10").wait_ready()
+    try:
+        wait_served(record)
+        assert allocation.remove_record(state_dir, record.id)
+        stopped = run_cli("stop", "--state-dir", str(state_dir))
+        assert stopped.returncode == 0, stopped.stderr
+        assert daemon.proc.wait(15) == 0, daemon.logs()
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
 def test_stop_without_allocations_and_without_a_daemon(state_dir: Path) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
     daemon = DaemonProcess(state_dir).wait_ready()

@@ -6,6 +6,8 @@ connections (peer credentials, what each holds), every GPU's token (holder, and 
 request, limit, achieved share over the window, token waits p50/p99, revocations, memory) and
 the corrupt records. `stop` ({"op": "stop", "force": false}) stops the daemon, refused while an
 allocation is live unless forced (`gemini-vgpu stop`). A bad request gets {"error": "..."}.
+An op may be a coroutine: `stop` reads the records again first, so an allocation whose record
+was just removed (gemini-run that has exited) does not hold the daemon up.
 
 Who may ask: the socket is 0600, owned by the daemon's user. On a node the daemon runs as root
 in /var/lib/gemini, so only root reaches it (it shows every tenant's usage). A non-root user of
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -57,6 +60,8 @@ class ControlServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             answer = self._answer(await reader.readline())
+            if inspect.isawaitable(answer):
+                answer = await answer
             writer.write(json.dumps(answer).encode() + b"\n")
             await writer.drain()
         except (ConnectionError, ValueError) as err:  # ValueError: line over the limit

@@ -96,9 +96,12 @@ class Daemon:
     def stop(self) -> None:
         self._stop.set()
 
-    def stop_request(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def stop_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """`gemini-vgpu stop`: refused while an allocation is live, unless forced (its hooks
-        then gate themselves at their shares until a daemon is back)."""
+        then gate themselves at their shares until a daemon is back). Live means its record is
+        on disk now, not at the last poll: gemini-run removes its record as it exits."""
+        with contextlib.suppress(OSError):   # judged on what is served, as the poll would
+            await self.sync()
         live = sorted(self.channels)
         if live and request.get("force") is not True:
             return {"error": f"{len(live)} allocation(s) live ({', '.join(live[:5])}); their "
