@@ -298,22 +298,21 @@ class NativeGpuTokens:
     def _on_wakeup_fd(self) -> None:
         """The timerfd fired: C reads it, runs what is due and sets it again; Python runs on
         only for a grant or an event (an idle check that finds the holder busy has neither)."""
-        result = self._lib.td_on_wakeup(self._gpu, self._wakeup_fd, self._armed_at,
-                                        self.clock(), self._out)
-        wakeup = self._out.wakeup
-        self._armed_at = wakeup if wakeup == wakeup else math.inf   # NaN: disarmed
-        if result:
-            self._deliver(self._check(result))
+        self._on_wakeup(self._wakeup_fd)
 
     def _on_timer(self) -> None:
-        armed_at = self._armed_at
+        """The loop timer fired, perhaps a little early: the same C call decides what is due,
+        and `_deliver` sets the timer again."""
         self._timer = None
-        self._armed_at = math.inf
-        wakeup = float(self._lib.td_next_wakeup(self._gpu))
-        if wakeup <= armed_at:   # its time has come (the loop may run a timer a little early)
-            self.on_timer(self.clock())
-        elif wakeup == wakeup:   # later than this timer was for: wait for it
-            self._arm(wakeup)
+        self._on_wakeup(-1)
+
+    def _on_wakeup(self, fd: int) -> None:
+        result = self._lib.td_on_wakeup(self._gpu, fd, self._armed_at, self.clock(), self._out)
+        wakeup = self._out.wakeup
+        # The timerfd is set to what C says (NaN: disarmed); the loop timer is spent.
+        self._armed_at = wakeup if fd >= 0 and wakeup == wakeup else math.inf
+        if result or fd < 0:
+            self._deliver(self._check(result))
 
     def on_timer(self, now: float) -> None:
         """The earliest wakeup has come: run what is due (the loop timer, or a test)."""

@@ -170,7 +170,8 @@ TD_API void td_close(td_gpu *gpu);
  * an absolute time in seconds (NaN or infinite: disarmed). Negative errno on failure. */
 TD_API int td_wakeup_create(void);
 TD_API int td_wakeup_set(int fd, double at);
-/* The loop's callback for `fd` in one call: read it, run what is due, set it again (wakeup.c). */
+/* A timer's callback in one call: read `fd`, run what is due, set `fd` again (wakeup.c);
+ * fd -1: the caller's own timer, neither read nor set. */
 TD_API int td_on_wakeup(td_gpu *gpu, int fd, double armed_at, double now, struct td_out *out);
 TD_API void td_counters(const td_gpu *gpu, struct td_counters *out);
 /* TD_CDEF_END */

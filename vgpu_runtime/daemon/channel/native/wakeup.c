@@ -35,13 +35,15 @@ int td_wakeup_set(int fd, double at) {
     return timerfd_settime(fd, TFD_TIMER_ABSTIME, &spec, NULL) == 0 ? 0 : -errno;
 }
 
-/* The timerfd has fired: read it, run what is due, and set it for the next wakeup, in one call,
+/* A timer has fired: read it, run what is due, and set it for the next wakeup, in one call,
  * so that an idle check that finds the holder still busy (most of them) costs the loop no Python
- * beyond this call. armed_at: what `fd` is set to (INFINITY: nothing). Returns td_on_timer's
- * result, 0 when it did not run; out->wakeup is then what `fd` is set to (NaN: nothing). */
+ * beyond this call. armed_at: what the timer was set for (INFINITY: nothing). fd: the timerfd,
+ * or -1 for a timer of the caller's (the loop's, which may fire a little early), which this
+ * neither reads nor sets. Returns td_on_timer's result, 0 when it did not run; out->wakeup is
+ * then when the timer must fire next (NaN: never). */
 int td_on_wakeup(td_gpu *gpu, int fd, double armed_at, double now, struct td_out *out) {
     uint64_t expirations;
-    if (read(fd, &expirations, sizeof expirations) != (ssize_t)sizeof expirations) {
+    if (fd >= 0 && read(fd, &expirations, sizeof expirations) != (ssize_t)sizeof expirations) {
         out->grants = 0;   /* nothing fired (a wake-up already served): fd is as it was */
         out->events = 0;
         out->wakeup = isinf(armed_at) ? NAN : armed_at;
@@ -49,14 +51,14 @@ int td_on_wakeup(td_gpu *gpu, int fd, double armed_at, double now, struct td_out
     }
     double wakeup = td_next_wakeup(gpu);
     int result = 0;
-    if (wakeup <= armed_at) {   /* its time has come (nativetokens' _on_timer rule) */
+    if (wakeup <= armed_at) {   /* its time has come */
         result = td_on_timer(gpu, now, out);
     } else {                    /* later than fd was set for (or NaN: none): wait for it */
         out->grants = 0;
         out->events = 0;
         out->wakeup = wakeup;
     }
-    if (!isnan(out->wakeup))
+    if (fd >= 0 && !isnan(out->wakeup))
         td_wakeup_set(fd, out->wakeup);   /* cannot fail on a valid timerfd and a finite time */
     return result;
 }
