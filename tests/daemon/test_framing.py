@@ -4,6 +4,10 @@ A session reads whatever the socket holds and serves every whole frame in it. Th
 that down: frames split anywhere, many frames in one write (more than one read's worth), and a
 malformed frame after valid ones in the same buffer (the valid ones are answered first, then the
 client alone is dropped with its reason and loses what it held, nobody else does).
+
+Token frames are served as they are read while the session's task waits idle (TokenFastPath),
+the rest by the task: the streams below mix the two, so a frame served by the wrong one, or
+before what came ahead of it, shows as a reply out of order.
 """
 
 from __future__ import annotations
@@ -58,6 +62,15 @@ def _exchange(path: Path, *writes: bytes, pause: float = 0.0) -> list[Any]:
             sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
         return split_frames(read_until_closed(sock))
+
+
+def _token(msg: str, seq: int, gpu: int = 0) -> bytes:
+    fields = {"seq": seq, "gpu": gpu}
+    if msg == "GM_MSG_TOKEN_REQUEST":
+        fields.update(burst_ns=-1, work_end_ns=-1)
+    else:
+        fields.update(work_end_ns=-1)
+    return wire.encode(wire.new(C(msg), **fields))
 
 
 def _bystander_intact(daemon: DaemonProcess, bystander: ChannelClient) -> None:
@@ -124,6 +137,65 @@ def test_more_frames_than_one_read_takes_are_all_answered(
         sender.join()
     assert [r.h.seq for r in replies] == list(range(1, count + 2))
     assert [r.used for r in replies[1:]] == [BYSTANDER_BYTES + seq for seq in range(2, count + 2)]
+    _bystander_intact(daemon, bystander)
+
+
+TOKEN_FRAMES = [_hello(1), _token("GM_MSG_TOKEN_REQUEST", 2), _memory("GM_MSG_MEM_RESERVE", 3, MiB),
+                _token("GM_MSG_TOKEN_RELEASE", 4), _token("GM_MSG_TOKEN_REQUEST", 5),
+                _memory("GM_MSG_MEM_RELEASE", 6, MiB)]
+TOKEN_STREAM = b"".join(TOKEN_FRAMES)
+
+
+def _assert_token_stream_answered(replies: list[Any]) -> None:
+    grant, mem_reply = C("GM_MSG_TOKEN_GRANT"), C("GM_MSG_MEM_REPLY")
+    assert [(wire.frame_type(r), r.h.seq) for r in replies] == [
+        (C("GM_MSG_HELLO_REPLY"), 1), (grant, 2), (mem_reply, 3), (grant, 5), (mem_reply, 6)]
+    assert all(r.status == C("GM_OK") for r in replies)
+
+
+def test_token_and_memory_frames_split_at_every_byte_boundary_are_served_in_order(
+        served: tuple[DaemonProcess, Path, ChannelClient]) -> None:
+    daemon, path, bystander = served
+    for cut in range(1, len(TOKEN_STREAM)):
+        _assert_token_stream_answered(
+            _exchange(path, TOKEN_STREAM[:cut], TOKEN_STREAM[cut:], pause=0.005))
+    _bystander_intact(daemon, bystander)
+
+
+def test_token_frames_sent_after_the_hello_reply_are_answered_in_order(
+        served: tuple[DaemonProcess, Path, ChannelClient]) -> None:
+    # Each write reaches a session whose task waits idle: the token frames at its head are
+    # served as they are read, the memory frame and what follows it by the task.
+    daemon, path, bystander = served
+    _assert_token_stream_answered(_exchange(path, *TOKEN_FRAMES, pause=0.02))
+    _bystander_intact(daemon, bystander)
+
+
+def test_token_frames_among_more_than_one_read_of_memory_frames_keep_their_order(
+        served: tuple[DaemonProcess, Path, ChannelClient]) -> None:
+    """A client that writes faster than it reads: the task falls behind (its reads hold many
+    frames, and it waits on its replies), and token frames must wait their turn behind it."""
+    daemon, path, bystander = served
+    stream, expected = [_hello(1)], [1]
+    for seq in range(2, 4000, 4):
+        stream += [_memory("GM_MSG_MEM_SET", seq, seq), _token("GM_MSG_TOKEN_REQUEST", seq + 1),
+                   _token("GM_MSG_TOKEN_RELEASE", seq + 2), _memory("GM_MSG_MEM_SET", seq + 3, 1)]
+        expected += [seq, seq + 1, seq + 3]
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+
+        def send() -> None:
+            for start in range(0, len(stream), 7):   # many writes, each several frames
+                sock.sendall(b"".join(stream[start:start + 7]))
+            sock.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        replies = split_frames(read_until_closed(sock))
+        sender.join()
+    assert [r.h.seq for r in replies] == expected
+    assert all(r.status == C("GM_OK") for r in replies)
     _bystander_intact(daemon, bystander)
 
 

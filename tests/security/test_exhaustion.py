@@ -114,14 +114,24 @@ def test_the_daemon_survives_running_out_of_descriptors(state_dir: Path) -> None
         assert daemon.stop() == 0, daemon.logs()
 
 
-def _stall(path: Path) -> socket.socket:
-    """A client that says hello, then sends requests and never reads a reply, until the daemon
-    stops reading from it (its replies fill both socket buffers and the daemon's own)."""
+STALLING_REQUESTS = {
+    "memory": wire.new(C("GM_MSG_MEM_SET"), gpu=0, kind=C("GM_MEM_DEVICE"), bytes=MiB),
+    # Served as they are read, outside the session's task: a grant each, the token being free.
+    "token": wire.new(C("GM_MSG_TOKEN_REQUEST"), gpu=0, burst_ns=-1, work_end_ns=-1),
+}
+
+
+def _stall(path: Path, kind: str = "memory") -> socket.socket:
+    """A client that says hello and reads the reply, as a hook does, then sends requests and
+    never reads a reply, until the daemon stops reading from it (its replies fill both socket
+    buffers and the daemon's own). The first requests reach a session waiting idle."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(path))
     sock.sendall(wire.encode(wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)))
-    request = wire.encode(wire.new(C("GM_MSG_MEM_SET"), gpu=0, kind=C("GM_MEM_DEVICE"),
-                                   bytes=MiB)) * 256
+    reply = sock.recv(wire.HEADER_SIZE, socket.MSG_WAITALL)   # its pages' descriptors: dropped
+    length = wire.parse_header(reply, wire.SUPPORTED_VERSIONS).length
+    assert len(sock.recv(length - len(reply), socket.MSG_WAITALL)) == length - len(reply)
+    request = wire.encode(STALLING_REQUESTS[kind]) * 256
     sock.setblocking(False)
     stalled_since = time.monotonic()
     while time.monotonic() - stalled_since < 1.0:
@@ -165,15 +175,16 @@ def test_closing_a_channel_does_not_wait_for_a_client_that_never_reads(
         assert daemon.stop() == 0, daemon.logs()
 
 
+@pytest.mark.parametrize("kind", sorted(STALLING_REQUESTS))
 def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(
-        state_dir: Path) -> None:
+        state_dir: Path, kind: str) -> None:
     state_dir.mkdir(parents=True)
     daemon = DaemonProcess(state_dir, "--client-write-timeout", "0.5").wait_ready()
     try:
         record = make_record(state_dir)
         path = wait_served(record)
         bystander = connected(path)
-        stuck = _stall(path)
+        stuck = _stall(path, kind)
         wait_for(lambda: log_lines(daemon, "dropping client: the client read none"),
                  timeout=10, what="the stalled client dropped")
         wait_for(lambda: len(daemon.allocation(record.id)["connections"]) == 1)

@@ -40,7 +40,7 @@ from vgpu_runtime.daemon.channel.pages import (
     token_page_path,
 )
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
-from vgpu_runtime.daemon.channel.session import Session
+from vgpu_runtime.daemon.channel.session import Session, TokenFastPath
 from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
 
@@ -125,8 +125,10 @@ class AllocationChannel:
             if self.record.origin == "gemini-run":
                 # gemini-run made the directory as the user whose command connects.
                 self.owner_uid = os.stat(directory).st_uid
-            self._server = await asyncio.start_unix_server(self._accept,
-                                                           sock=self._listening_socket())
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(
+                lambda: TokenFastPath(asyncio.StreamReader(loop=loop), self._accept),
+                sock=self._listening_socket())
         except OSError as err:
             self._leave_token_schedulers()
             self._close_pages(remove=True)

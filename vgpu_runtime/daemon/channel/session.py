@@ -11,6 +11,12 @@ with a reason, after the valid frames before it were served; then that connectio
 closed; everything it held is released in the ledger, and a token its allocation held is passed
 on if this was the allocation's last connection.
 
+Token frames skip the task: a chunk that arrives while the session's task waits idle in its
+read (nothing left over, nothing unsent) is served by the connection's protocol as it is read
+(TokenFastPath), up to its first frame that is not a whole token frame, which goes to the task
+with the rest of the chunk, in order. Resuming the task for every frame cost about as much as
+the token code itself. An error there ends the connection through the task, as any other.
+
 Tokens: TOKEN_REQUEST is answered with TOKEN_GRANT, at once if the allocation holds a
 valid token on that GPU, else when the token comes to it (see tokens.py). TOKEN_RELEASE and
 USAGE_REPORT have no reply. All three need HELLO first and a GPU index inside the allocation.
@@ -105,6 +111,21 @@ def _check_header(data: bytes, offset: int, versions: frozenset[int]) -> tuple[i
     return length, msg_type
 
 
+class TokenFastPath(asyncio.StreamReaderProtocol):
+    """A channel connection's protocol: hands each chunk to its session's `serve_inline`
+    first; what that leaves goes to the stream, for the session's task."""
+
+    session: Session | None = None
+
+    def data_received(self, data: bytes) -> None:
+        session = self.session
+        if session is not None and session.reading_idle:
+            data = session.serve_inline(data)
+            if not data:
+                return
+        super().data_received(data)
+
+
 class Session(Waiter):
     def __init__(self, channel: AllocationChannel, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, peer: PeerCred) -> None:
@@ -112,6 +133,13 @@ class Session(Waiter):
         self.reader = reader
         self.writer = writer
         self.peer = peer
+        # True only while the task waits in its read with nothing left over: then a chunk's
+        # token frames may be served as they arrive (TokenFastPath), in order.
+        self.reading_idle = False
+        protocol = writer.transport.get_protocol()
+        self._fast_path = protocol if isinstance(protocol, TokenFastPath) else None
+        if self._fast_path is not None:
+            self._fast_path.session = self
         self.connected_at = time.time()
         self.hello_pid: int | None = None
         # The protocol version of this connection's hello; until then, any the daemon serves.
@@ -159,6 +187,9 @@ class Session(Waiter):
             log.exception("internal error; dropping client", extra=self._log_fields())
             await self._send_error(C("GM_ERR_MALFORMED"), "internal daemon error")
         finally:
+            self.reading_idle = False
+            if self._fast_path is not None:
+                self._fast_path.session = None   # the protocol and the session, unlinked
             if self.charger is not None:
                 self.charger.unregister(self)
             self.channel.ledger.drop(self)
@@ -180,7 +211,11 @@ class Session(Waiter):
         pending = b""
         handlers, token_handlers = self.handlers, self.token_handlers
         while True:
-            chunk = await self.reader.read(READ_CHUNK)
+            self.reading_idle = not pending
+            try:
+                chunk = await self.reader.read(READ_CHUNK)
+            finally:
+                self.reading_idle = False
             if self.closing_status is not None:
                 return   # the allocation is going away: its close() has told the client why
             if not chunk:
@@ -209,6 +244,37 @@ class Session(Waiter):
                 await handler(wire.view(msg_type, frame))
                 offset += length
             pending = data[offset:] if offset else data
+
+    def serve_inline(self, data: bytes) -> bytes:
+        """Serve the whole token frames at the start of `data`, read while the task waits idle;
+        returns the rest, from the first frame the task must serve (or b"" when none is left).
+        An error goes to the task's read, which ends the connection as `_serve` would."""
+        transport = self.writer.transport
+        if self.closing_status is not None or transport.get_write_buffer_size():
+            self.reading_idle = False   # the task drains, or finds the allocation closing
+            return data
+        end, offset = len(data), 0
+        token_handlers, versions = self.token_handlers, self.versions
+        try:
+            while end - offset >= HEADER_SIZE:
+                length, msg_type = _check_header(data, offset, versions)
+                token_handler = token_handlers.get(msg_type)
+                if token_handler is None or end - offset < length:
+                    break
+                token_handler(data, offset)
+                offset += length
+                if transport.get_write_buffer_size():
+                    break   # a client behind on its replies: the task waits on it (_drain)
+        except Exception as err:   # every error ends the connection, in the task (run)
+            self.reading_idle = False
+            self.reader.set_exception(err)
+            return b""
+        if offset == end:
+            if transport.get_write_buffer_size():
+                self.reading_idle = False
+            return b""
+        self.reading_idle = False   # from here on, every chunk goes to the task, in order
+        return data[offset:] if offset else data
 
     def _check_clean_eof(self, pending: bytes) -> None:
         """EOF is clean only between frames; raises ProtocolError for a frame cut short."""
