@@ -161,6 +161,23 @@ def test_stop_is_refused_while_an_allocation_is_live_unless_forced(state_dir: Pa
         assert daemon.stop() == 0, daemon.logs()
 
 
+def test_status_right_after_a_record_is_removed_no_longer_shows_it(state_dir: Path) -> None:
+    # gemini-run removes its record as its command ends; `status` typed next must not show it
+    # until the poll (10 s here: only the status's own look at the records can drop it).
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ended, running = make_record(state_dir), make_record(state_dir)
+    daemon = DaemonProcess(state_dir, "--poll-interval", "10").wait_ready()
+    try:
+        wait_served(ended)
+        wait_served(running)
+        assert allocation.remove_record(state_dir, ended.id)
+        status = run_status(state_dir, "--json")
+        assert status.returncode == 0, status.stderr
+        assert [a["id"] for a in json.loads(status.stdout)["allocations"]] == [running.id]
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
 def test_stop_right_after_the_last_record_is_removed_is_not_refused(state_dir: Path) -> None:
     # gemini-run removes its record and exits; a `stop` typed next must not wait for the poll.
     # The poll is 10 s here, so only the stop's own look at the records can let it through.

@@ -6,8 +6,9 @@ connections (peer credentials, what each holds), every GPU's token (holder, and 
 request, limit, achieved share over the window, token waits p50/p99, revocations, memory) and
 the corrupt records. `stop` ({"op": "stop", "force": false}) stops the daemon, refused while an
 allocation is live unless forced (`gemini-vgpu stop`). A bad request gets {"error": "..."}.
-An op may be a coroutine: `stop` reads the records again first, so an allocation whose record
-was just removed (gemini-run that has exited) does not hold the daemon up.
+An op may be a coroutine: `status` and `stop` read the records again first, so an allocation
+whose record was just removed (a gemini-run whose command has ended) is neither shown nor holds
+the daemon up.
 
 Who may ask: the socket is 0600, owned by the daemon's user. On a node the daemon runs as root
 in /var/lib/gemini, so only root reaches it (it shows every tenant's usage). A non-root user of

@@ -72,7 +72,8 @@ class Daemon:
         self.bindings: dict[str, Binding] = {}
         self.started_at = time.time()
         self.control = ControlServer(control_socket(self.state_dir),
-                                     {"status": self.status, "stop": self.stop_request})
+                                     {"status": self.status_request,
+                                      "stop": self.stop_request})
         self.ready = False
         self.node_gpus: list[GpuInfo] = []
         self.health = HealthFile(self.state_dir)
@@ -100,8 +101,7 @@ class Daemon:
         """`gemini-vgpu stop`: refused while an allocation is live, unless forced (its hooks
         then gate themselves at their shares until a daemon is back). Live means its record is
         on disk now, not at the last poll: gemini-run removes its record as it exits."""
-        with contextlib.suppress(OSError):   # judged on what is served, as the poll would
-            await self.sync()
+        await self._records_now()
         live = sorted(self.channels)
         if live and request.get("force") is not True:
             return {"error": f"{len(live)} allocation(s) live ({', '.join(live[:5])}); their "
@@ -110,6 +110,20 @@ class Daemon:
         log.info("stopping on request", extra={"live_allocations": live})
         self.stop()
         return {"stopping": True, "pid": os.getpid()}
+
+    async def status_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`gemini-vgpu status`: the allocations whose records are on disk now, so a
+        command that just ended (its record removed) is not shown until the next poll."""
+        await self._records_now()
+        return self.status(request)
+
+    async def _records_now(self) -> None:
+        """Bring the channels in line with the records before a control answer; once the
+        first scan is done (the optional parts have started), and a failed scan leaves what
+        is served, as the poll would."""
+        if self.ready:
+            with contextlib.suppress(OSError):
+                await self.sync()
 
     def wake(self) -> None:
         """Scan the records now."""
