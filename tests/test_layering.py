@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.hooklib": 1,
     # The plugin's section of the node configuration file: the config manager checks it too.
     "vgpu_runtime.pluginconfig": 1,
-    # The time-sharing algorithm, pure: policy.py and its twin in C (native/, nativepolicy.py).
+    # The time-sharing algorithm, pure.
     "vgpu_runtime.timeshare": 2,
     # The node daemon.
     "vgpu_runtime.daemon": 3,

@@ -17,9 +17,6 @@ from vgpu_runtime.timeshare.estimator import BurstEstimator
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 from vgpu_runtime.timeshare.window import UsageWindow
 
-# Every test here runs on the Python scheduler and on the native one (conftest.py).
-pytestmark = pytest.mark.usefixtures("each_implementation")
-
 # Shapes of the benchmark's anchor loads: kernel length, kernels per sync, host gap.
 LOADS = {
     "matmul-8192-stream": Workload(0.0017, 4),

@@ -85,13 +85,11 @@ class DaemonConfig:
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
-    # auto: the C path decides as the Python one, answers faster, uses less of the daemon's
-    # CPU, and pinned tenants did the same work beside either (BENCHMARKS.md, "Deciding the
-    # token path's default"); python stays for a node whose C library does not load.
+    # Deprecated, kept one release so that configurations naming it still load: one token
+    # implementation remains (Python; BENCHMARKS.md, "One token implementation").
     token_path: str = cfg.setting(
-        "auto", "the daemon's token code: auto (native when its library loads, else python, "
-        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
-        cfg.choice(*TOKEN_PATHS), "PATH")
+        "auto", "deprecated and ignored (the token code is Python alone); a value other than "
+        "auto logs a warning", cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "

@@ -25,16 +25,14 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime.common import config as cfg
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
-    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -400,71 +398,27 @@ class GpuTokens:
 
     def next_wakeup(self) -> float | None:
         """When the next timer runs (this object's clock): the earlier of the deadline and the
-        idle check; None: neither is pending (NativeGpuTokens.next_wakeup's answer)."""
+        idle check; None: neither is pending."""
         at = min(self._deadline_fires, self._idle_fires)
         return None if math.isinf(at) else at
 
     def snapshot(self) -> dict[str, Any]:
-        return gpu_snapshot(self, lambda allocation_id: (
-            len(self.slots[allocation_id].waiters), self.slots[allocation_id].waits.snapshot()))
+        return gpu_snapshot(self)
 
 
-# Either implementation of one GPU's token: the same API, the same decisions.
-AnyGpuTokens: TypeAlias = "GpuTokens | NativeGpuTokens"
-
-
-def token_path(choice: str) -> tuple[str, Callable[[str, DaemonConfig], AnyGpuTokens]]:
-    """(name, class) of the token code `choice` (the token_path setting) names: auto is the
-    native code when its library loads, else this module's, with one log line saying why."""
-    if choice == "python":
-        return "python", GpuTokens
-    try:
-        from vgpu_runtime.daemon.channel import nativetokens
-        nativetokens.library()
-    except Exception as err:   # OSError, a build error (no gcc), cffi's errors
-        if choice == "native":
-            raise cfg.ConfigError(f"token_path native: the native token code does not load: "
-                                  f"{err}") from None
-        log.warning("token path: python, the native token code does not load",
-                    extra={"error": str(err)})
-        return "python", GpuTokens
-    return "native", nativetokens.NativeGpuTokens
-
-
-class TokenState(Protocol):
-    """What a GPU's status is read from, in either implementation (this module's GpuTokens,
-    nativetokens.NativeGpuTokens)."""
-
-    uuid: str
-    config: DaemonConfig
-    clock: Callable[[], float]
-    slots: dict[str, TenantSlot]
-
-    @property
-    def scheduler(self) -> Any: ...
-    @property
-    def grants(self) -> int: ...
-    @property
-    def idle_releases(self) -> int: ...
-
-
-def gpu_snapshot(tokens: TokenState,
-                 waiting: Callable[[str], tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """The status of one GPU's token (`gemini-vgpu status`, metrics, MQTT): the same JSON from
-    both implementations. `waiting(allocation)`: its connections waiting and its wait
-    histogram (WaitHistogram.snapshot's shape)."""
+def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
+    """The status of one GPU's token (`gemini-vgpu status`, metrics, MQTT)."""
     now = tokens.clock()
     scheduler = tokens.scheduler
     holder = scheduler.holder
     tenants = []
     for view in scheduler.snapshot(now):
         slot = tokens.slots[view.id]
-        connections_waiting, waits = waiting(view.id)
         tenants.append({
             "allocation": view.id, "gpu_index": slot.index,
             "request": view.share, "limit": view.limit, "achieved": view.used,
             "waiting": view.waiting, "holder": view.holder,
-            "connections_waiting": connections_waiting,
+            "connections_waiting": len(slot.waiters),
             "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
             "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
             "revocations": view.revocations,
@@ -472,7 +426,7 @@ def gpu_snapshot(tokens: TokenState,
             "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
             "memory_used": slot.ledger.used(slot.index),
             "memory_limit": slot.ledger.limit(slot.index),
-            "waits": waits,
+            "waits": slot.waits.snapshot(),
         })
     return {
         "uuid": tokens.uuid,
@@ -492,13 +446,12 @@ class TokenService:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.gpus: dict[str, AnyGpuTokens] = {}
-        self.path, self._gpu_tokens = token_path(config.token_path)
+        self.gpus: dict[str, GpuTokens] = {}
 
-    def gpu(self, uuid: str) -> AnyGpuTokens:
+    def gpu(self, uuid: str) -> GpuTokens:
         tokens = self.gpus.get(uuid)
         if tokens is None:
-            tokens = self.gpus[uuid] = self._gpu_tokens(uuid, self.config)
+            tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
         return tokens
 
     def close(self) -> None:
