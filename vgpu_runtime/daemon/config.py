@@ -79,6 +79,19 @@ class DaemonConfig:
     burst_history: float = cfg.setting(
         _ALGORITHM.burst_history, "seconds of bursts a quota estimate looks at",
         cfg.number(0.01, 3600), "SECONDS")
+    co_schedule: bool = cfg.setting(
+        _ALGORITHM.co_schedule, "grant several tenants at once while their busy fractions "
+        "(NVML, measured while each holds alone) leave the GPU room; off: one holder at a time",
+        cfg.boolean, "BOOL")
+    co_room: float = cfg.setting(
+        _ALGORITHM.co_room, "the most the co-holders' busy fractions may add up to",
+        cfg.number(0.1, 8), "FRACTION")
+    co_busy_max: float = cfg.setting(
+        _ALGORITHM.co_busy_max, "a tenant busier than this alone is GPU-bound and gets "
+        "exclusive turns only", cfg.number(0.0, 1.0), "FRACTION")
+    co_refresh: float = cfg.setting(
+        _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
+        "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
@@ -147,6 +160,15 @@ class DaemonConfig:
     process_memory_file: str | None = cfg.setting(
         None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
         "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
+    # ---- per-process utilisation (co-scheduling's busy fractions) ----
+    process_busy: str = cfg.setting(
+        "auto", "per-process GPU utilisation for co-scheduling: auto (NVML when it loads and "
+        "pids match the host's), nvml, simulated (process_busy_file) or off (exclusive turns)",
+        cfg.choice(*PROCESS_MEMORY_SOURCES), "SOURCE")
+    process_busy_file: str | None = cfg.setting(
+        None, "JSON file of simulated per-process utilisation, {GPU UUID: [[pid, end, busy], "
+        "...]} (end: CLOCK_MONOTONIC seconds), read every 0.2 s (process_busy=simulated)",
+        cfg.optional(cfg.text), "FILE")
     # ---- the hooks' enforcement settings (sent in every hello reply) ----
     interposer_token_timeout: float = cfg.setting(
         30.0, "seconds a launch waits for a token grant before the hook gates itself at its "
@@ -193,6 +215,9 @@ class DaemonConfig:
         if self.max_quota >= self.window:
             raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
                                   f"({self.window})")
+        if self.process_busy == "simulated" and not self.process_busy_file:
+            raise cfg.ConfigError("process_busy=simulated needs process_busy_file (the "
+                                  "simulated figures)")
         if self.process_memory == "simulated" and not self.process_memory_file:
             raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
                                   "JSON file of per-process figures)")

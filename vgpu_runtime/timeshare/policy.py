@@ -1,7 +1,8 @@
 """One GPU's token scheduler: the single authority on who may launch work, and for how long.
 
-Exactly one tenant (a container: all of its processes) holds the GPU's token at a time, for a
-quota sized from its estimated kernel burst. Every tenant has a request (guaranteed share, k/N)
+One tenant (a container: all of its processes) holds the GPU's token at a time, for a quota
+sized from its estimated kernel burst, unless the tenants leave the GPU room: then several hold
+it at once (co-scheduling, below). Every tenant has a request (guaranteed share, k/N)
 and a limit (cap). GPU time is charged per tenant over a sliding window. The rules (why each is
 so, with the measurements behind it: README.md beside this file):
 
@@ -35,6 +36,18 @@ so, with the measurements behind it: README.md beside this file):
 * so a busy tenant's wait is bounded (`TimeshareSettings.longest_wait`), and the GPU is never
   left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
+Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels
+keep the GPU busy while it holds the token alone) is measured by the daemon from NVML's
+per-process utilisation (`observe_utilization`). While every holder and the waiting tenant
+first in line each keep the GPU busy at most `co_busy_max` of the time and together at most
+`co_room`, that tenant is granted beside them: launch-bound jobs fill each other's idle gaps,
+as under time-slicing. A co-held grant is charged its busy fraction of its time (what the
+tenant used of the GPU); an exclusive grant is charged in full (it kept everyone else out). A
+GPU-bound tenant, or one whose figure is older than `co_refresh`, gets exclusive turns only, so
+shares stay exact where tenants contend, and an exclusive turn measures its figure again. Only
+the first in line is ever co-granted, so a tenant that must wait for an exclusive turn is never
+passed over: the holders drain within a quota and it is granted.
+
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
 """
@@ -66,6 +79,10 @@ class TimeshareSettings:
     preempt_after: float = 0.0    # > 0: a holder gives way to a waking tenant after this
     burst_merge_gap: float = 0.002  # the daemon's own burst estimate, used only when the hook
     burst_history: float = 3.0      # sends no figure: gaps merged, seconds remembered
+    co_schedule: bool = True      # grant several tenants at once when they leave the GPU room
+    co_room: float = 1.4          # the most the co-holders' busy fractions may add up to
+    co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
+    co_refresh: float = 10.0      # a busy figure older than this is stale: exclusive turns
 
     @property
     def debt(self) -> float:
@@ -94,6 +111,7 @@ class Grant:
     generation: int
     granted_at: float
     quota: float
+    shared: bool = False    # held beside others: charged at the tenant's busy fraction
 
     @property
     def expires_at(self) -> float:
@@ -116,6 +134,9 @@ class Tenant:
     revocations: int = 0
     last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    busy: float | None = None   # its kernels' part of the time it held the GPU alone
+    busy_at: float = float("-inf")
+    alone: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,8 @@ class TenantView:
     revocations: int
     burst: float | None       # what quota sizing takes as its kernel burst
     last_quota: float | None  # the quota of its last grant
+    busy: float | None        # its busy fraction alone (co-scheduling), None: not measured
+    shared: bool              # it holds a co-granted (shared) grant
 
 
 class TokenScheduler:
@@ -138,9 +161,10 @@ class TokenScheduler:
         self.config = config
         self.started = now
         self.tenants: dict[str, Tenant] = {}
-        self.holder: Grant | None = None
+        self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
         self.generation = 0
         self.preemptions = 0
+        self.co_grants = 0
         # Effective shares, kept with the membership (the only thing they depend on): every
         # grant and charge reads them, and the token path is the daemon's hot path.
         self._shares: dict[str, float] = {}
@@ -164,8 +188,8 @@ class TokenScheduler:
 
     def remove(self, tenant: str, now: float) -> Grant | None:
         """A tenant leaves (its last connection closed): what it held is released at once."""
-        if self.holder and self.holder.tenant == tenant:
-            self._end_grant(now)
+        if tenant in self.grants:
+            self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
         self._rescale()
         return self._dispatch(now)
@@ -202,15 +226,16 @@ class TokenScheduler:
         # Every request carries the hook's current figure; none (-1) means it saw no burst end.
         state.burst_hint = burst_hint if burst_hint is not None and burst_hint > 0 else None
         was_active = state.waiting_since is not None
-        if self.holder and self.holder.tenant == tenant:
-            if now < self.holder.expires_at:
+        grant = self.grants.get(tenant)
+        if grant is not None:
+            if now < grant.expires_at:
                 # Still valid: another process of the tenant asked first. Its report is of work
                 # launched before this grant (it asked because its page said no), so it is
                 # measured from the release before it like any other; the caller drops the
                 # report of a connection asking ahead inside a grant it was sent itself.
                 self._charge_work(state, now, work_end, work_running, work_since)
                 return None
-            self._end_grant(now)   # quota used up: back to the queue like everyone else
+            self._end_grant(tenant, now)   # quota used up: back to the queue like everyone else
             was_active = True
         self._charge_work(state, now, work_end, work_running, work_since)
         if not was_active:
@@ -227,25 +252,50 @@ class TokenScheduler:
         state = self.tenants.get(tenant)
         if state is None:
             return None
-        if self.holder and self.holder.tenant == tenant:
-            self._end_grant(now)
+        if tenant in self.grants:
+            self._end_grant(tenant, now)
         self._charge_overuse(state, work_end, now)   # none from the daemon's own releases
         return self._dispatch(now)
 
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
         self.tenants[tenant].bursts.observe(start, end)
 
+    def observe_utilization(self, tenant: str, start: float, end: float, busy: float) -> bool:
+        """NVML's figure for the tenant's processes over [start, end): the part of that time
+        its kernels kept the GPU busy. Read as its busy fraction only where it held the token
+        alone for at least half of the period (its kernels ran nowhere else); returns whether
+        it was taken."""
+        state = self.tenants.get(tenant)
+        if state is None or end <= start:
+            return False
+        alone = add_up(min(e, end) - max(s, start) for s, e in state.alone
+                       if min(e, end) > max(s, start))
+        grant = self.grants.get(tenant)
+        if grant is not None and not grant.shared and len(self.grants) == 1:
+            alone += max(0.0, end - max(start, grant.granted_at))
+        if alone < 0.5 * (end - start):
+            return False
+        state.busy = min(1.0, max(0.0, busy) / (alone / (end - start)))
+        state.busy_at = end
+        return True
+
+    @property
+    def holder(self) -> Grant | None:
+        """The longest-held grant: the only one unless tenants are co-scheduled."""
+        return min(self.grants.values(), key=lambda g: g.generation, default=None)
+
     def tick(self, now: float) -> Grant | None:
         """Revoke an overdue token and wake tenants whose window freed capacity."""
-        if self.holder and now >= self.holder.expires_at + self.config.revoke_grace:
-            self.tenants[self.holder.tenant].revocations += 1
-            self._end_grant(now)
+        for grant in list(self.grants.values()):
+            if now >= grant.expires_at + self.config.revoke_grace:
+                self.tenants[grant.tenant].revocations += 1
+                self._end_grant(grant.tenant, now)
         return self._dispatch(now)
 
     def next_deadline(self, now: float) -> float | None:
         """When tick() must run next: a revocation, or a limited tenant becoming eligible."""
-        if self.holder:
-            return self.holder.expires_at + self.config.revoke_grace
+        if self.grants:
+            return min(g.expires_at for g in self.grants.values()) + self.config.revoke_grace
         wakes = [self._eligible_at(t, now) for t in self.tenants.values()
                  if t.waiting_since is not None]
         return min(wakes) if wakes else None
@@ -267,8 +317,8 @@ class TokenScheduler:
         span = self._span(now)
         if span <= 0:
             return 0.0
-        grant = self.holder
-        running = grant.granted_at if grant is not None and grant.tenant == tenant else None
+        grant = self.grants.get(tenant)
+        running = grant.granted_at if grant is not None and not grant.shared else None
         return self.tenants[tenant].usage.usage(now, running) / span
 
     def snapshot(self, now: float) -> list[TenantView]:
@@ -278,10 +328,12 @@ class TokenScheduler:
             waits = sorted(t.waits)
             views.append(TenantView(
                 t.id, shares[t.id], t.limit, self.used(t.id, now), t.waiting_since is not None,
-                bool(self.holder and self.holder.tenant == t.id),
+                t.id in self.grants,
                 statistics.median(waits) if waits else None,
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
-                t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota))
+                t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota,
+                t.busy if now - t.busy_at <= self.config.co_refresh else None,
+                t.id in self.grants and self.grants[t.id].shared))
         return views
 
     # ---- internals ----
@@ -308,17 +360,26 @@ class TokenScheduler:
             return
         self._charge(state, since, min(work_end, now))
 
-    def _end_grant(self, now: float) -> None:
-        assert self.holder is not None
-        state = self.tenants[self.holder.tenant]
-        self._charge(state, self.holder.granted_at, max(now, self.holder.granted_at))
+    def _end_grant(self, tenant: str, now: float) -> None:
+        grant = self.grants.pop(tenant)
+        state = self.tenants[tenant]
+        end = max(now, grant.granted_at)
+        if grant.shared:
+            # Charged what it used of the GPU: its busy fraction of the time it held.
+            busy = state.busy if state.busy is not None else 1.0
+            start = grant.granted_at
+            self._charge(state, start, start + busy * (end - start))
+        else:
+            self._charge(state, grant.granted_at, end)
+            if not self.grants:
+                state.alone.append((grant.granted_at, end))
         state.last_release = now
-        self.holder = None
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
         """Cut the holder's quota short for a tenant that woke up behind it."""
         grant = self.holder
         if (self.config.preempt_after <= 0 or grant is None or grant.tenant == waiter.id
+                or grant.shared
                 or waiter.waiting_since is None or waiter.waiting_since <= grant.granted_at
                 or not self._has_credit(waiter, now)):
             return
@@ -328,8 +389,8 @@ class TokenScheduler:
             return
         expires = max(now, grant.granted_at + self.config.preempt_after)
         if expires < grant.expires_at:
-            self.holder = Grant(grant.tenant, grant.generation, grant.granted_at,
-                                expires - grant.granted_at)
+            self.grants[grant.tenant] = Grant(grant.tenant, grant.generation, grant.granted_at,
+                                              expires - grant.granted_at)
             self.preemptions += 1
 
     def _charge(self, state: Tenant, start: float, end: float) -> None:
@@ -371,7 +432,7 @@ class TokenScheduler:
         """The least advanced active (waiting or holding) tenant's virtual time; with none,
         the most advanced idle one's (`idle_too`) or None, and 0 with no tenant at all."""
         active = [t.vtime for t in self.tenants.values() if t.id != exclude and (
-            t.waiting_since is not None or (self.holder and self.holder.tenant == t.id))]
+            t.waiting_since is not None or t.id in self.grants)]
         if active:
             return min(active)
         if not idle_too:
@@ -403,7 +464,27 @@ class TokenScheduler:
         active = self._floor(exclude=None, idle_too=False)
         for t in eligible:
             self._bound_lead(t, active)
-        return min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        first = min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        if self.grants and not self._fits(first, now):
+            return None   # it waits for the holders to drain; nobody passes it meanwhile
+        return first
+
+    def _busy(self, tenant: Tenant, now: float) -> float | None:
+        """Its busy fraction where measured recently enough and not GPU-bound, else None."""
+        cfg = self.config
+        if (not cfg.co_schedule or tenant.busy is None or now - tenant.busy_at > cfg.co_refresh
+                or tenant.busy > cfg.co_busy_max):
+            return None
+        return tenant.busy
+
+    def _fits(self, tenant: Tenant, now: float) -> bool:
+        """The tenant may hold the GPU beside the present holders: each of them and it leave
+        room, together within `co_room`."""
+        figures = [self._busy(self.tenants[t], now) for t in self.grants]
+        figures.append(self._busy(tenant, now))
+        if None in figures:
+            return False
+        return add_up(f for f in figures if f is not None) <= self.config.co_room
 
     def _quota(self, tenant: Tenant, now: float) -> float:
         """A tenant's part of one round (its part of all requests x cycle), plus part of its
@@ -430,15 +511,39 @@ class TokenScheduler:
         return quota
 
     def _dispatch(self, now: float) -> Grant | None:
-        if self.holder is not None:
-            return None
-        chosen = self._choose(now)
-        if chosen is None:
-            return None
-        self.generation += 1
-        self.holder = Grant(chosen.id, self.generation, now, self._quota(chosen, now))
-        chosen.last_quota = self.holder.quota
-        if chosen.waiting_since is not None:
-            chosen.waits.append(now - chosen.waiting_since)
-        chosen.waiting_since = None
-        return self.holder
+        """Grant the first in line, and the next ones too while they fit beside the holders.
+        Returns the first grant made, if any (`grants` has them all)."""
+        first: Grant | None = None
+        while True:
+            # Nobody may join a holder without room to share: then nothing is chosen (choosing
+            # moves waiters' virtual times) until the holders are gone, as with one token.
+            if self.grants and any(self._busy(self.tenants[t], now) is None for t in self.grants):
+                break
+            chosen = self._choose(now)
+            if chosen is None:
+                break
+            shared = bool(self.grants)
+            if shared:
+                self._share_holders(now)
+                self.co_grants += 1
+            self.generation += 1
+            grant = Grant(chosen.id, self.generation, now, self._quota(chosen, now), shared)
+            self.grants[chosen.id] = grant
+            chosen.last_quota = grant.quota
+            if chosen.waiting_since is not None:
+                chosen.waits.append(now - chosen.waiting_since)
+            chosen.waiting_since = None
+            first = first or grant
+        return first
+
+    def _share_holders(self, now: float) -> None:
+        """A holder alone so far is joined: its time alone is charged in full up to now, and
+        from now on its busy fraction (the same grant: its page does not change)."""
+        for tenant, grant in list(self.grants.items()):
+            if grant.shared:
+                continue
+            state = self.tenants[tenant]
+            self._charge(state, grant.granted_at, max(now, grant.granted_at))
+            state.alone.append((grant.granted_at, now))
+            self.grants[tenant] = Grant(tenant, grant.generation, now,
+                                        grant.expires_at - now, True)

@@ -8,12 +8,14 @@ connections:
 * the clock is CLOCK_MONOTONIC (`time.monotonic_ns()`), the clock the hooks read; the algorithm
   takes seconds, the wire and the pages carry nanoseconds;
 * after every call into the algorithm, `_publish` brings the pages and the connections in line
-  with who holds the token now: the old holder's page is cleared first, then the new holder's
-  page is written and every connection of that tenant waiting on this GPU gets TOKEN_GRANT;
+  with who holds the token now (one tenant, or several co-scheduled): a page whose grant ended
+  is cleared first, then each new holder's page is written and every connection of that tenant
+  waiting on this GPU gets TOKEN_GRANT;
 * a grant to a tenant none of whose connections still waits (they closed while waiting) is
   handed back at once, so a departed waiter costs nobody anything;
 * one timer runs `tick()` at `next_deadline()` (revocation, a capped tenant becoming eligible);
-  another checks an idle holder at `last launch + idle_release`, only while someone waits.
+  another checks an idle holder at `last launch + idle_release`, only while it holds alone and
+  someone waits.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
+from vgpu_runtime.daemon.channel.process_busy import BusySample, BusySampler
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
 
@@ -46,6 +49,10 @@ WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 # a spin). Rounded up, both loops keep the timing the settings were measured with, and a
 # deadline already passed is retried 1 ms later, never in a spin.
 TIMER_RESOLUTION = 0.001
+# NVML's samples of one tenant's processes less than this apart are of one period; a period
+# is taken as at most SAMPLE_PERIOD_MAX long (NVML samples every ~200 ms on the H200).
+SAMPLE_MERGE = 0.05
+SAMPLE_PERIOD_MAX = 0.25
 
 
 def timer_delay(delay: float) -> float:
@@ -73,6 +80,11 @@ class Waiter:
     (a version-1 hook, given no pages) asks for every launch, so its asks are its activity."""
 
     has_activity_page = True
+
+    @property
+    def peer_pid(self) -> int:
+        """Its process's pid in the daemon's pid namespace (SO_PEERCRED); 0: unknown."""
+        return 0
 
     def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
         raise NotImplementedError
@@ -128,7 +140,7 @@ class GpuTokens:
         self.clock = clock
         self.scheduler = TokenScheduler(config.algorithm(), clock())
         self.slots: dict[str, TenantSlot] = {}
-        self.published: Grant | None = None
+        self.published: dict[str, Grant] = {}   # the grants the pages show, by tenant
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -139,6 +151,7 @@ class GpuTokens:
         # The gate every slot's page shows; None until written to all (a new slot's page may
         # differ). Writing only on a change keeps each token hand-off O(1) in the tenants.
         self._gate: int | None = None
+        self._sampled_until: dict[str, float] = {}   # the end of each tenant's last sample
 
     # ---- membership ----
 
@@ -157,8 +170,7 @@ class GpuTokens:
         slot.page.clear()
         self.scheduler.remove(allocation_id, now)
         del self.slots[allocation_id]
-        if self.published and self.published.tenant == allocation_id:
-            self.published = None
+        self.published.pop(allocation_id, None)
         self._publish(now)
         return slot
 
@@ -188,8 +200,8 @@ class GpuTokens:
         previous = slot.asks.get(waiter)
         since = previous.release_before if previous is not None and (
             work_running or previous.running) else None
-        holder = self.scheduler.holder
-        granted = holder is not None and holder.tenant == allocation_id and now < holder.expires_at
+        holder = self.scheduler.grants.get(allocation_id)
+        granted = holder is not None and now < holder.expires_at
         if not granted:
             slot.waiters[waiter] = seq
             if slot.wait_started is None:
@@ -218,6 +230,31 @@ class GpuTokens:
         # the history; clamped, a burst wholly in the future ends before it starts and is dropped.
         self.scheduler.observe_burst(allocation_id, start, min(end, self.clock()))
 
+    def observe_utilization(self, samples: list[BusySample]) -> None:
+        """NVML's per-process figures (process_busy.py): each tenant's processes' samples of
+        one period add up, and go to the algorithm, which may now co-grant a waiter."""
+        tenant_of = {waiter.peer_pid: allocation_id for allocation_id, slot in self.slots.items()
+                     for waiter in slot.asks if waiter.peer_pid > 0}
+        periods: dict[str, list[list[float]]] = {}   # tenant -> [[end, busy], ...]
+        for sample in sorted(samples, key=lambda s: s.end):
+            tenant = tenant_of.get(sample.pid)
+            if tenant is None:
+                continue
+            rows = periods.setdefault(tenant, [])
+            if rows and sample.end - rows[-1][0] < SAMPLE_MERGE:
+                rows[-1][0] = max(rows[-1][0], sample.end)   # another process, same period
+                rows[-1][1] += sample.busy
+            else:
+                rows.append([sample.end, sample.busy])
+        for tenant, rows in periods.items():
+            for end, busy in rows:
+                start = max(self._sampled_until.get(tenant, -math.inf), end - SAMPLE_PERIOD_MAX)
+                self.scheduler.observe_utilization(tenant, start, end, min(busy, 1.0))
+                self._sampled_until[tenant] = end
+        now = self.clock()
+        self.scheduler.tick(now)
+        self._publish(now)
+
     def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
         """A connection went away; with the tenant's last one goes the token it held."""
         slot = self.slots.get(allocation_id)
@@ -228,8 +265,7 @@ class GpuTokens:
         slot.granted.discard(waiter)
         if not slot.waiters:
             slot.wait_started = None
-        holder = self.scheduler.holder
-        if last and holder is not None and holder.tenant == allocation_id:
+        if last and allocation_id in self.scheduler.grants:
             log.info("token holder gone; passing the token on",
                      extra={"gpu": self.uuid, "allocation": allocation_id})
             now = self.clock()
@@ -240,26 +276,32 @@ class GpuTokens:
 
     def _publish(self, now: float) -> None:
         while True:
-            holder = self.scheduler.holder
-            old = self.published
-            if old is not None and (holder is None or holder.generation != old.generation):
-                old_slot = self.slots.get(old.tenant)
-                if old_slot is not None:
-                    old_slot.page.clear()
-                self.published = None
-            elif old is not None and holder is not None and holder != old:
-                # Same grant, cut short (a waking tenant preempts): the holder's next launch
-                # reads the new end from its page and asks again.
-                self.slots[holder.tenant].page.grant(holder.generation, to_ns(holder.expires_at))
-                self.published = holder
-            if holder is None or self.published is not None:
-                break
-            slot = self.slots[holder.tenant]
-            if not slot.waiters:
+            grants = self.scheduler.grants
+            for tenant, old in list(self.published.items()):
+                new = grants.get(tenant)
+                slot = self.slots.get(tenant)
+                if new is None or new.generation != old.generation:
+                    if slot is not None:
+                        slot.page.clear()
+                    del self.published[tenant]
+                elif new.expires_at != old.expires_at and slot is not None:
+                    # Same grant, cut short (a waking tenant preempts): the holder's next
+                    # launch reads the new end from its page and asks again.
+                    slot.page.grant(new.generation, to_ns(new.expires_at))
+                    self.published[tenant] = new
+                else:
+                    self.published[tenant] = new   # shared from now on: the page is the same
+            gone = next((grant for tenant, grant in grants.items()
+                         if tenant not in self.published and not self.slots[tenant].waiters),
+                        None)
+            if gone is not None:
                 # Granted to a tenant whose waiting connections all left: pass it on.
-                self.scheduler.release(holder.tenant, now)
+                self.scheduler.release(gone.tenant, now)
                 continue
-            self._hand_over(holder, slot)
+            for tenant, grant in grants.items():
+                if tenant not in self.published:
+                    self._hand_over(grant, self.slots[tenant])
+            break
         self._update_gates()
         self._arm_deadline(now)
         self._arm_idle_check(now)
@@ -267,7 +309,7 @@ class GpuTokens:
     def _hand_over(self, grant: Grant, slot: TenantSlot) -> None:
         valid_until = to_ns(grant.expires_at)
         slot.page.grant(grant.generation, valid_until)
-        self.published = grant
+        self.published[grant.tenant] = grant
         self.grants += 1
         self._idle_backoff = self.config.idle_release
         self._cancel_idle_check()   # a pending check was about the previous holder
@@ -281,6 +323,7 @@ class GpuTokens:
         if log.isEnabledFor(logging.DEBUG):   # the fields cost more than the grant's frames
             log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
                                                "generation": grant.generation,
+                                               "shared": grant.shared,
                                                "quota_ms": round(grant.quota * 1000, 3)})
 
     def _update_gates(self) -> None:
@@ -313,13 +356,16 @@ class GpuTokens:
         self._deadline_timer = None
         self._deadline_fires = math.inf
         now = self.clock()
-        holder = self.scheduler.holder
-        revocations = self.scheduler.tenants[holder.tenant].revocations if holder else 0
+        holders = list(self.scheduler.grants.values())
+        revocations = [self.scheduler.tenants[g.tenant].revocations for g in holders]
         self.scheduler.tick(now)
-        if holder and self.scheduler.tenants[holder.tenant].revocations > revocations:
-            log.info("token revoked: not returned in time", extra={
-                "gpu": self.uuid, "allocation": holder.tenant, "generation": holder.generation,
-                "overrun_ms": round((now - holder.expires_at) * 1000, 3)})
+        for holder, before in zip(holders, revocations, strict=True):
+            state = self.scheduler.tenants.get(holder.tenant)
+            if state is not None and state.revocations > before:
+                log.info("token revoked: not returned in time", extra={
+                    "gpu": self.uuid, "allocation": holder.tenant,
+                    "generation": holder.generation,
+                    "overrun_ms": round((now - holder.expires_at) * 1000, 3)})
         self._publish(now)
 
     def _someone_else_waits(self, holder: Grant) -> bool:
@@ -338,8 +384,13 @@ class GpuTokens:
         last_sync = -math.inf if sync is None else sync
         return max(last_launch, holder.granted_at), last_launch, last_sync
 
+    def _alone_holder(self) -> Grant | None:
+        """The holder, when one tenant holds alone (co-holders' quotas bound any wait)."""
+        grants = self.scheduler.grants
+        return next(iter(grants.values())) if len(grants) == 1 else None
+
     def _arm_idle_check(self, now: float, at: float | None = None) -> None:
-        holder = self.scheduler.holder
+        holder = self._alone_holder()
         if holder is None or not self._someone_else_waits(holder):
             self._cancel_idle_check()
             return
@@ -366,7 +417,7 @@ class GpuTokens:
         self._idle_timer = None
         self._idle_fires = math.inf
         now = self.clock()
-        holder = self.scheduler.holder
+        holder = self._alone_holder()
         if holder is None or not self._someone_else_waits(holder):
             return
         reference, last_launch, last_sync = self._idle_reference(holder)
@@ -424,6 +475,7 @@ def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
             "revocations": view.revocations,
             "burst_ms": None if view.burst is None else view.burst * 1000,
             "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
+            "busy": view.busy, "shared": view.shared,
             "memory_used": slot.ledger.used(slot.index),
             "memory_limit": slot.ledger.limit(slot.index),
             "waits": slot.waits.snapshot(),
@@ -432,6 +484,8 @@ def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
         "uuid": tokens.uuid,
         "gate": "token" if scheduler.needs_token() else "open",
         "holder": holder.tenant if holder else None,
+        "holders": sorted(scheduler.grants),
+        "co_grants": scheduler.co_grants,
         "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
         "generation": scheduler.generation,
         "grants": tokens.grants, "idle_releases": tokens.idle_releases,
@@ -447,14 +501,18 @@ class TokenService:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.gpus: dict[str, GpuTokens] = {}
+        self.sampler = BusySampler(self)
 
     def gpu(self, uuid: str) -> GpuTokens:
+        """The GPU's token; asked for when a tenant joins it, so sampling starts here."""
         tokens = self.gpus.get(uuid)
         if tokens is None:
             tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
+        self.sampler.wake()
         return tokens
 
     def close(self) -> None:
+        self.sampler.close()
         for tokens in self.gpus.values():
             tokens.close()
 

@@ -1,0 +1,133 @@
+"""Co-scheduling: tenants that leave the GPU room hold it at once; GPU-bound or unmeasured
+tenants get exclusive turns, and nobody is passed over (policy.py's docstring)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
+
+
+def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
+                   **settings: object) -> TokenScheduler:
+    """Tenants whose busy fractions were measured in a turn alone each (NVML's figure over a
+    period it held the GPU alone), at time 1.0."""
+    sched = TokenScheduler(TimeshareSettings(**settings), 0.0)   # type: ignore[arg-type]
+    now = 0.0
+    for name in busy:
+        sched.add(name, (shares or {}).get(name, 0.5), 1.0, now)
+    for name, fraction in busy.items():
+        sched.request(name, now)
+        assert set(sched.grants) == {name}
+        sched.release(name, now + 0.2)
+        assert sched.observe_utilization(name, now, now + 0.2, fraction)
+        now += 0.2
+    return sched
+
+
+def test_tenants_that_leave_room_hold_the_gpu_at_once() -> None:
+    sched = scheduler_with({"a": 0.6, "b": 0.6})
+    first = sched.request("a", 1.0)
+    second = sched.request("b", 1.0)
+    assert first is not None and not first.shared
+    assert second is not None and second.shared
+    assert set(sched.grants) == {"a", "b"}
+    assert all(g.shared for g in sched.grants.values())   # a was joined: shared from then on
+    assert sched.grants["a"].expires_at == first.expires_at   # same grant, same page
+    assert sched.co_grants == 1
+
+
+@pytest.mark.parametrize("busy, why", [
+    ({"a": 0.95, "b": 0.3}, "a GPU-bound tenant"),
+    ({"a": 0.3, "b": 0.95}, "a GPU-bound waiter"),
+    ({"a": 0.8, "b": 0.8}, "more than the room together"),
+])
+def test_tenants_without_room_take_turns(busy: dict[str, float], why: str) -> None:
+    sched = scheduler_with(busy)
+    assert sched.request("a", 1.0) is not None
+    assert sched.request("b", 1.0) is None, why
+    assert set(sched.grants) == {"a"}
+    sched.release("a", 1.05)
+    assert set(sched.grants) == {"b"} and not sched.grants["b"].shared
+
+
+def test_an_unmeasured_or_stale_figure_means_exclusive_turns() -> None:
+    sched = TokenScheduler(TimeshareSettings(), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.add("b", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    assert sched.request("b", 0.0) is None          # never measured
+    sched.release("a", 0.1)
+    sched.release("b", 0.2)
+    sched = scheduler_with({"a": 0.3, "b": 0.3}, co_refresh=5.0)
+    sched.request("a", 6.0)                          # measured before 1.0: stale by 6.0
+    assert sched.request("b", 6.0) is None
+
+
+def test_co_scheduling_off_keeps_one_holder() -> None:
+    sched = scheduler_with({"a": 0.2, "b": 0.2}, co_schedule=False)
+    sched.request("a", 1.0)
+    assert sched.request("b", 1.0) is None and set(sched.grants) == {"a"}
+
+
+def test_a_shared_grant_is_charged_its_busy_fraction_an_exclusive_one_in_full() -> None:
+    sched = scheduler_with({"a": 0.25, "b": 0.5}, window=100.0)
+    before = {t: sched.tenants[t].usage.usage(10.0) for t in ("a", "b")}
+    sched.request("a", 1.0)                  # alone until 1.1: charged 0.1 in full
+    sched.request("b", 1.1)                  # from 1.1 both are shared
+    sched.release("a", 1.2)                  # a: 0.1 shared at 0.25
+    sched.release("b", 1.3)                  # b: 0.2 shared at 0.5
+    got = {t: sched.tenants[t].usage.usage(10.0) - before[t] for t in ("a", "b")}
+    assert got["a"] == pytest.approx(0.1 + 0.25 * 0.1)
+    assert got["b"] == pytest.approx(0.5 * 0.2)
+
+
+def test_a_waiter_that_cannot_share_is_never_passed_over() -> None:
+    """c is GPU-bound and first in line (least served): a and b, who could share, are not
+    granted beside the holder meanwhile, so c is granted as soon as the holder is done."""
+    sched = scheduler_with({"a": 0.3, "b": 0.3, "c": 0.95})
+    sched.request("a", 1.0)
+    assert sched.request("c", 1.01) is None
+    sched.tenants["c"].vtime = sched.tenants["b"].vtime - 0.1   # c is behind everyone
+    assert sched.request("b", 1.02) is None                    # would fit beside a; c is first
+    assert set(sched.grants) == {"a"}
+    sched.release("a", 1.05)
+    assert set(sched.grants) == {"c"} and not sched.grants["c"].shared
+
+
+def test_a_busy_figure_is_taken_only_from_a_period_held_mostly_alone() -> None:
+    sched = scheduler_with({"a": 0.4, "b": 0.4})
+    # Co-held from 1.0: neither held the GPU alone in [1.0, 1.2), so NVML's figure there
+    # (time-slicing between them) says nothing about either.
+    sched.request("a", 1.0)
+    sched.request("b", 1.0)
+    sched.release("a", 1.2)
+    sched.release("b", 1.2)
+    assert not sched.observe_utilization("a", 1.0, 1.2, 0.9)
+    assert sched.tenants["a"].busy == pytest.approx(0.4)
+    # Alone for 0.15 of a 0.2 s period with 30 % busy: 0.4 of the time it held.
+    sched.request("a", 2.0)
+    sched.release("a", 2.15)
+    assert sched.observe_utilization("a", 2.0, 2.2, 0.3)
+    assert sched.tenants["a"].busy == pytest.approx(0.4)
+    assert sched.tenants["a"].busy_at == 2.2
+
+
+def test_co_holders_keep_each_others_gaps_filled_until_one_turns_gpu_bound() -> None:
+    """Two launch-bound tenants hold the GPU together round after round; when one's figure,
+    measured again in a turn alone, says it is GPU-bound, turns are exclusive again."""
+    sched = scheduler_with({"a": 0.5, "b": 0.5})
+    now = 1.0
+    for _ in range(20):
+        for name in ("a", "b"):
+            if name in sched.grants:
+                sched.release(name, now)
+            sched.request(name, now)
+        assert set(sched.grants) == {"a", "b"}
+        now += 0.05
+    sched.tenants["b"].busy = 0.97
+    for name in ("a", "b"):
+        sched.release(name, now)
+    sched.request("a", now)
+    sched.request("b", now)
+    assert len(sched.grants) == 1
