@@ -96,7 +96,7 @@ def measure_alone(daemon: InProcessDaemon, busy_file: Path, tenant: TenantProces
                   allocation: str, busy: float, rows: list[list[float]]) -> None:
     """The tenant holds the GPU alone for a while; the simulated NVML then says how busy its
     process kept the GPU over that period, and the daemon takes the figure (scaled up by the
-    part of the period it held: 0.15 s of a 0.25 s period at most)."""
+    part of the period it held: 0.15 s of a 0.2 s period at most)."""
     tenant.ask()
     assert tenant.granted()
     time.sleep(0.15)

@@ -95,7 +95,7 @@ def test_a_waiter_that_cannot_share_is_never_passed_over() -> None:
     assert set(sched.grants) == {"c"} and not sched.grants["c"].shared
 
 
-def test_a_busy_figure_is_taken_only_from_a_period_held_mostly_alone() -> None:
+def test_a_busy_figure_is_taken_only_from_a_period_held_alone_in_part() -> None:
     sched = scheduler_with({"a": 0.4, "b": 0.4})
     # Co-held from 1.0: neither held the GPU alone in [1.0, 1.2), so NVML's figure there
     # (time-slicing between them) says nothing about either.
@@ -111,6 +111,11 @@ def test_a_busy_figure_is_taken_only_from_a_period_held_mostly_alone() -> None:
     assert sched.observe_utilization("a", 2.0, 2.2, 0.3)
     assert sched.tenants["a"].busy == pytest.approx(0.4)
     assert sched.tenants["a"].busy_at == 2.2
+    # Alone for 0.04 of a 0.2 s period: too little to tell its figure from NVML's rounding.
+    sched.request("a", 3.0)
+    sched.release("a", 3.04)
+    assert not sched.observe_utilization("a", 3.0, 3.2, 0.05)
+    assert sched.tenants["a"].busy == pytest.approx(0.4)
 
 
 def test_co_holders_keep_each_others_gaps_filled_until_one_turns_gpu_bound() -> None:

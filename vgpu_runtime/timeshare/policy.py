@@ -262,9 +262,9 @@ class TokenScheduler:
 
     def observe_utilization(self, tenant: str, start: float, end: float, busy: float) -> bool:
         """NVML's figure for the tenant's processes over [start, end): the part of that time
-        its kernels kept the GPU busy. Read as its busy fraction only where it held the token
-        alone for at least half of the period (its kernels ran nowhere else); returns whether
-        it was taken."""
+        its kernels kept the GPU busy. Read as its busy fraction of the time it held the token
+        alone, where that was at least a quarter of the period (its kernels ran only then:
+        launches wait for the token); returns whether it was taken."""
         state = self.tenants.get(tenant)
         if state is None or end <= start:
             return False
@@ -273,7 +273,7 @@ class TokenScheduler:
         grant = self.grants.get(tenant)
         if grant is not None and not grant.shared and len(self.grants) == 1:
             alone += max(0.0, end - max(start, grant.granted_at))
-        if alone < 0.5 * (end - start):
+        if alone < 0.25 * (end - start):
             return False
         state.busy = min(1.0, max(0.0, busy) / (alone / (end - start)))
         state.busy_at = end

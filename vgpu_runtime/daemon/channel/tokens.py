@@ -50,9 +50,9 @@ WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 # deadline already passed is retried 1 ms later, never in a spin.
 TIMER_RESOLUTION = 0.001
 # NVML's samples of one tenant's processes less than this apart are of one period; a period
-# is taken as at most SAMPLE_PERIOD_MAX long (NVML samples every ~200 ms on the H200).
+# is taken as at most SAMPLE_PERIOD_MAX long (NVML samples every 200 ms on the H200).
 SAMPLE_MERGE = 0.05
-SAMPLE_PERIOD_MAX = 0.25
+SAMPLE_PERIOD_MAX = 0.2
 
 
 def timer_delay(delay: float) -> float:
