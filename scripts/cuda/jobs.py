@@ -8,7 +8,8 @@ Usage: jobs.py KIND START_AT DURATION OUT
   resnet     torchvision ResNet-50's training step (random weights, batch 128, bf16, SGD);
              GPU-bound
 Every job warms up, then counts the iterations (and, for inference, each request's latency)
-that start inside the common window [START_AT, START_AT + DURATION). Weights are random and
+that start inside the common window [START_AT, START_AT + DURATION); a job ready only after the
+window opened has its rate taken over the part it ran, and says how late it was. Weights are random and
 configs are written here: nothing is downloaded. Writes {"kind", "iterations", "rate", and for
 inference "p50_ms", "p99_ms", "requests"} to OUT.
 """
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 THINK_S = 0.030
-LEAD_S = 3.0   # seconds of common load before the window opens, as tenant.py's RAMP
+LEAD_S = 8.0   # seconds of common load before the window opens: the daemon measures each job
 
 
 def llama(layers: int = 8) -> torch.nn.Module:
@@ -96,6 +97,7 @@ def main() -> None:
     while time.time() < start_at - LEAD_S:   # load together with the others
         time.sleep(0.005)
     end = start_at + duration
+    counted_from = max(start_at, time.time())
     latencies: list[float] = []
     while time.time() < end:
         begin = time.time()
@@ -105,7 +107,8 @@ def main() -> None:
         if think:
             time.sleep(think)
     result: dict[str, object] = {"kind": kind, "iterations": len(latencies),
-                                 "rate": len(latencies) / duration}
+                                 "rate": len(latencies) / (end - counted_from),
+                                 "late_s": counted_from - start_at}
     if kind == "inference" and latencies:
         latencies.sort()
         result.update(requests=len(latencies),

@@ -82,7 +82,7 @@ class TimeshareSettings:
     co_schedule: bool = True      # grant several tenants at once when they leave the GPU room
     co_room: float = 1.4          # the most the co-holders' busy fractions may add up to
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
-    co_refresh: float = 10.0      # a busy figure older than this is stale: exclusive turns
+    co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
 
     @property
     def debt(self) -> float:
