@@ -9,9 +9,9 @@ Usage: jobs.py KIND START_AT DURATION OUT
              GPU-bound
 Every job warms up, then counts the iterations (and, for inference, each request's latency)
 that start inside the common window [START_AT, START_AT + DURATION); a job ready only after the
-window opened has its rate taken over the part it ran, and says how late it was. Weights are random and
-configs are written here: nothing is downloaded. Writes {"kind", "iterations", "rate", and for
-inference "p50_ms", "p99_ms", "requests"} to OUT.
+window opened has its rate taken over the part it ran, and says how late it was. Weights are
+random and configs are written here: nothing is downloaded. Writes {"kind", "iterations",
+"rate", "late_s", and for inference "p50_ms", "p99_ms", "requests"} to OUT.
 """
 
 from __future__ import annotations
