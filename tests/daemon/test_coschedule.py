@@ -81,8 +81,8 @@ def busy_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def daemon(state_dir: Path, busy_file: Path) -> Iterator[InProcessDaemon]:
-    served = InProcessDaemon(state_dir, "--process-busy", "simulated", "--process-busy-file",
-                             str(busy_file)).wait_ready()
+    served = InProcessDaemon(state_dir, "--co-schedule", "on", "--process-busy", "simulated",
+                             "--process-busy-file", str(busy_file)).wait_ready()
     yield served
     assert served.stop() == 0, served.logs()
 

@@ -12,6 +12,7 @@ def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = Non
                    **settings: object) -> TokenScheduler:
     """Tenants whose busy fractions were measured in a turn alone each (NVML's figure over a
     period it held the GPU alone), at time 1.0."""
+    settings.setdefault("co_schedule", True)
     sched = TokenScheduler(TimeshareSettings(**settings), 0.0)   # type: ignore[arg-type]
     now = 0.0
     for name in busy:
@@ -52,7 +53,7 @@ def test_tenants_without_room_take_turns(busy: dict[str, float], why: str) -> No
 
 
 def test_an_unmeasured_or_stale_figure_means_exclusive_turns() -> None:
-    sched = TokenScheduler(TimeshareSettings(), 0.0)
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     sched.request("a", 0.0)

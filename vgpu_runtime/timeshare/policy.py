@@ -79,7 +79,9 @@ class TimeshareSettings:
     preempt_after: float = 0.0    # > 0: a holder gives way to a waking tenant after this
     burst_merge_gap: float = 0.002  # the daemon's own burst estimate, used only when the hook
     burst_history: float = 3.0      # sends no figure: gaps merged, seconds remembered
-    co_schedule: bool = True      # grant several tenants at once when they leave the GPU room
+    # Off by default: NVML's per-process figure, the busy fraction's source, read 0.86-1.0 for
+    # a trainer whose true figure is 0.5-0.6 on the H200 (BENCHMARKS.md, "Real jobs").
+    co_schedule: bool = False     # grant several tenants at once when they leave the GPU room
     co_room: float = 1.4          # the most the co-holders' busy fractions may add up to
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
     co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
