@@ -146,7 +146,7 @@ def test_a_sample_of_a_pid_no_tenant_connected_from_is_nobodys(
         busy_file.write_text(json.dumps({UUID_A: [[tenants[0].pid + 100000, time.monotonic(),
                                                    0.1]]}))
         time.sleep(0.6)   # three sampling periods
-        assert all(t["busy"] is None for t in gpu_status(daemon)["tenants"])
+        assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
     finally:
         for tenant in tenants:
             tenant.close()
@@ -159,7 +159,7 @@ def test_a_malformed_busy_file_is_reported_and_changes_nothing(
     try:
         busy_file.write_text(json.dumps({UUID_A: [[tenants[0].pid, time.monotonic(), 7]]}))
         wait_for(lambda: "busy fraction outside [0, 1]" in daemon.logs(), 5, "the warning")
-        assert all(t["busy"] is None for t in gpu_status(daemon)["tenants"])
+        assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
     finally:
         for tenant in tenants:
             tenant.close()
