@@ -445,8 +445,19 @@ def _frame(msg: str, **fields: int) -> bytes:
     (_frame("GM_MSG_TOKEN_GRANT", gpu=0), True, "GM_ERR_MALFORMED", "daemon-to-hook"),
 ])
 def test_malformed_token_frames_drop_only_that_client(
-        long_daemon: DaemonProcess, state_dir: Path, data: bytes, hello: bool, status: str,
-        words: str) -> None:
+        state_dir: Path, data: bytes, hello: bool, status: str, words: str) -> None:
+    # The holder's grant must outlast the test on a loaded machine (2 s quotas ran out under
+    # CI's load): the longest quota the daemon allows.
+    daemon = InProcessDaemon(state_dir, "--max-quota", "10", "--cycle", "20",
+                             "--window", "60").wait_ready()
+    try:
+        malformed_frame_drops_only_its_client(state_dir, data, hello, status, words)
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
+
+
+def malformed_frame_drops_only_its_client(state_dir: Path, data: bytes, hello: bool,
+                                          status: str, words: str) -> None:
     holder = Tenant(make_record(state_dir))
     try:
         grant = holder.client.request_token(0)

@@ -28,8 +28,10 @@ def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = Non
 
 def test_tenants_that_leave_room_hold_the_gpu_at_once() -> None:
     sched = scheduler_with({"a": 0.6, "b": 0.6})
-    first = sched.request("a", 1.0)
-    second = sched.request("b", 1.0)
+    first = sched.request("a", 1.0).grant
+    decision = sched.request("b", 1.0)
+    second = decision.grant
+    assert set(decision.grants) == {"a", "b"} and decision.granted == (second,)
     assert first is not None and not first.shared
     assert second is not None and second.shared
     assert set(sched.grants) == {"a", "b"}
@@ -45,8 +47,8 @@ def test_tenants_that_leave_room_hold_the_gpu_at_once() -> None:
 ])
 def test_tenants_without_room_take_turns(busy: dict[str, float], why: str) -> None:
     sched = scheduler_with(busy)
-    assert sched.request("a", 1.0) is not None
-    assert sched.request("b", 1.0) is None, why
+    assert sched.request("a", 1.0).grant is not None
+    assert sched.request("b", 1.0).grant is None, why
     assert set(sched.grants) == {"a"}
     sched.release("a", 1.05)
     assert set(sched.grants) == {"b"} and not sched.grants["b"].shared
@@ -57,18 +59,18 @@ def test_an_unmeasured_or_stale_figure_means_exclusive_turns() -> None:
     sched.add("a", 0.5, 1.0, 0.0)
     sched.add("b", 0.5, 1.0, 0.0)
     sched.request("a", 0.0)
-    assert sched.request("b", 0.0) is None          # never measured
+    assert sched.request("b", 0.0).grant is None          # never measured
     sched.release("a", 0.1)
     sched.release("b", 0.2)
     sched = scheduler_with({"a": 0.3, "b": 0.3}, co_refresh=5.0)
     sched.request("a", 6.0)                          # measured before 1.0: stale by 6.0
-    assert sched.request("b", 6.0) is None
+    assert sched.request("b", 6.0).grant is None
 
 
 def test_co_scheduling_off_keeps_one_holder() -> None:
     sched = scheduler_with({"a": 0.2, "b": 0.2}, co_schedule=False)
     sched.request("a", 1.0)
-    assert sched.request("b", 1.0) is None and set(sched.grants) == {"a"}
+    assert sched.request("b", 1.0).grant is None and set(sched.grants) == {"a"}
 
 
 def test_a_shared_grant_is_charged_its_busy_fraction_an_exclusive_one_in_full() -> None:
@@ -88,9 +90,9 @@ def test_a_waiter_that_cannot_share_is_never_passed_over() -> None:
     granted beside the holder meanwhile, so c is granted as soon as the holder is done."""
     sched = scheduler_with({"a": 0.3, "b": 0.3, "c": 0.95})
     sched.request("a", 1.0)
-    assert sched.request("c", 1.01) is None
+    assert sched.request("c", 1.01).grant is None
     sched.tenants["c"].vtime = sched.tenants["b"].vtime - 0.1   # c is behind everyone
-    assert sched.request("b", 1.02) is None                    # would fit beside a; c is first
+    assert sched.request("b", 1.02).grant is None   # would fit beside a; c is first
     assert set(sched.grants) == {"a"}
     sched.release("a", 1.05)
     assert set(sched.grants) == {"c"} and not sched.grants["c"].shared

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
@@ -120,6 +121,24 @@ class Grant:
         return self.granted_at + self.quota
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What one event decided, for the daemon to apply without asking again: who holds the GPU
+    now and until when, the grants the event made, the grants it revoked (not returned in
+    time), whether launches need the token at all, and when `tick` must run next."""
+
+    grants: Mapping[str, Grant]
+    granted: tuple[Grant, ...] = ()
+    revoked: tuple[Grant, ...] = ()
+    wake_at: float | None = None
+    needs_token: bool = True
+
+    @property
+    def grant(self) -> Grant | None:
+        """The first grant the event made, if any."""
+        return self.granted[0] if self.granted else None
+
+
 @dataclass
 class Tenant:
     id: str
@@ -173,7 +192,7 @@ class TokenScheduler:
 
     # ---- membership ----
 
-    def add(self, tenant: str, share: float, limit: float, now: float) -> Grant | None:
+    def add(self, tenant: str, share: float, limit: float, now: float) -> Decision:
         if not (0 < share <= 1) or not (share <= limit <= 1):
             raise ValueError(f"need 0 < share <= limit <= 1, got {share}, {limit}")
         if tenant in self.tenants:
@@ -186,17 +205,17 @@ class TokenScheduler:
             vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
         self._rescale()
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def remove(self, tenant: str, now: float) -> Grant | None:
+    def remove(self, tenant: str, now: float) -> Decision:
         """A tenant leaves (its last connection closed): what it held is released at once."""
         if tenant in self.grants:
             self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
         self._rescale()
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
+    def set_limit(self, tenant: str, limit: float, now: float) -> Decision:
         state = self.tenants[tenant]
         if not 0 < limit <= 1:
             raise ValueError(f"need 0 < limit <= 1, got {limit}")
@@ -204,7 +223,7 @@ class TokenScheduler:
         state.limit = max(limit, state.share)
         state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
                            self._capacity(state))
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
     def needs_token(self) -> bool:
         """A GPU given whole to one tenant needs no token: its launches go straight through."""
@@ -214,7 +233,7 @@ class TokenScheduler:
 
     def request(self, tenant: str, now: float, burst_hint: float | None = None,
                 work_end: float | None = None, work_running: bool = False,
-                work_since: float | None = None) -> Grant | None:
+                work_since: float | None = None) -> Decision:
         """The tenant wants the token. Returns a grant if the token changed hands now.
 
         `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
@@ -236,7 +255,7 @@ class TokenScheduler:
                 # measured from the release before it like any other; the caller drops the
                 # report of a connection asking ahead inside a grant it was sent itself.
                 self._charge_work(state, now, work_end, work_running, work_since)
-                return None
+                return self._decided(now, [])
             self._end_grant(tenant, now)   # quota used up: back to the queue like everyone else
             was_active = True
         self._charge_work(state, now, work_end, work_running, work_since)
@@ -247,17 +266,17 @@ class TokenScheduler:
         if state.waiting_since is None:
             state.waiting_since = now
         self._preempt_for(state, now)
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def release(self, tenant: str, now: float, work_end: float | None = None) -> Grant | None:
+    def release(self, tenant: str, now: float, work_end: float | None = None) -> Decision:
         """The holder gives the token back (idle, or done). A stale release changes nothing."""
         state = self.tenants.get(tenant)
         if state is None:
-            return None
+            return self._decided(now, [])
         if tenant in self.grants:
             self._end_grant(tenant, now)
         self._charge_overuse(state, work_end, now)   # none from the daemon's own releases
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
         self.tenants[tenant].bursts.observe(start, end)
@@ -286,13 +305,15 @@ class TokenScheduler:
         """The longest-held grant: the only one unless tenants are co-scheduled."""
         return min(self.grants.values(), key=lambda g: g.generation, default=None)
 
-    def tick(self, now: float) -> Grant | None:
+    def tick(self, now: float) -> Decision:
         """Revoke an overdue token and wake tenants whose window freed capacity."""
+        revoked = []
         for grant in list(self.grants.values()):
             if now >= grant.expires_at + self.config.revoke_grace:
                 self.tenants[grant.tenant].revocations += 1
                 self._end_grant(grant.tenant, now)
-        return self._dispatch(now)
+                revoked.append(grant)
+        return self._decided(now, self._dispatch(now), tuple(revoked))
 
     def next_deadline(self, now: float) -> float | None:
         """When tick() must run next: a revocation, or a limited tenant becoming eligible."""
@@ -512,10 +533,15 @@ class TokenScheduler:
             quota = min(quota, max(tenant.credit, self._least_grant(tenant)))
         return quota
 
-    def _dispatch(self, now: float) -> Grant | None:
+    def _decided(self, now: float, granted: list[Grant],
+                 revoked: tuple[Grant, ...] = ()) -> Decision:
+        return Decision(dict(self.grants), tuple(granted), revoked, self.next_deadline(now),
+                        self.needs_token())
+
+    def _dispatch(self, now: float) -> list[Grant]:
         """Grant the first in line, and the next ones too while they fit beside the holders.
-        Returns the first grant made, if any (`grants` has them all)."""
-        first: Grant | None = None
+        Returns the grants made."""
+        made: list[Grant] = []
         while True:
             # Nobody may join a holder without room to share: then nothing is chosen (choosing
             # moves waiters' virtual times) until the holders are gone, as with one token.
@@ -535,8 +561,8 @@ class TokenScheduler:
             if chosen.waiting_since is not None:
                 chosen.waits.append(now - chosen.waiting_since)
             chosen.waiting_since = None
-            first = first or grant
-        return first
+            made.append(grant)
+        return made
 
     def _share_holders(self, now: float) -> None:
         """A holder alone so far is joined: its time alone is charged in full up to now, and

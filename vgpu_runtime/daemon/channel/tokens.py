@@ -7,13 +7,14 @@ connections:
   the record goes, so its request counts while it exists (an idle tenant holds nobody back);
 * the clock is CLOCK_MONOTONIC (`time.monotonic_ns()`), the clock the hooks read; the algorithm
   takes seconds, the wire and the pages carry nanoseconds;
-* after every call into the algorithm, `_publish` brings the pages and the connections in line
-  with who holds the token now (one tenant, or several co-scheduled): a page whose grant ended
+* every call into the algorithm returns its decision (policy.Decision), and `_apply` brings
+  the pages, the connections and the timers in line with it: one trip down, one back. It
+  follows who holds the token now (one tenant, or several co-scheduled): a page whose grant ended
   is cleared first, then each new holder's page is written and every connection of that tenant
   waiting on this GPU gets TOKEN_GRANT;
 * a grant to a tenant none of whose connections still waits (they closed while waiting) is
   handed back at once, so a departed waiter costs nobody anything;
-* one timer runs `tick()` at `next_deadline()` (revocation, a capped tenant becoming eligible);
+* one timer runs `tick()` at the decision's `wake_at` (revocation, a capped tenant eligible);
   another checks an idle holder at `last launch + idle_release`, only while it holds alone and
   someone waits.
 """
@@ -25,14 +26,14 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.process_busy import BusySample, BusySampler
 from vgpu_runtime.daemon.config import DaemonConfig
-from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
+from vgpu_runtime.timeshare.policy import Decision, Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
@@ -157,10 +158,10 @@ class GpuTokens:
 
     def add(self, slot: TenantSlot, share: float, limit: float) -> None:
         now = self.clock()
-        self.scheduler.add(slot.allocation_id, share, limit, now)
+        decision = self.scheduler.add(slot.allocation_id, share, limit, now)
         self.slots[slot.allocation_id] = slot
         self._gate = None
-        self._publish(now)
+        self._apply(decision, now)
 
     def remove(self, allocation_id: str) -> TenantSlot | None:
         slot = self.slots.get(allocation_id)
@@ -168,16 +169,16 @@ class GpuTokens:
             return None
         now = self.clock()
         slot.page.clear()
-        self.scheduler.remove(allocation_id, now)
+        decision = self.scheduler.remove(allocation_id, now)
         del self.slots[allocation_id]
         self.published.pop(allocation_id, None)
-        self._publish(now)
+        self._apply(decision, now)
         return slot
 
     def set_limit(self, allocation_id: str, limit: float) -> None:
         if self.scheduler.tenants[allocation_id].limit != limit:
-            self.scheduler.set_limit(allocation_id, limit, self.clock())
-            self._publish(self.clock())
+            now = self.clock()
+            self._apply(self.scheduler.set_limit(allocation_id, limit, now), now)
 
     def share_of(self, allocation_id: str) -> float:
         return self.scheduler.tenants[allocation_id].share
@@ -212,18 +213,18 @@ class GpuTokens:
             work_end = None
         # With the tenant's grant still valid this only charges: another process's work
         # launched before that grant, running past the release before it.
-        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running, since)
+        decision = self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running,
+                                          since)
         slot.asks[waiter] = Ask(self.scheduler.tenants[allocation_id].last_release, work_running)
         if granted:
             assert holder is not None
             waiter.send_grant(seq, slot.index, holder.generation, to_ns(holder.expires_at))
             return
-        self._publish(now)
+        self._apply(decision, now)
 
     def release(self, allocation_id: str, work_end: float | None) -> None:
         now = self.clock()
-        self.scheduler.release(allocation_id, now, work_end)
-        self._publish(now)
+        self._apply(self.scheduler.release(allocation_id, now, work_end), now)
 
     def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
         # A burst cannot end after now: a claimed future end would stretch quotas and stay in
@@ -252,8 +253,7 @@ class GpuTokens:
                 self.scheduler.observe_utilization(tenant, start, end, min(busy, 1.0))
                 self._sampled_until[tenant] = end
         now = self.clock()
-        self.scheduler.tick(now)
-        self._publish(now)
+        self._apply(self.scheduler.tick(now), now)
 
     def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
         """A connection went away; with the tenant's last one goes the token it held."""
@@ -269,14 +269,13 @@ class GpuTokens:
             log.info("token holder gone; passing the token on",
                      extra={"gpu": self.uuid, "allocation": allocation_id})
             now = self.clock()
-            self.scheduler.release(allocation_id, now)
-            self._publish(now)
+            self._apply(self.scheduler.release(allocation_id, now), now)
 
     # ---- keeping pages, connections and timers in line with the algorithm ----
 
-    def _publish(self, now: float) -> None:
+    def _apply(self, decision: Decision, now: float) -> None:
         while True:
-            grants = self.scheduler.grants
+            grants = decision.grants
             for tenant, old in list(self.published.items()):
                 new = grants.get(tenant)
                 slot = self.slots.get(tenant)
@@ -296,15 +295,19 @@ class GpuTokens:
                         None)
             if gone is not None:
                 # Granted to a tenant whose waiting connections all left: pass it on.
-                self.scheduler.release(gone.tenant, now)
+                decision = self.scheduler.release(gone.tenant, now)
                 continue
             for tenant, grant in grants.items():
                 if tenant not in self.published:
                     self._hand_over(grant, self.slots[tenant])
             break
-        self._update_gates()
-        self._arm_deadline(now)
-        self._arm_idle_check(now)
+        for grant in decision.revoked:
+            log.info("token revoked: not returned in time", extra={
+                "gpu": self.uuid, "allocation": grant.tenant, "generation": grant.generation,
+                "overrun_ms": round((now - grant.expires_at) * 1000, 3)})
+        self._update_gates(decision.needs_token)
+        self._arm_deadline(now, decision.wake_at)
+        self._arm_idle_check(now, holders=decision.grants)
 
     def _hand_over(self, grant: Grant, slot: TenantSlot) -> None:
         valid_until = to_ns(grant.expires_at)
@@ -326,8 +329,8 @@ class GpuTokens:
                                                "shared": grant.shared,
                                                "quota_ms": round(grant.quota * 1000, 3)})
 
-    def _update_gates(self) -> None:
-        gate = GATE_TOKEN if self.scheduler.needs_token() else GATE_OPEN
+    def _update_gates(self, needs_token: bool) -> None:
+        gate = GATE_TOKEN if needs_token else GATE_OPEN
         if gate == self._gate:
             return
         for slot in self.slots.values():
@@ -335,12 +338,11 @@ class GpuTokens:
                 slot.page.set_gate(gate)
         self._gate = gate
 
-    def _arm_deadline(self, now: float) -> None:
+    def _arm_deadline(self, now: float, deadline: float | None) -> None:
         """A timer that runs no later than the next deadline. One that runs earlier is kept:
         tick() is right at any time and `_on_deadline` arms the next, so a hand-off (whose
         deadline is later than its predecessor's) costs no timer, only an early tick now and
         then."""
-        deadline = self.scheduler.next_deadline(now)
         if self._deadline_timer is not None:
             if deadline is not None and self._deadline_fires <= deadline:
                 return
@@ -356,17 +358,7 @@ class GpuTokens:
         self._deadline_timer = None
         self._deadline_fires = math.inf
         now = self.clock()
-        holders = list(self.scheduler.grants.values())
-        revocations = [self.scheduler.tenants[g.tenant].revocations for g in holders]
-        self.scheduler.tick(now)
-        for holder, before in zip(holders, revocations, strict=True):
-            state = self.scheduler.tenants.get(holder.tenant)
-            if state is not None and state.revocations > before:
-                log.info("token revoked: not returned in time", extra={
-                    "gpu": self.uuid, "allocation": holder.tenant,
-                    "generation": holder.generation,
-                    "overrun_ms": round((now - holder.expires_at) * 1000, 3)})
-        self._publish(now)
+        self._apply(self.scheduler.tick(now), now)
 
     def _someone_else_waits(self, holder: Grant) -> bool:
         return any(t.waiting_since is not None for t in self.scheduler.tenants.values()
@@ -384,13 +376,14 @@ class GpuTokens:
         last_sync = -math.inf if sync is None else sync
         return max(last_launch, holder.granted_at), last_launch, last_sync
 
-    def _alone_holder(self) -> Grant | None:
+    def _alone_holder(self, grants: Mapping[str, Grant] | None = None) -> Grant | None:
         """The holder, when one tenant holds alone (co-holders' quotas bound any wait)."""
-        grants = self.scheduler.grants
+        grants = self.scheduler.grants if grants is None else grants
         return next(iter(grants.values())) if len(grants) == 1 else None
 
-    def _arm_idle_check(self, now: float, at: float | None = None) -> None:
-        holder = self._alone_holder()
+    def _arm_idle_check(self, now: float, at: float | None = None,
+                        holders: Mapping[str, Grant] | None = None) -> None:
+        holder = self._alone_holder(holders)
         if holder is None or not self._someone_else_waits(holder):
             self._cancel_idle_check()
             return
@@ -435,8 +428,7 @@ class GpuTokens:
             log.debug("idle holder releases early", extra={
                 "gpu": self.uuid, "allocation": holder.tenant,
                 "held_ms": round((now - holder.granted_at) * 1000, 3)})
-            self.scheduler.release(holder.tenant, now)
-            self._publish(now)
+            self._apply(self.scheduler.release(holder.tenant, now), now)
 
     def close(self) -> None:
         self._cancel_idle_check()
