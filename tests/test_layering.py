@@ -159,3 +159,69 @@ def test_shell_scripts_run_no_test_module() -> None:
         if path.is_file() and path not in python and path.read_bytes().startswith(b"#!"):
             assert not re.search(r"-m\s+tests\.", path.read_text()), (
                 f"{path.relative_to(REPO)} runs a module of tests/")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def file_cycles(sources: dict[str, str], packages: frozenset[str] = frozenset()) -> list[
+        list[str]]:
+    """Modules (name -> source) that import each other, directly or round a circle, imports
+    under TYPE_CHECKING included: each such circle is a seam in the wrong place. An import of
+    a package (its __init__, which may gather its modules' names) is not an edge."""
+    graph = {name: {t for t in imported_modules(source) if t in sources and t != name
+                    and t not in packages} for name, source in sources.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(name: str) -> None:   # Tarjan's strongly connected components
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            circle = []
+            while True:
+                member = stack.pop()
+                circle.append(member)
+                if member == name:
+                    break
+            if len(circle) > 1:
+                circles.append(sorted(circle))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return circles
+
+
+def product_sources() -> dict[str, str]:
+    return {module_name(p): p.read_text() for folder in PRODUCT
+            for p in python_files(REPO / folder) if p.suffix == ".py"
+            and "kubeletapi" not in p.parts}
+
+
+def product_packages() -> frozenset[str]:
+    return frozenset(module_name(p) for folder in PRODUCT
+                     for p in (REPO / folder).rglob("__init__.py"))
+
+
+def test_no_files_import_each_other() -> None:
+    assert file_cycles(product_sources(), product_packages()) == []
+
+
+def test_the_circle_check_sees_a_planted_back_import() -> None:
+    sources = product_sources()
+    back = "vgpu_runtime.daemon.channel.tokens"
+    sources["vgpu_runtime.daemon.channel.pages"] += (
+        "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        f"    from {back} import GpuTokens\n")
+    assert ["vgpu_runtime.daemon.channel.pages", back] in file_cycles(sources,
+                                                                      product_packages())
