@@ -648,6 +648,8 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
  *   value x SMs x threads per SM (FAKE_CUDA_SMS, default 132, x 2048: an H200), the malloc heap
  *   and the printf FIFO their value; the defaults (1 KiB, 8 MiB, 1 MiB) are part of the
  *   context's cost. A value the device cannot hold is CUDA_ERROR_OUT_OF_MEMORY.
+ *   FAKE_CUDA_REPORTED_SMS makes cuDeviceGetAttribute report another SM count than the one
+ *   the stack reservation uses (a driver that reserves more than its rule says).
  * - modules and libraries: a load reserves its image's globals (PTX text: each
  *   `.global <type> name[N]` declaration; "FAKEBIN <bytes>": an image no one else can read,
  *   as a compressed fatbin, reserving <bytes>) plus FAKE_CUDA_MODULE_BYTES (code, default 0);
@@ -680,7 +682,10 @@ EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
 EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     CALLED();
     if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
-    *value = attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT ? (int)fake_sms()
+    /* FAKE_CUDA_REPORTED_SMS: a driver whose reservation does not follow the rule it reports */
+    const char *reported = getenv("FAKE_CUDA_REPORTED_SMS");
+    uint64_t sms = reported ? strtoull(reported, NULL, 10) : fake_sms();
+    *value = attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT ? (int)sms
              : attribute == CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR ? (int)FAKE_SM_THREADS
              : 0;
     return CUDA_SUCCESS;
@@ -732,6 +737,10 @@ static uint64_t image_bytes(const char *image) {
     if (strncmp(image, "FAKEBIN ", 8) == 0) return total + strtoull(image + 8, NULL, 10);
     for (const char *p = strstr(image, ".global"); p != NULL; p = strstr(p + 7, ".global")) {
         if (p > image && p[-1] != ' ' && p[-1] != '\n' && p[-1] != '\t') continue;   /* ld.global */
+        const char *line = p;
+        while (line > image && line[-1] != '\n') line--;
+        const char *comment = strstr(line, "//"), *external = strstr(line, ".extern");
+        if ((comment != NULL && comment < p) || (external != NULL && external < p)) continue;
         const char *end = strchr(p, ';');
         if (end == NULL) break;
         uint64_t element = 0, count = 1;

@@ -7,10 +7,11 @@
  * (charges.c), and refused past the limit with CUDA_ERROR_OUT_OF_MEMORY:
  * 1. the globals read from the image (images.c) are reserved BEFORE the driver's call, so a
  *    module far past the limit is refused before the driver reserves anything;
- * 2. the call is measured (measure.c) and the charge settled to what it took, never below the
- *    globals; for an image read whole, the measurement may add at most the node's
- *    context_max_bytes (code and constants; device-wide readings see other processes), for
- *    one not read whole (a compressed fatbin) it is charged whole;
+ * 2. the call is measured (measure.c) and the charge settled to what it took (code, constants,
+ *    what the image hides: a compressed fatbin), never below the globals. The measurement is
+ *    not capped: a cap would let every load keep that much uncounted (a parser gap, many
+ *    modules). Device-wide readings see other processes: one allocating during the load is
+ *    charged to it, which errs towards refusing, never towards letting memory through;
  * 3. a settlement the daemon refuses unloads the module and returns the error.
  * Unloading releases the charge; so does the end of its context.
  *
@@ -79,8 +80,7 @@ static CUresult load_end(struct load *l, CUresult result, uint64_t handle,
     uint64_t charge = l->globals;
     if (measured) {
         uint64_t taken = l->free_before > free_after ? l->free_before - free_after : 0;
-        uint64_t most = l->understood ? l->globals + gm_setting_context_max_bytes() : UINT64_MAX;
-        charge = taken < l->globals ? l->globals : taken > most ? most : taken;
+        charge = taken < l->globals ? l->globals : taken;
     }
     if (charge > l->globals &&
         gm_reserve(l->gpu, GM_MEM_DEVICE, charge - l->globals) != CUDA_SUCCESS) {
@@ -95,8 +95,9 @@ static CUresult load_end(struct load *l, CUresult result, uint64_t handle,
         gm_warn("out of host memory to book a module's %llu bytes; they stay charged until "
                 "exit", (unsigned long long)charge);
     gm_measure_unlock();
-    gm_debug("module %llx charged %llu bytes (globals %llu)", (unsigned long long)handle,
-             (unsigned long long)charge, (unsigned long long)l->globals);
+    gm_debug("module %llx charged %llu bytes (globals %llu%s)", (unsigned long long)handle,
+             (unsigned long long)charge, (unsigned long long)l->globals,
+             l->understood ? "" : ", image not read whole");
     return CUDA_SUCCESS;
 }
 
