@@ -202,7 +202,8 @@ def test_an_image_the_hook_cannot_read_is_measured_and_unloaded_past_the_limit(
         before = used()
         out = {"rc": lib.cuModuleLoadFatBinary(ctypes.byref(module), image),
                "left": used() - before, "held": held(),
-               "loads": calls(lib, "cuModuleLoadFatBinary"), "unloads": calls(lib, "cuModuleUnload")}
+               "loads": calls(lib, "cuModuleLoadFatBinary"),
+               "unloads": calls(lib, "cuModuleUnload")}
         print(json.dumps(out))
     """)
     assert result["rc"] == OOM and result["loads"] == 1 and result["unloads"] == 1
