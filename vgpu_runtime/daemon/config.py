@@ -96,6 +96,13 @@ class DaemonConfig:
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "
         "an error frame", cfg.integer(1, 1_000_000), "N")
+    connect_rate: float = cfg.setting(
+        50.0, "new connections per second one allocation may open, after connect_burst at "
+        "once; past it a connection is refused with an error frame (0: no limit)",
+        cfg.number(0, 1_000_000), "PER_SECOND")
+    connect_burst: int = cfg.setting(
+        200, "connections one allocation may open at once before connect_rate applies",
+        cfg.integer(1, 1_000_000), "N")
     client_send_buffer: int = cfg.setting(
         64 * 1024, "bytes of replies queued to one client that is not reading (its frames in "
         "flight); past it the daemon waits up to client_write_timeout", cfg.integer(

@@ -133,6 +133,7 @@ class Session(Waiter):
         self.reader = reader
         self.writer = writer
         self.peer = peer
+        self.log_level = logging.INFO   # DEBUG when the channel summarises a flood (reconnects.py)
         # True only while the task waits in its read with nothing left over: then a chunk's
         # token frames may be served as they arrive (TokenFastPath), in order.
         self.reading_idle = False
@@ -170,7 +171,7 @@ class Session(Waiter):
                 "peer_uid": self.peer.uid, "peer_gid": self.peer.gid, **more}
 
     async def run(self) -> None:
-        log.info("client connected", extra=self._log_fields())
+        log.log(self.log_level, "client connected", extra=self._log_fields())
         try:
             await self._serve()
         except ProtocolError as err:
@@ -200,7 +201,7 @@ class Session(Waiter):
                 await asyncio.wait_for(self.writer.wait_closed(),
                                        self.channel.tokens.config.client_write_timeout)
             self.writer.transport.abort()   # nothing left to flush, or a client that never read
-            log.info("client disconnected", extra=self._log_fields(
+            log.log(self.log_level, "client disconnected", extra=self._log_fields(
                 used=[self.channel.ledger.used(g) for g in range(self.channel.ledger.gpu_count)]))
 
     async def _serve(self) -> None:
@@ -351,8 +352,8 @@ class Session(Waiter):
                 log.warning("cannot open the pages for a hook; it will ask for every launch",
                             extra=self._log_fields(error=str(err)))
             reply.page_fds = len(fds)
-        log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid, version=version,
-                                                 pages_passed=len(fds)))
+        log.log(self.log_level, "hello", extra=self._log_fields(
+            hello_pid=self.hello_pid, version=version, pages_passed=len(fds)))
         try:
             if fds:
                 self._send_with_fds(wire.encode(reply), fds)
