@@ -265,6 +265,20 @@ class AllocationChannel:
             meter = self._connect_meter = ConnectMeter(config.connect_rate, config.connect_burst)
         return meter
 
+    def _watch_summary(self) -> None:
+        """Some connection went unlogged: its window's summary comes when the window ends."""
+        if self._meter().summarising and self._summary_timer is None:
+            self._summary_timer = asyncio.get_running_loop().call_later(
+                WINDOW_SECONDS, self._summarise_connections)
+
+    def _refuse(self, writer: asyncio.StreamWriter, level: int, why: str, reason: str,
+                **fields: Any) -> None:
+        log.log(logging.WARNING if level == logging.INFO else level, "refusing client: %s", why,
+                extra={"allocation": self.record.id, "connections": len(self.sessions),
+                       **fields})
+        self._watch_summary()
+        refuse(writer, reason)
+
     def _summarise_connections(self) -> None:
         """The end of a window in which connections went unlogged: one line for all of them."""
         self._summary_timer = None
@@ -277,16 +291,10 @@ class AllocationChannel:
         meter = self._meter()
         if meter.window_over() and self._summary_timer is None:
             self._summarise_connections()
-        admitted = meter.admit()
-        level = meter.log_level()
-        if meter.summarising and self._summary_timer is None:
-            self._summary_timer = asyncio.get_running_loop().call_later(
-                WINDOW_SECONDS, self._summarise_connections)
-        if not admitted:
-            log.log(level, "refusing client: reconnecting too fast", extra={
-                "allocation": self.record.id, "connections": len(self.sessions)})
-            refuse(writer, f"allocation {self.record.id} opens more than "
-                           f"{meter.rate:g} connections a second (connect_rate)")
+        if not meter.admit():
+            self._refuse(writer, meter.log_level(refused=True), "reconnecting too fast",
+                         f"allocation {self.record.id} opens more than {meter.rate:g} "
+                         "connections a second (connect_rate)")
             return
         try:
             peer = peer_cred(writer.get_extra_info("socket"))
@@ -297,12 +305,11 @@ class AllocationChannel:
         config = self.tokens.config
         refusal = self._refusal(peer)
         if refusal is not None:
-            log.log(logging.WARNING if level == logging.INFO else level, "refusing client: %s",
-                    refusal, extra={
-                "allocation": self.record.id, "peer_pid": peer.pid, "peer_uid": peer.uid,
-                "connections": len(self.sessions)})
-            refuse(writer, refusal)
+            self._refuse(writer, meter.log_level(refused=True), refusal, refusal,
+                         peer_pid=peer.pid, peer_uid=peer.uid)
             return
+        level = meter.log_level()
+        self._watch_summary()
         writer.transport.set_write_buffer_limits(high=config.client_send_buffer)
         session = Session(self, reader, writer, peer)
         session.log_level = level

@@ -8,9 +8,9 @@ Per allocation, a token bucket on accept: `connect_burst` connections at once, t
 backoff (10 ms doubling to 500 ms) finds room again within a fraction of a second. A container
 that starts many processes at once fits in the burst.
 
-The log: the first `LOGGED_PER_WINDOW` connections (and refusals) of an allocation in each
-10 s window are logged one by one, as before; past that they are counted, and one line says
-"N connections in the last 10 s" with how many were refused, at the end of the window.
+The log: the first `LOGGED_PER_WINDOW` connections, and as many refusals, of an allocation in
+each 10 s window are logged one by one, as before; past that they are counted, and one line
+says "N connections in the last 10 s" with how many were refused, at the end of the window.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class ConnectMeter:
         self.tokens = float(burst)
         self.refilled_at = clock()
         self.window_start = self.refilled_at
-        self.connections = self.refused = self.logged = 0
+        self.connections = self.refused = self.unlogged = 0
+        self.logged = {False: 0, True: 0}   # connections served, refusals
         self.refused_total = 0
 
     def admit(self) -> bool:
@@ -48,18 +49,19 @@ class ConnectMeter:
         self.refused_total += 1
         return False
 
-    def log_level(self) -> int:
-        """INFO for a connection (or refusal) still logged one by one in this window, else
+    def log_level(self, refused: bool = False) -> int:
+        """INFO for a connection (or a refusal) still logged one by one in this window, else
         DEBUG: it is in the window's summary."""
-        if self.logged < LOGGED_PER_WINDOW:
-            self.logged += 1
+        if self.logged[refused] < LOGGED_PER_WINDOW:
+            self.logged[refused] += 1
             return logging.INFO
+        self.unlogged += 1
         return logging.DEBUG
 
     @property
     def summarising(self) -> bool:
         """Some connection of this window is told only in its summary."""
-        return self.logged >= LOGGED_PER_WINDOW
+        return self.unlogged > 0
 
     def window_over(self) -> bool:
         return self.clock() - self.window_start >= WINDOW_SECONDS
@@ -71,7 +73,8 @@ class ConnectMeter:
             seconds = max(self.clock() - self.window_start, WINDOW_SECONDS)
             summary = (f"{self.connections} connections in the last {seconds:.0f} s, "
                        f"{self.refused} refused (connect_rate), "
-                       f"{self.connections - LOGGED_PER_WINDOW} not logged one by one")
+                       f"{self.unlogged} not logged one by one")
         self.window_start = self.clock()
-        self.connections = self.refused = self.logged = 0
+        self.connections = self.refused = self.unlogged = 0
+        self.logged = {False: 0, True: 0}
         return summary

@@ -6,6 +6,9 @@
  * undo (a limit set lower, an unload) or with its context (destroy, last primary release,
  * reset), which takes every charge of that context with it.
  *
+ * A limit's entry also keeps its base: what the limit held when the hook first saw it, which
+ * the context's own charge already measured.
+ *
  * A plain array under one mutex: these calls are rare (a few per context), never on a launch.
  */
 #include <stdlib.h>
@@ -17,18 +20,20 @@ static struct charge {
     uint64_t handle;
     uint32_t what, gpu;
     CUcontext ctx;
-    uint64_t bytes;
+    uint64_t bytes, base;
 } *charges;
 static size_t count, capacity;
 
 /* Books a charge already reserved; -1 (nothing booked) when out of host memory. */
-int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64_t bytes) {
+int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64_t bytes,
+                  uint64_t base) {
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < count; i++) {
         if (charges[i].what == what && charges[i].handle == handle) {
             charges[i].ctx = ctx;
             charges[i].gpu = (uint32_t)gpu;
             charges[i].bytes = bytes;
+            charges[i].base = base;
             pthread_mutex_unlock(&lock);
             return 0;
         }
@@ -43,13 +48,15 @@ int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64
         charges = grown;
         capacity = grown_capacity;
     }
-    charges[count++] = (struct charge){handle, what, (uint32_t)gpu, ctx, bytes};
+    charges[count++] = (struct charge){handle, what, (uint32_t)gpu, ctx, bytes, base};
     pthread_mutex_unlock(&lock);
     return 0;
 }
 
-/* What (what, handle) is charged, taken out of the table; 0 when nothing is. */
-uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx) {
+/* What (what, handle) is charged, taken out of the table; 0 when nothing is. *base (if not
+ * NULL) gets the base booked with it, and stays as it was when there is no entry. */
+uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx,
+                        uint64_t *base) {
     uint64_t bytes = 0;
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < count; i++) {
@@ -57,6 +64,7 @@ uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx
             bytes = charges[i].bytes;
             *gpu = (int)charges[i].gpu;
             if (ctx != NULL) *ctx = charges[i].ctx;
+            if (base != NULL) *base = charges[i].base;
             charges[i] = charges[--count];
             break;
         }

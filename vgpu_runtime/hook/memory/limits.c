@@ -8,7 +8,9 @@
  *   know yet (a later CUDA's): sized by the driver alone.
  *
  * Each is charged to the container as GM_MEM_DEVICE (booked per context and limit in
- * charges.c) and refused past the limit with CUDA_ERROR_OUT_OF_MEMORY, the driver's own error:
+ * charges.c) and refused past the limit with CUDA_ERROR_OUT_OF_MEMORY, the driver's own error.
+ * What the limit held when the hook first saw it (the default 1 KiB stack: 264 MiB on an H200)
+ * is in the context's measured charge already, so only more than that is charged:
  * 1. the driver's rule above (the estimate) is reserved BEFORE the call, so a value far past
  *    the limit is refused before the driver reserves anything;
  * 2. the call is measured (measure.c) and the charge settled to what it took, never below the
@@ -58,9 +60,8 @@ static int settle(int gpu, uint64_t from, uint64_t to) {
     return 0;
 }
 
-static void book(CUcontext ctx, CUlimit limit, int gpu, uint64_t bytes) {
-    if (bytes == 0) return;
-    if (gm_charge_put(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx, ctx, gpu, bytes) < 0)
+static void book(CUcontext ctx, CUlimit limit, int gpu, uint64_t bytes, uint64_t base) {
+    if (gm_charge_put(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx, ctx, gpu, bytes, base) < 0)
         gm_warn("out of host memory to book a context limit's %llu bytes; they stay charged "
                 "until exit", (unsigned long long)bytes);
 }
@@ -77,17 +78,22 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     size_t old = 0;
     if (GM_REAL(cuCtxGetLimit)(&old, limit) != CUDA_SUCCESS)
         return GM_REAL(cuCtxSetLimit)(limit, value);   /* no such limit: the driver refuses it */
-    uint64_t rule = estimate(limit, value, dev);
     gm_measure_lock();
     int charged_gpu = gpu;
+    /* The base: what the rule gives the value the context had when the hook first saw this
+     * limit. The context's own charge measured that much already; only more is charged. */
+    uint64_t base = UINT64_MAX;
     uint64_t before_call = gm_charge_take(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx,
-                                          &charged_gpu, NULL);
-    uint64_t held = before_call > rule ? before_call : rule;
+                                          &charged_gpu, NULL, &base);
+    if (base == UINT64_MAX) base = estimate(limit, old, dev);
+    uint64_t rule = estimate(limit, value, dev);
+    uint64_t floor = rule > base ? rule - base : 0;   /* the least the new value costs */
+    uint64_t held = before_call > floor ? before_call : floor;
     if (settle(gpu, before_call, held) < 0) {   /* refused before the driver reserves anything */
-        book(ctx, limit, gpu, before_call);
+        book(ctx, limit, gpu, before_call, base);
         gm_measure_unlock();
-        gm_debug("stack/heap limit %d = %zu (%llu bytes) refused", limit, value,
-                 (unsigned long long)rule);
+        gm_debug("context limit %d = %zu (%llu bytes) refused before setting", limit, value,
+                 (unsigned long long)floor);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     struct gm_reading reading = GM_READING_INIT;
@@ -99,29 +105,29 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     gm_free_done(&reading);
     if (result != CUDA_SUCCESS) {
         settle(gpu, held, before_call);
-        book(ctx, limit, gpu, before_call);
+        book(ctx, limit, gpu, before_call, base);
         gm_measure_unlock();
         return result;
     }
-    uint64_t charge = rule;
+    uint64_t charge = floor;
     if (measured) {
         /* What the limit holds now: what it held (as charged) plus what the call took. */
         int64_t taken = (int64_t)(free_before - free_after);
         uint64_t total = taken < 0 && (uint64_t)(-taken) > before_call
                              ? 0 : before_call + (uint64_t)taken;
-        uint64_t most = rule > 0 ? rule + gm_setting_context_max_bytes() : UINT64_MAX;
-        charge = total < rule ? rule : total > most ? most : total;
+        uint64_t most = rule > 0 ? floor + gm_setting_context_max_bytes() : UINT64_MAX;
+        charge = total < floor ? floor : total > most ? most : total;
     }
     if (settle(gpu, held, charge) < 0) {
         GM_REAL(cuCtxSetLimit)(limit, old);   /* past the limit: give the memory back */
         settle(gpu, held, before_call);
-        book(ctx, limit, gpu, before_call);
+        book(ctx, limit, gpu, before_call, base);
         gm_measure_unlock();
         gm_debug("context limit %d = %zu took %llu bytes: past the memory limit, set back to %zu",
                  limit, value, (unsigned long long)charge, old);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    book(ctx, limit, gpu, charge);
+    book(ctx, limit, gpu, charge, base);
     gm_measure_unlock();
     gm_debug("context limit %d = %zu charged %llu bytes", limit, value,
              (unsigned long long)charge);
