@@ -359,3 +359,34 @@ def test_a_legacy_launch_waits_for_the_token(hooked: Hooked, node: DaemonNode, c
     """, node.env())
     assert result["kernel_launches"] == 50
     assert result["token_requests"] >= 1
+
+
+def test_the_primary_contexts_last_release_takes_its_limits_and_modules_charges(
+        hooked: Hooked, node: DaemonNode) -> None:
+    result = load(hooked, node, ptx(("g", ".b8", 200 * MiB)), """
+        lib.cuCtxDestroy_v2(ctx)                                # only the primary context now
+        primary = ctypes.c_void_p()
+        assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), 0) == 0
+        assert lib.cuCtxSetCurrent(primary) == 0
+        out = {"heap": set_limit(2, 100 << 20),
+               "module": lib.cuModuleLoadData(ctypes.byref(module), image), "held": held()}
+        out["release"] = lib.cuDevicePrimaryCtxRelease_v2(0)
+        out["held_after"] = held()
+        print(json.dumps(out))
+    """)
+    assert result["heap"] == 0 and result["module"] == 0
+    assert result["held"] == 92 * MiB + 200 * MiB             # heap above its 8 MiB default
+    assert result["release"] == 0 and result["held_after"] == 0
+
+
+def test_a_library_that_fits_is_charged_to_the_current_context_until_unloaded(
+        hooked: Hooked, node: DaemonNode) -> None:
+    result = load(hooked, node, ptx(("g", ".b16", 100 * MiB)), """
+        library = ctypes.c_void_p()
+        out = {"rc": lib.cuLibraryLoadData(ctypes.byref(library), image, None, None, 0, None,
+                                           None, 0), "held": held()}
+        out["unload"] = lib.cuLibraryUnload(library)
+        out["held_after"] = held()
+        print(json.dumps(out))
+    """)
+    assert result == {"rc": 0, "held": 200 * MiB, "unload": 0, "held_after": 0}
