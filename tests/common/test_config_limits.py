@@ -1,4 +1,4 @@
-"""Hostile configuration files (issue 28, A4): alias bombs, huge files and huge values are
+"""Hostile configuration files: alias bombs, huge files and huge values are
 refused at once with a short message, by the library and by the programs that read them."""
 
 from __future__ import annotations

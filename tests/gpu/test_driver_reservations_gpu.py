@@ -1,4 +1,4 @@
-"""Issue 28 A1-A3 on the H200 (marked gpu): under `gemini-run --memory 4GiB`, memory the driver
+"""Memory the driver reserves outside allocation calls, on the H200 (marked gpu): under `gemini-run --memory 4GiB`, memory the driver
 reserves outside allocation calls is refused past the limit, and NVML never sees the process
 hold more than the limit plus TOLERANCE.
 

@@ -1,4 +1,4 @@
-"""Memory the driver reserves outside allocation calls (issue 28, A1-A3), attacked through the
+"""Memory the driver reserves outside allocation calls (RELIABILITY.md, A1-A3), attacked through the
 fake libcuda, which reserves it as the real driver does: context limits, module and library
 loads, graph memory nodes added by hand. And the legacy launches, which run kernels.
 

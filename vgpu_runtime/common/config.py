@@ -50,7 +50,7 @@ DEPRECATED_FLAT_FILE = (
 T = TypeVar("T")
 Parser = Callable[[Any], Any]
 
-# Hostile files (issue 28, A4): a 404-byte file of nested YAML aliases expanded to billions of
+# Hostile files: a 404-byte file of nested YAML aliases expanded to billions of
 # nodes when an error message printed the value, and killed the program. A file is read only
 # up to MAX_FILE_BYTES; its aliases may expand it to at most MAX_EXPANDED_NODES nodes; an
 # error quotes at most QUOTE_CHARS of a value.

@@ -1,5 +1,5 @@
-"""How fast one allocation may open connections, and what the log says about them (issue 28,
-A5: a client reconnecting in a loop made the daemon log three lines per attempt, 1.25 MB/s, and
+"""How fast one allocation may open connections, and what the log says about them (a
+client reconnecting in a loop made the daemon log three lines per attempt, 1.25 MB/s, and
 cost other tenants milliseconds of token latency).
 
 Per allocation, a token bucket on accept: `connect_burst` connections at once, then

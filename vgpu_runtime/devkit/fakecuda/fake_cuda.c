@@ -642,7 +642,7 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
     return CUDA_SUCCESS;
 }
 
-/* ================= issue 28: memory the driver reserves outside allocation calls ==========
+/* ================= memory the driver reserves outside allocation calls ====================
  * As the real driver does it, so the hook's tests can attack it:
  * - context limits (cuCtxSetLimit/cuCtxGetLimit, per device): CU_LIMIT_STACK_SIZE reserves
  *   value x SMs x threads per SM (FAKE_CUDA_SMS, default 132, x 2048: an H200), the malloc heap

@@ -83,7 +83,7 @@ CUresult cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
 
 /* ---- the legacy launches (before CUDA 4.0, still exported by CUDA 13): the function's
  * block shape and parameters were set beforehand (cuFuncSetBlockShape, cuParamSet*); the
- * launch itself runs a kernel, so it waits for the token like any other (issue 28, A3). ---- */
+ * launch itself runs a kernel, so it waits for the token like any other. ---- */
 
 #define LEGACY(which, function, w, h) \
     {.call = (which), .f = (function), .width = (w), .height = (h)}

@@ -2,7 +2,7 @@
  * graphs.c: graph memory nodes, added by hand (cuGraphAddMemAllocNode) or captured from
  * cuMemAllocAsync. The driver takes their memory from the device's graph pool when the graph
  * is launched or uploaded, in no allocation call; pools.c measures the pool after each launch
- * (MEM_SET GM_MEM_GRAPH) but cannot refuse what has run (issue 28, A3).
+ * (MEM_SET GM_MEM_GRAPH) but cannot refuse what has run.
  *
  * So each executable graph's need is read when it is instantiated: the sizes of its memory
  * nodes per device, child graphs included. A launch or upload whose need is more than the

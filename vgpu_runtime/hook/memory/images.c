@@ -1,7 +1,7 @@
 /*
  * images.c: how much device memory a module image's global variables take, read from the
  * image itself, before the driver loads it (so a module far past the limit is refused before
- * the driver reserves anything, issue 28 A2). The driver's call is measured as well
+ * the driver reserves anything). The driver's call is measured as well
  * (modules.c); this reading is the part no measurement noise can hide.
  *
  * - PTX text: every module-scope `.global` declaration (not `.extern`): element size x vector

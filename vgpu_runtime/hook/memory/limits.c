@@ -2,7 +2,7 @@
  * limits.c: cuCtxSetLimit. Several context limits are device memory that the driver reserves
  * at once, in no allocation call:
  * - CU_LIMIT_STACK_SIZE: the stack of every thread the device can hold resident, value x SMs
- *   x threads per SM (256 KiB took 66 GiB on an H200: issue 28, A1);
+ *   x threads per SM (256 KiB took 66 GiB on an H200, past a 4 GiB limit);
  * - CU_LIMIT_MALLOC_HEAP_SIZE and CU_LIMIT_PRINTF_FIFO_SIZE: their value;
  * - the device runtime's sync depth and pending launch count, and limits this table does not
  *   know yet (a later CUDA's): sized by the driver alone.

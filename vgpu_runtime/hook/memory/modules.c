@@ -1,7 +1,7 @@
 /*
  * modules.c: loading modules and libraries. A load reserves device memory the driver sizes
  * itself: the image's global variables (a PTX `.global` array of 4 GiB took 4 GiB past a
- * 4 GiB limit, uncounted: issue 28 A2), its code and constants.
+ * 4 GiB limit, uncounted), its code and constants.
  *
  * Each load is charged to the container as GM_MEM_DEVICE, booked with its context
  * (charges.c), and refused past the limit with CUDA_ERROR_OUT_OF_MEMORY:
