@@ -1,5 +1,6 @@
-"""Attacks on the memory limit and the token through the real driver, through its API by ctypes; run UNDER the hook (by
-tests/gpu/test_driver_reservations_gpu.py, inside `gemini-run --memory 4GiB`).
+"""Attacks on the memory limit and the token through the real driver's API (ctypes); run
+UNDER the hook (by tests/gpu/test_driver_reservations_gpu.py, inside `gemini-run --memory
+4GiB`).
 
     python -m tests.gpu.driver_probe [CUBIN FATBIN COMPRESSED_FATBIN]
 

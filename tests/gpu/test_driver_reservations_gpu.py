@@ -1,6 +1,6 @@
-"""Memory the driver reserves outside allocation calls, on the H200 (marked gpu): under `gemini-run --memory 4GiB`, memory the driver
-reserves outside allocation calls is refused past the limit, and NVML never sees the process
-hold more than the limit plus TOLERANCE.
+"""Memory the driver reserves outside allocation calls, on the H200 (marked gpu): under
+`gemini-run --memory 4GiB` it is refused past the limit, and NVML never sees the process hold
+more than the limit plus TOLERANCE.
 
 The real node daemon runs on a temporary state directory; gemini-run runs
 tests/gpu/driver_probe.py, which attacks through the driver API (ctypes) while a thread samples

@@ -156,6 +156,10 @@ class DaemonConfig:
     process_memory_file: str | None = cfg.setting(
         None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
         "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
+    over_limit_tolerance: int = cfg.setting(
+        64 << 20, "bytes an allocation may hold past its memory limit, by the per-process "
+        "figures, before the daemon reports the process that holds more than the hook declared",
+        cfg.size, "SIZE")
     # ---- the hooks' enforcement settings (sent in every hello reply) ----
     interposer_token_timeout: float = cfg.setting(
         30.0, "seconds a launch waits for a token grant before the hook gates itself at its "

@@ -82,6 +82,9 @@ class AllocationChannel:
         self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.memory_refusals = [0] * len(terms)
+        # Per GPU: the process reported past the limit (over_limit_observed), and how often.
+        self.over_limit: dict[int, dict[str, Any]] = {}
+        self.over_limit_reports = [0] * len(terms)
         self._connect_meter: ConnectMeter | None = None   # made at the first accept
         self._summary_timer: asyncio.TimerHandle | None = None
         # A kubelet allocation is bound once the daemon has its pod binding (pods.py finds the
@@ -219,6 +222,30 @@ class AllocationChannel:
     def usage_report(self, gpu: int, start: float, end: float) -> None:
         if self.token_gpus:
             self.token_gpus[gpu].observe_burst(self.record.id, start, end)
+
+    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None:
+        """After a per-process reading charged `session`'s process: where the allocation now
+        holds more than its limit plus over_limit_tolerance, the memory went past the hook (a
+        path it does not see: another API, an old ABI, a static driver). Reported once when it
+        goes over, naming the process, what it holds, what it declared and the limit; once
+        more when it is back within."""
+        used, limit = self.ledger.used(gpu), self.ledger.limit(gpu)
+        over = used > limit + self.tokens.config.over_limit_tolerance
+        if over and gpu not in self.over_limit:
+            declared = sum(amount for (g, kind), amount in self.ledger.holdings(session).items()
+                           if g == gpu and kind != wire.const("GM_MEM_CONTEXT"))
+            report = {"pid": session.peer.pid, "process_bytes": process_bytes,
+                      "declared_bytes": declared, "used": used, "limit": limit}
+            self.over_limit[gpu] = report
+            self.over_limit_reports[gpu] += 1
+            log.warning("a process holds GPU memory the hook did not declare: the allocation is "
+                        "past its memory limit", extra={"allocation": self.record.id, "gpu": gpu,
+                                                        **report})
+        elif not over and used <= limit and gpu in self.over_limit:
+            report = self.over_limit.pop(gpu)
+            log.info("the allocation is within its memory limit again", extra={
+                "allocation": self.record.id, "gpu": gpu, "pid": report["pid"], "used": used,
+                "limit": limit})
 
     def connection_closed(self, session: Session) -> None:
         last = not (self.sessions - {session})
@@ -373,7 +400,9 @@ class AllocationChannel:
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
                       "share_ppm": e.share_ppm, "limit_ppm": e.limit_ppm, "limit": e.limit,
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
-                      "memory_refusals": self.memory_refusals[i]}
+                      "memory_refusals": self.memory_refusals[i],
+                      "over_limit": self.over_limit.get(i),
+                      "over_limit_reports": self.over_limit_reports[i]}
                      for i, (g, e) in enumerate(zip(record.gpus, self.terms, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
             "connects_refused": (0 if self._connect_meter is None

@@ -414,6 +414,8 @@ class Session(Waiter):
                 log.debug("context charge", extra=self._log_fields(
                     gpu=gpu, source=source if after is not None else "hook", charge=after,
                     process_total=total, used=ledger.used(gpu)))
+            if total is not None:
+                self.channel.over_limit_observed(self, gpu, total)
         self.process_memory_source = source if self.process_memory else "hook"
 
     async def _memory(self, frame: Any) -> None:
