@@ -129,7 +129,7 @@ def read_named(source_dir: str, name: str) -> bytes:
         raise Unusable("ConfigNotFound", f"{path} leads out of {source_dir}")
     try:
         with open(path, "rb") as handle:
-            payload = handle.read()
+            payload = handle.read(cfg.MAX_FILE_BYTES + 1)   # more is refused by the check below
     except FileNotFoundError:
         known = sorted(n[:-5] for n in os.listdir(source_dir) if n.endswith(".yaml")
                        and not n.startswith("."))
@@ -161,8 +161,9 @@ def convert(plugin_path: str, scheduler_path: str) -> dict[str, Any]:
         for key, value in data.items():
             if key in shared:
                 if key in node and node[key] != value:
-                    raise cfg.ConfigError(f"{path}: {key} is {value!r} here but {node[key]!r} in "
-                                          f"{plugin_path}; the node has one value")
+                    raise cfg.ConfigError(f"{path}: {key} is {cfg.quote(value)} here but "
+                                          f"{cfg.quote(node[key])} in {plugin_path}; the node "
+                                          "has one value")
                 node[key] = value
             else:
                 own[key] = value

@@ -45,7 +45,9 @@ def daemon_with_bystander(
     root = Path(tempfile.mkdtemp(prefix="gm-"))   # short: socket paths must fit 107 bytes
     state_dir = root / "state"
     state_dir.mkdir()
-    daemon = DaemonProcess(state_dir).wait_ready()
+    # Hostile clients here open hundreds of connections a second on the one allocation on
+    # purpose (a connection per case): no connect rate (tests/security/test_reconnects.py).
+    daemon = DaemonProcess(state_dir, "--connect-rate", "0").wait_ready()
     path = wait_served(make_record(state_dir))
     bystander = client.ChannelClient(path)
     bystander.hello()

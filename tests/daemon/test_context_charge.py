@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.telemetry.metrics import render
 
 C = wire.const
 CONTEXT, POOL = C("GM_MEM_CONTEXT"), C("GM_MEM_POOL")
@@ -194,6 +196,7 @@ def test_two_connections_of_one_process_are_charged_once(charged: DaemonProcess,
 CHILD = textwrap.dedent("""
     import os, sys
     from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.telemetry.metrics import render
     with ChannelClient(sys.argv[1]) as client:
         client.hello()
         client.reserve(0, int(sys.argv[2]))
@@ -317,3 +320,38 @@ def test_bad_settings_stop_start_up_naming_the_field(state_dir: Path, args: list
                            str(state_dir), *args], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_process_past_the_limit_by_undeclared_memory_is_reported_once(
+        charged: DaemonProcess, state_dir: Path, figures: FigureFile) -> None:
+    """NVML reconciliation for a connected process: its figure takes the allocation past the
+    limit plus over_limit_tolerance (64 MiB) with memory the hook never declared (another API,
+    an old entry point): one warning naming the pid, what it holds, what it declared and the
+    limit, a count for the metric, and one line when it is back within."""
+    record = make_record(state_dir, gpus=((UUID_A, 1000 * MiB, 0.5),))
+    me = os.getpid()
+    with ChannelClient(wait_served(record)) as client:
+        client.hello()
+        assert client.reserve(0, 300 * MiB).granted
+        figures.write({UUID_A: {me: 1050 * MiB}})       # within the tolerance: not reported
+        wait_used(charged, record, 1050 * MiB)
+        time.sleep(SEVERAL_READINGS)
+        assert charged.allocation(record.id)["gpus"][0]["over_limit"] is None
+        figures.write({UUID_A: {me: 1500 * MiB}})       # 1.2 GiB the hook never saw
+        wait_for(lambda: charged.allocation(record.id)["gpus"][0]["over_limit"] is not None,
+                 5.0, "the report")
+        time.sleep(SEVERAL_READINGS)                    # several readings: still one report
+        gpu = charged.allocation(record.id)["gpus"][0]
+        assert gpu["over_limit"] == {"pid": me, "process_bytes": 1500 * MiB,
+                                     "declared_bytes": 300 * MiB, "used": 1500 * MiB,
+                                     "limit": 1000 * MiB}
+        assert gpu["over_limit_reports"] == 1
+        assert charged.logs().count("the hook did not declare") == 1
+        exposition = render(charged.status()).decode()
+        assert re.search(rf'gemini_vgpu_memory_over_limit_reports_total{{[^}}]*allocation="'
+                         rf'{record.id}"[^}}]*}} 1\.0', exposition), exposition
+        figures.write({UUID_A: {me: 400 * MiB}})
+        wait_for(lambda: charged.allocation(record.id)["gpus"][0]["over_limit"] is None, 5.0,
+                 "back within the limit")
+        assert charged.allocation(record.id)["gpus"][0]["over_limit_reports"] == 1
+        assert "within its memory limit again" in charged.logs()

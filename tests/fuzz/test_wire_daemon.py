@@ -58,7 +58,9 @@ def node() -> Iterator[Node]:
     root = Path(tempfile.mkdtemp(prefix="gz-"))
     state_dir = root / "s"
     state_dir.mkdir()
-    daemon = DaemonProcess(state_dir).wait_ready()
+    # A hostile session per case, hundreds a second on one allocation: no connect rate here
+    # (it has its own test, tests/security/test_reconnects.py).
+    daemon = DaemonProcess(state_dir, "--connect-rate", "0").wait_ready()
     hostile = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5), (UUID_C, 50 * MiB, 0.3)))
     bystander = make_record(state_dir, gpus=((UUID_B, 100 * MiB, 0.5),))
     wait_served(hostile)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -49,6 +50,25 @@ DEPRECATED_FLAT_FILE = (
 T = TypeVar("T")
 Parser = Callable[[Any], Any]
 
+# Hostile files: a 404-byte file of nested YAML aliases expanded to billions of
+# nodes when an error message printed the value, and killed the program. A file is read only
+# up to MAX_FILE_BYTES; its aliases may expand it to at most MAX_EXPANDED_NODES nodes; an
+# error quotes at most QUOTE_CHARS of a value.
+MAX_FILE_BYTES = 1 << 20
+MAX_EXPANDED_NODES = 100_000
+QUOTE_CHARS = 80
+_QUOTER = reprlib.Repr()
+_QUOTER.maxlevel = 2
+_QUOTER.maxdict = _QUOTER.maxlist = _QUOTER.maxtuple = _QUOTER.maxset = 4
+_QUOTER.maxstring = _QUOTER.maxother = _QUOTER.maxlong = QUOTE_CHARS
+
+
+def quote(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut to a short prefix, at a cost that
+    does not grow with the value (nested lists and mappings are not walked past two levels)."""
+    shown = _QUOTER.repr(value)
+    return shown if len(shown) <= QUOTE_CHARS else shown[:QUOTE_CHARS - 3] + "..."
+
 
 class ConfigError(ValueError):
     """A setting is malformed; the message names the field and its source."""
@@ -73,11 +93,11 @@ def _identity(value: Any) -> Any:
 def integer(minimum: int | None = None, maximum: int | None = None) -> Parser:
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(f"expected an integer, got {value!r}")
+            raise ValueError(f"expected an integer, got {quote(value)}")
         try:
             number = int(value)
         except ValueError:
-            raise ValueError(f"expected an integer, got {value!r}") from None
+            raise ValueError(f"expected an integer, got {quote(value)}") from None
         if minimum is not None and number < minimum:
             raise ValueError(f"must be at least {minimum}, got {number}")
         if maximum is not None and number > maximum:
@@ -89,11 +109,11 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Parser:
 def number(minimum: float | None = None, maximum: float | None = None) -> Parser:
     def parse(value: Any) -> float:
         if isinstance(value, bool):
-            raise ValueError(f"expected a number, got {value!r}")
+            raise ValueError(f"expected a number, got {quote(value)}")
         try:
             result = float(value)
         except (TypeError, ValueError, OverflowError):  # OverflowError: a huge YAML integer
-            raise ValueError(f"expected a number, got {value!r}") from None
+            raise ValueError(f"expected a number, got {quote(value)}") from None
         if result != result:  # NaN
             raise ValueError("expected a number, got NaN")
         if minimum is not None and result < minimum:
@@ -107,7 +127,7 @@ def number(minimum: float | None = None, maximum: float | None = None) -> Parser
 def choice(*options: str) -> Parser:
     def parse(value: Any) -> str:
         if value not in options:
-            raise ValueError(f"must be one of {', '.join(options)}; got {value!r}")
+            raise ValueError(f"must be one of {', '.join(options)}; got {quote(value)}")
         return str(value)
     return parse
 
@@ -120,7 +140,7 @@ def boolean(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {quote(value)}")
 
 
 def size(value: Any) -> int:
@@ -133,12 +153,13 @@ def int_list(value: Any) -> tuple[int, ...]:
     try:
         return tuple(sorted({int(item) for item in items}))
     except (TypeError, ValueError):
-        raise ValueError(f"expected a comma-separated list of integers, got {value!r}") from None
+        raise ValueError("expected a comma-separated list of integers, got "
+                         f"{quote(value)}") from None
 
 
 def text(value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"expected a non-empty string, got {value!r}")
+        raise ValueError(f"expected a non-empty string, got {quote(value)}")
     return value
 
 
@@ -202,7 +223,7 @@ def file_settings(cls: type[Any], data: Mapping[str, Any], path: str,
         return dict(data), {str(key): path for key in data}
     version = data["version"]
     if version != FILE_VERSION:
-        raise ConfigError(f"{path}: version {version!r} is not supported; this program reads "
+        raise ConfigError(f"{path}: version {quote(version)} is not supported; this program reads "
                           f"version: {FILE_VERSION} (or a flat file without version:, "
                           "deprecated)")
     known_sections = ["version", NODE_SECTION, *PROGRAM_SECTIONS]
@@ -293,10 +314,61 @@ def show_default(value: Any, parse: Parser) -> str | None:
     return str(value)
 
 
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a document whose aliases expand it past MAX_EXPANDED_NODES."""
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Counts the nodes the document would have with every alias expanded (each shared node
+    once per reference), without expanding anything: O(distinct nodes). An alias inside what
+    it names (a recursive structure) is refused too: no setting is one."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        else:
+            children = []
+        if not children_done:
+            if id(node) in sizes:
+                continue
+            if any(id(child) in open_nodes for child in children) or id(node) in open_nodes:
+                raise ConfigError("a YAML alias refers to a value that contains it")
+            open_nodes.add(id(node))
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if id(child) not in sizes)
+            continue
+        open_nodes.discard(id(node))
+        total = 1 + sum(sizes[id(child)] for child in children)
+        if total > MAX_EXPANDED_NODES:
+            raise ConfigError(f"its aliases expand it past {MAX_EXPANDED_NODES:,} values "
+                              "(nested YAML aliases are refused)")
+        sizes[id(node)] = total
+
+
 def load_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle)
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ConfigError(f"configuration file {path} is larger than "
+                              f"{MAX_FILE_BYTES // 1024} KiB; a node's configuration is a few "
+                              "lines")
+        data = yaml.load(raw.decode("utf-8"), Loader=_BoundedLoader)
+    except ConfigError as err:
+        if str(err).startswith("configuration file"):
+            raise
+        raise ConfigError(f"configuration file {path}: {err}") from None
     except OSError as err:
         raise ConfigError(f"configuration file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:

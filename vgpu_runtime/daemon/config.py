@@ -107,6 +107,13 @@ class DaemonConfig:
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "
         "an error frame", cfg.integer(1, 1_000_000), "N")
+    connect_rate: float = cfg.setting(
+        50.0, "new connections per second one allocation may open, after connect_burst at "
+        "once; past it a connection is refused with an error frame (0: no limit)",
+        cfg.number(0, 1_000_000), "PER_SECOND")
+    connect_burst: int = cfg.setting(
+        200, "connections one allocation may open at once before connect_rate applies",
+        cfg.integer(1, 1_000_000), "N")
     client_send_buffer: int = cfg.setting(
         64 * 1024, "bytes of replies queued to one client that is not reading (its frames in "
         "flight); past it the daemon waits up to client_write_timeout", cfg.integer(
@@ -160,6 +167,10 @@ class DaemonConfig:
     process_memory_file: str | None = cfg.setting(
         None, "JSON file of simulated per-process figures, {GPU UUID: {pid: bytes}}, read at "
         "every interval (process_memory=simulated)", cfg.optional(cfg.text), "FILE")
+    over_limit_tolerance: int = cfg.setting(
+        64 << 20, "bytes an allocation may hold past its memory limit, by the per-process "
+        "figures, before the daemon reports the process that holds more than the hook declared",
+        cfg.size, "SIZE")
     # ---- per-process utilisation (co-scheduling's busy fractions) ----
     process_busy: str = cfg.setting(
         "auto", "per-process GPU utilisation for co-scheduling: auto (NVML when it loads and "

@@ -10,7 +10,8 @@ made 0666, so the container's user, whatever its uid, can connect. Isolation bet
 comes from the directories: each container has only its own channel directory mounted, and the
 host's <state-dir>/channels is 0700 (paths.CHANNELS_DIR_MODE), so no host user reaches any.
 Where the allocation's user is known (gemini-run's, whose directory that user made), a peer of
-another uid (SO_PEERCRED) is refused too; so is a connection past max_connections (config.py).
+another uid (SO_PEERCRED) is refused too; so is a connection past max_connections (config.py),
+and one past the allocation's connect rate (reconnects.py), whose log lines are summarised.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vgpu_runtime.daemon.channel.pages import (
     token_page_path,
 )
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
+from vgpu_runtime.daemon.channel.reconnects import WINDOW_SECONDS, ConnectMeter
 from vgpu_runtime.daemon.channel.session import Session, TokenFastPath
 from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
@@ -80,6 +82,11 @@ class AllocationChannel:
         self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.memory_refusals = [0] * len(terms)
+        # Per GPU: the process reported past the limit (over_limit_observed), and how often.
+        self.over_limit: dict[int, dict[str, Any]] = {}
+        self.over_limit_reports = [0] * len(terms)
+        self._connect_meter: ConnectMeter | None = None   # made at the first accept
+        self._summary_timer: asyncio.TimerHandle | None = None
         # A kubelet allocation is bound once the daemon has its pod binding (pods.py finds the
         # pod and its annotations); until then a hello may wait (see `wait_bound`).
         self.bound = asyncio.Event()
@@ -216,6 +223,30 @@ class AllocationChannel:
         if self.token_gpus:
             self.token_gpus[gpu].observe_burst(self.record.id, start, end)
 
+    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None:
+        """After a per-process reading charged `session`'s process: where the allocation now
+        holds more than its limit plus over_limit_tolerance, the memory went past the hook (a
+        path it does not see: another API, an old ABI, a static driver). Reported once when it
+        goes over, naming the process, what it holds, what it declared and the limit; once
+        more when it is back within."""
+        used, limit = self.ledger.used(gpu), self.ledger.limit(gpu)
+        over = used > limit + self.tokens.config.over_limit_tolerance
+        if over and gpu not in self.over_limit:
+            declared = sum(amount for (g, kind), amount in self.ledger.holdings(session).items()
+                           if g == gpu and kind != wire.const("GM_MEM_CONTEXT"))
+            report = {"pid": session.peer.pid, "process_bytes": process_bytes,
+                      "declared_bytes": declared, "used": used, "limit": limit}
+            self.over_limit[gpu] = report
+            self.over_limit_reports[gpu] += 1
+            log.warning("a process holds GPU memory the hook did not declare: the allocation is "
+                        "past its memory limit", extra={"allocation": self.record.id, "gpu": gpu,
+                                                        **report})
+        elif not over and used <= limit and gpu in self.over_limit:
+            report = self.over_limit.pop(gpu)
+            log.info("the allocation is within its memory limit again", extra={
+                "allocation": self.record.id, "gpu": gpu, "pid": report["pid"], "used": used,
+                "limit": limit})
+
     def connection_closed(self, session: Session) -> None:
         last = not (self.sessions - {session})
         for gpu in self.token_gpus:
@@ -254,7 +285,44 @@ class AllocationChannel:
             "allocation": record.id, "limits": [g.limit for g in terms],
             "memory_limits": [g.memory_limit for g in terms]})
 
+    def _meter(self) -> ConnectMeter:
+        meter = self._connect_meter
+        if meter is None:
+            config = self.tokens.config
+            meter = self._connect_meter = ConnectMeter(config.connect_rate, config.connect_burst)
+        return meter
+
+    def _watch_summary(self) -> None:
+        """Some connection went unlogged: its window's summary comes when the window ends."""
+        if self._meter().summarising and self._summary_timer is None:
+            self._summary_timer = asyncio.get_running_loop().call_later(
+                WINDOW_SECONDS, self._summarise_connections)
+
+    def _refuse(self, writer: asyncio.StreamWriter, level: int, why: str, reason: str,
+                **fields: Any) -> None:
+        log.log(logging.WARNING if level == logging.INFO else level, "refusing client: %s", why,
+                extra={"allocation": self.record.id, "connections": len(self.sessions),
+                       **fields})
+        self._watch_summary()
+        refuse(writer, reason)
+
+    def _summarise_connections(self) -> None:
+        """The end of a window in which connections went unlogged: one line for all of them."""
+        self._summary_timer = None
+        summary = self._meter().close_window()
+        if summary is not None:
+            log.warning("%s", summary, extra={"allocation": self.record.id,
+                                              "connections": len(self.sessions)})
+
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        meter = self._meter()
+        if meter.window_over() and self._summary_timer is None:
+            self._summarise_connections()
+        if not meter.admit():
+            self._refuse(writer, meter.log_level(refused=True), "reconnecting too fast",
+                         f"allocation {self.record.id} opens more than {meter.rate:g} "
+                         "connections a second (connect_rate)")
+            return
         try:
             peer = peer_cred(writer.get_extra_info("socket"))
         except OSError as err:  # gone before we could ask who it was
@@ -264,13 +332,14 @@ class AllocationChannel:
         config = self.tokens.config
         refusal = self._refusal(peer)
         if refusal is not None:
-            log.warning("refusing client: %s", refusal, extra={
-                "allocation": self.record.id, "peer_pid": peer.pid, "peer_uid": peer.uid,
-                "connections": len(self.sessions)})
-            refuse(writer, refusal)
+            self._refuse(writer, meter.log_level(refused=True), refusal, refusal,
+                         peer_pid=peer.pid, peer_uid=peer.uid)
             return
+        level = meter.log_level()
+        self._watch_summary()
         writer.transport.set_write_buffer_limits(high=config.client_send_buffer)
         session = Session(self, reader, writer, peer)
+        session.log_level = level
         self.sessions.add(session)
         task = asyncio.current_task()
         if task is not None:
@@ -300,6 +369,10 @@ class AllocationChannel:
         """
         if self._server is not None:
             self._server.close()
+        timer = self._summary_timer
+        if timer is not None:
+            timer.cancel()
+            self._summarise_connections()
         self._leave_token_schedulers()
         status = wire.const("GM_ERR_NO_ALLOCATION")
         await asyncio.gather(*(s.close(status, reason) for s in list(self.sessions)),
@@ -327,9 +400,13 @@ class AllocationChannel:
             "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
                       "share_ppm": e.share_ppm, "limit_ppm": e.limit_ppm, "limit": e.limit,
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
-                      "memory_refusals": self.memory_refusals[i]}
+                      "memory_refusals": self.memory_refusals[i],
+                      "over_limit": self.over_limit.get(i),
+                      "over_limit_reports": self.over_limit_reports[i]}
                      for i, (g, e) in enumerate(zip(record.gpus, self.terms, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
+            "connects_refused": (0 if self._connect_meter is None
+                                 else self._connect_meter.refused_total),
             "bound": self.bound.is_set(),
         }
 

@@ -81,6 +81,8 @@ class AllocationChannel(Protocol):
 
     def connection_closed(self, session: Session) -> None: ...
 
+    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None: ...
+
 log = logging.getLogger(__name__)
 
 C = wire.const
@@ -160,6 +162,7 @@ class Session(Waiter):
         self.reader = reader
         self.writer = writer
         self.peer = peer
+        self.log_level = logging.INFO   # DEBUG when the channel summarises a flood (reconnects.py)
         # True only while the task waits in its read with nothing left over: then a chunk's
         # token frames may be served as they arrive (TokenFastPath), in order.
         self.reading_idle = False
@@ -197,7 +200,7 @@ class Session(Waiter):
                 "peer_uid": self.peer.uid, "peer_gid": self.peer.gid, **more}
 
     async def run(self) -> None:
-        log.info("client connected", extra=self._log_fields())
+        log.log(self.log_level, "client connected", extra=self._log_fields())
         try:
             await self._serve()
         except ProtocolError as err:
@@ -227,7 +230,7 @@ class Session(Waiter):
                 await asyncio.wait_for(self.writer.wait_closed(),
                                        self.channel.tokens.config.client_write_timeout)
             self.writer.transport.abort()   # nothing left to flush, or a client that never read
-            log.info("client disconnected", extra=self._log_fields(
+            log.log(self.log_level, "client disconnected", extra=self._log_fields(
                 used=[self.channel.ledger.used(g) for g in range(self.channel.ledger.gpu_count)]))
 
     async def _serve(self) -> None:
@@ -378,8 +381,8 @@ class Session(Waiter):
                 log.warning("cannot open the pages for a hook; it will ask for every launch",
                             extra=self._log_fields(error=str(err)))
             reply.page_fds = len(fds)
-        log.info("hello", extra=self._log_fields(hello_pid=self.hello_pid, version=version,
-                                                 pages_passed=len(fds)))
+        log.log(self.log_level, "hello", extra=self._log_fields(
+            hello_pid=self.hello_pid, version=version, pages_passed=len(fds)))
         try:
             if fds:
                 self._send_with_fds(wire.encode(reply), fds)
@@ -440,6 +443,8 @@ class Session(Waiter):
                 log.debug("context charge", extra=self._log_fields(
                     gpu=gpu, source=source if after is not None else "hook", charge=after,
                     process_total=total, used=ledger.used(gpu)))
+            if total is not None:
+                self.channel.over_limit_observed(self, gpu, total)
         self.process_memory_source = source if self.process_memory else "hook"
 
     async def _memory(self, frame: Any) -> None:

@@ -12,6 +12,7 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
     gemini_vgpu_container_memory_used_bytes / _memory_limit_bytes
     gemini_vgpu_token_wait_seconds (histogram)           waits for the GPU-time token
     gemini_vgpu_memory_refusals_total (counter)          allocations refused over the limit
+    gemini_vgpu_memory_over_limit_reports_total (counter) found past the limit by NVML
 
 The server runs in a thread (prometheus_client's exposition, http.server); each scrape asks the
 event loop for one status snapshot, so the figures are consistent and the loop stays the only
@@ -78,8 +79,13 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
     refusals = CounterMetricFamily("gemini_vgpu_memory_refusals",
                                    "GPU memory allocations refused over the container's limit",
                                    labels=CONTAINER_LABELS)
+    over_limit = CounterMetricFamily(
+        "gemini_vgpu_memory_over_limit_reports",
+        "Times per-process figures found the container past its memory limit (memory the hook "
+        "did not see)", labels=CONTAINER_LABELS)
     for row in container_rows(status):
         values = [row.pod, row.namespace, row.container, row.allocation, row.gpu]
+        over_limit.add_metric(values, row.over_limit_reports)
         request.add_metric(values, row.share)
         limit.add_metric(values, row.limit)
         achieved.add_metric(values, row.achieved)
@@ -92,7 +98,7 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         waits.add_metric(values, buckets, row.waits["sum"])
-    yield from (request, limit, achieved, used, memory_limit, waits, refusals)
+    yield from (request, limit, achieved, used, memory_limit, waits, refusals, over_limit)
 
 
 class _Snapshot:

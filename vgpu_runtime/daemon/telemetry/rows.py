@@ -27,6 +27,7 @@ class ContainerRow:
     memory_refusals: int
     waits: dict[str, Any]           # WaitHistogram.snapshot()
     holder: bool
+    over_limit_reports: int = 0     # processes found past the limit by per-process figures
 
     def usage(self) -> dict[str, Any]:
         """The MQTT usage document."""
@@ -59,13 +60,15 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
             pod = entry.get("pod") or {}
             index = tenant["gpu_index"]
             refusals = entry["gpus"][index].get("memory_refusals", 0)
+            over_limit = entry["gpus"][index].get("over_limit_reports", 0)
             rows.append(ContainerRow(
                 pod=pod.get("name", ""), namespace=pod.get("namespace", ""),
                 container=pod.get("container", "") or _unbound_name(entry),
                 allocation=entry["id"], gpu=gpu["uuid"], share=tenant["request"],
                 limit=tenant["limit"], achieved=tenant["achieved"],
                 memory_used=tenant["memory_used"], memory_limit=tenant["memory_limit"],
-                memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"]))
+                memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"],
+                over_limit_reports=over_limit))
     return rows
 
 

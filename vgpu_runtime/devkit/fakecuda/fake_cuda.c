@@ -642,6 +642,328 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
     return CUDA_SUCCESS;
 }
 
+/* ================= memory the driver reserves outside allocation calls ====================
+ * As the real driver does it, so the hook's tests can attack it:
+ * - context limits (cuCtxSetLimit/cuCtxGetLimit, per device): CU_LIMIT_STACK_SIZE reserves
+ *   value x SMs x threads per SM (FAKE_CUDA_SMS, default 132, x 2048: an H200), the malloc heap
+ *   and the printf FIFO their value; the defaults (1 KiB, 8 MiB, 1 MiB) are part of the
+ *   context's cost. A value the device cannot hold is CUDA_ERROR_OUT_OF_MEMORY.
+ *   FAKE_CUDA_REPORTED_SMS makes cuDeviceGetAttribute report another SM count than the one
+ *   the stack reservation uses (a driver that reserves more than its rule says).
+ * - modules and libraries: a load reserves its image's globals (PTX text: each
+ *   `.global <type> name[N]` declaration; "FAKEBIN <bytes>": an image no one else can read,
+ *   as a compressed fatbin, reserving <bytes>) plus FAKE_CUDA_MODULE_BYTES (code, default 0);
+ *   an unload gives it back. A library loads into the current context, if any.
+ * - graphs: cuGraphAddMemAllocNode records a memory node; an instantiated graph's exec handle
+ *   is the sum of its memory nodes' sizes (the convention of cuGraphLaunch above), and
+ *   cuGraphUpload reserves it as a launch does.
+ * - the legacy launches (cuLaunch, cuLaunchGrid, cuLaunchGridAsync,
+ *   cuLaunchCooperativeKernelMultiDevice) run, taking kernel time like the others.
+ */
+#define FAKE_SM_THREADS 2048ull
+static uint64_t limit_value[MAX_DEVICES][3] = {
+    [0 ... MAX_DEVICES - 1] = {1024, 1ull << 20, 8ull << 20}};   /* stack, printf, heap */
+
+static uint64_t fake_sms(void) {
+    const char *env = getenv("FAKE_CUDA_SMS");
+    return env ? strtoull(env, NULL, 10) : 132;
+}
+
+static uint64_t limit_cost(int limit, uint64_t value) {
+    return limit == CU_LIMIT_STACK_SIZE ? value * fake_sms() * FAKE_SM_THREADS : value;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *pctx) {
+    CALLED();
+    *pctx = current_device < 0 ? NULL : (CUcontext)(uintptr_t)(0x1000 + current_device);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
+    CALLED();
+    if (dev < 0 || dev >= device_count) return CUDA_ERROR_INVALID_DEVICE;
+    /* FAKE_CUDA_REPORTED_SMS: a driver whose reservation does not follow the rule it reports */
+    const char *reported = getenv("FAKE_CUDA_REPORTED_SMS");
+    uint64_t sms = reported ? strtoull(reported, NULL, 10) : fake_sms();
+    *value = attribute == CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT ? (int)sms
+             : attribute == CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR ? (int)FAKE_SM_THREADS
+             : 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetLimit(size_t *value, int limit) {
+    CALLED();
+    if (current_device < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (limit < 0 || limit > CU_LIMIT_PERSISTING_L2_CACHE_SIZE) return CUDA_ERROR_INVALID_VALUE;
+    *value = limit <= CU_LIMIT_MALLOC_HEAP_SIZE ? limit_value[current_device][limit] : 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
+    CALLED();
+    if (current_device < 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (limit < 0 || limit > CU_LIMIT_PERSISTING_L2_CACHE_SIZE) return CUDA_ERROR_INVALID_VALUE;
+    if (limit > CU_LIMIT_MALLOC_HEAP_SIZE) return CUDA_SUCCESS;   /* no memory behind it here */
+    pthread_mutex_lock(&lock);
+    uint64_t *held = &limit_value[current_device][limit];
+    uint64_t before = limit_cost(limit, *held), after = limit_cost(limit, value);
+    CUresult result = CUDA_SUCCESS;
+    if (after > before) result = take_memory(current_device, after - before);
+    else used_mem[current_device] -= before - after;
+    if (result == CUDA_SUCCESS) *held = value;
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+/* ---- modules and libraries ---- */
+#define MAX_MODULES 256
+static struct { uintptr_t handle; uint64_t bytes; int dev; } modules[MAX_MODULES];
+static uintptr_t next_module = 0x30000;
+
+static uint64_t ptx_type_bytes(const char *t) {
+    if (strncmp(t, ".b8", 3) == 0 || strncmp(t, ".u8", 3) == 0 || strncmp(t, ".s8", 3) == 0) return 1;
+    if (strncmp(t, ".b16", 4) == 0 || strncmp(t, ".u16", 4) == 0 || strncmp(t, ".f16", 4) == 0) return 2;
+    if (strncmp(t, ".b32", 4) == 0 || strncmp(t, ".u32", 4) == 0 || strncmp(t, ".s32", 4) == 0 ||
+        strncmp(t, ".f32", 4) == 0) return 4;
+    if (strncmp(t, ".b64", 4) == 0 || strncmp(t, ".u64", 4) == 0 || strncmp(t, ".s64", 4) == 0 ||
+        strncmp(t, ".f64", 4) == 0) return 8;
+    return 0;
+}
+
+/* The device memory an image's globals take, the way the driver allocates them. */
+static uint64_t image_bytes(const char *image) {
+    const char *module = getenv("FAKE_CUDA_MODULE_BYTES");
+    uint64_t total = module ? strtoull(module, NULL, 10) : 0;
+    if (strncmp(image, "FAKEBIN ", 8) == 0) return total + strtoull(image + 8, NULL, 10);
+    for (const char *p = strstr(image, ".global"); p != NULL; p = strstr(p + 7, ".global")) {
+        if (p > image && p[-1] != ' ' && p[-1] != '\n' && p[-1] != '\t') continue;   /* ld.global */
+        const char *line = p;
+        while (line > image && line[-1] != '\n') line--;
+        const char *comment = strstr(line, "//"), *external = strstr(line, ".extern");
+        if ((comment != NULL && comment < p) || (external != NULL && external < p)) continue;
+        const char *end = strchr(p, ';');
+        if (end == NULL) break;
+        uint64_t element = 0, count = 1;
+        for (const char *q = p + 7; q < end; q++) {
+            if (*q == '.' && ptx_type_bytes(q)) element = ptx_type_bytes(q);
+            if (*q == '[') count = strtoull(q + 1, NULL, 10);
+        }
+        total += element * count;
+    }
+    return total;
+}
+
+static char *read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = size >= 0 ? calloc(1, (size_t)size + 1) : NULL;
+    if (text != NULL && fread(text, 1, (size_t)size, f) != (size_t)size) {
+        free(text);
+        text = NULL;
+    }
+    fclose(f);
+    return text;
+}
+
+static CUresult load_image(uintptr_t *handle, const char *image, int need_context) {
+    if (image == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (current_device < 0 && need_context) return CUDA_ERROR_INVALID_CONTEXT;
+    uint64_t bytes = current_device < 0 ? 0 : image_bytes(image);
+    pthread_mutex_lock(&lock);
+    CUresult result = bytes ? take_memory(current_device, bytes) : CUDA_SUCCESS;
+    int i = 0;
+    while (result == CUDA_SUCCESS && i < MAX_MODULES && modules[i].handle != 0) i++;
+    if (result == CUDA_SUCCESS && i == MAX_MODULES) {
+        used_mem[current_device] -= bytes;
+        result = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (result == CUDA_SUCCESS) {
+        modules[i].handle = *handle = next_module++;
+        modules[i].bytes = bytes;
+        modules[i].dev = current_device;
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+static CUresult unload_image(uintptr_t handle) {
+    pthread_mutex_lock(&lock);
+    CUresult result = CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < MAX_MODULES; i++) {
+        if (modules[i].handle != handle || handle == 0) continue;
+        if (modules[i].bytes) used_mem[modules[i].dev] -= modules[i].bytes;
+        modules[i].handle = 0;
+        result = CUDA_SUCCESS;
+        break;
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+    CALLED();
+    return load_image((uintptr_t *)module, image, 1);
+}
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n,
+                                   CUjit_option *options, void **values) {
+    CALLED();
+    return load_image((uintptr_t *)module, image, 1);
+}
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *image) {
+    CALLED();
+    return load_image((uintptr_t *)module, image, 1);
+}
+EXPORT CUresult cuModuleLoad(CUmodule *module, const char *path) {
+    CALLED();
+    char *image = read_file(path);
+    if (image == NULL) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = load_image((uintptr_t *)module, image, 1);
+    free(image);
+    return result;
+}
+EXPORT CUresult cuModuleUnload(CUmodule module) { CALLED(); return unload_image((uintptr_t)module); }
+EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *o,
+                                  void **ov, unsigned int n, CUlibraryOption *lo, void **lov,
+                                  unsigned int ln) {
+    CALLED();
+    return load_image((uintptr_t *)library, code, 0);
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *path, CUjit_option *o,
+                                      void **ov, unsigned int n, CUlibraryOption *lo, void **lov,
+                                      unsigned int ln) {
+    CALLED();
+    char *image = read_file(path);
+    if (image == NULL) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = load_image((uintptr_t *)library, image, 0);
+    free(image);
+    return result;
+}
+EXPORT CUresult cuLibraryUnload(CUlibrary library) { CALLED(); return unload_image((uintptr_t)library); }
+
+/* ---- graphs built by hand: memory nodes ---- */
+#define MAX_GRAPH_NODES 256
+static struct { uintptr_t graph; int dev; uint64_t bytes; } graph_nodes[MAX_GRAPH_NODES];
+static int graph_node_count;
+static uintptr_t next_graph = 0x40000;
+
+EXPORT CUresult cuGraphCreate(CUgraph *graph, unsigned int flags) {
+    CALLED();
+    pthread_mutex_lock(&lock);
+    *graph = (CUgraph)next_graph++;
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                                       size_t n, CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    CALLED();
+    if (params == NULL || params->bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    CUresult result = CUDA_ERROR_OUT_OF_MEMORY;
+    if (graph_node_count < MAX_GRAPH_NODES) {
+        int i = graph_node_count++;
+        graph_nodes[i].graph = (uintptr_t)graph;
+        graph_nodes[i].dev = params->poolProps.location.id;
+        graph_nodes[i].bytes = params->bytesize;
+        *node = (CUgraphNode)(uintptr_t)(0x50000 + i);
+        params->dptr = next_address;
+        next_address += (params->bytesize + CHUNK - 1) / CHUNK * CHUNK + CHUNK;
+        result = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                                      size_t n, CUdeviceptr dptr) {
+    CALLED();
+    *node = (CUgraphNode)(uintptr_t)0x5ffff;   /* not a memory node: never listed */
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *count) {
+    CALLED();
+    size_t found = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < graph_node_count; i++) {
+        if (graph_nodes[i].graph != (uintptr_t)graph) continue;
+        if (nodes != NULL && found < *count) nodes[found] = (CUgraphNode)(uintptr_t)(0x50000 + i);
+        found++;
+    }
+    pthread_mutex_unlock(&lock);
+    if (nodes == NULL || found < *count) *count = found;
+    return CUDA_SUCCESS;
+}
+static int graph_node(CUgraphNode node) {
+    int i = (int)((uintptr_t)node - 0x50000);
+    return i >= 0 && i < graph_node_count ? i : -1;
+}
+EXPORT CUresult cuGraphNodeGetType(CUgraphNode node, int *type) {
+    CALLED();
+    if (graph_node(node) < 0) return CUDA_ERROR_INVALID_VALUE;
+    *type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS *out) {
+    CALLED();
+    int i = graph_node(node);
+    if (i < 0) return CUDA_ERROR_INVALID_VALUE;
+    memset(out, 0, sizeof *out);
+    out->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    out->poolProps.location.id = graph_nodes[i].dev;
+    out->bytesize = graph_nodes[i].bytes;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph,
+                                            unsigned long long flags) {
+    CALLED();
+    uint64_t bytes = 0;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < graph_node_count; i++)
+        if (graph_nodes[i].graph == (uintptr_t)graph) bytes += graph_nodes[i].bytes;
+    pthread_mutex_unlock(&lock);
+    *exec = (CUgraphExec)(uintptr_t)bytes;   /* the exec handle's value is its memory */
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec exec) { CALLED(); return CUDA_SUCCESS; }
+EXPORT CUresult cuGraphUpload(CUgraphExec exec, CUstream s) {
+    CALLED();
+    uint64_t bytes = (uintptr_t)exec;
+    pthread_mutex_lock(&lock);
+    if (current_device >= 0 && bytes > graph_reserved[current_device]) {
+        used_mem[current_device] += bytes - graph_reserved[current_device];
+        graph_reserved[current_device] = bytes;
+    }
+    pthread_mutex_unlock(&lock);
+    return CUDA_SUCCESS;
+}
+
+/* ---- the legacy launches ---- */
+EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule module, const char *name) {
+    CALLED();
+    *f = (CUfunction)(uintptr_t)0x60000;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuFuncSetBlockShape(CUfunction f, int x, int y, int z) { CALLED(); return 0; }
+EXPORT CUresult cuLaunch(CUfunction f) { CALLED(); queue_work(NULL, 0); return CUDA_SUCCESS; }
+EXPORT CUresult cuLaunchGrid(CUfunction f, int w, int h) {
+    CALLED();
+    queue_work(NULL, 0);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s) {
+    CALLED();
+    queue_work(s, 0);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(CUDA_LAUNCH_PARAMS *list, unsigned int n,
+                                                     unsigned int flags) {
+    CALLED();
+    if (list == NULL || n == 0) return CUDA_ERROR_INVALID_VALUE;
+    for (unsigned int i = 0; i < n; i++) queue_work(list[i].hStream, 0);
+    return CUDA_SUCCESS;
+}
+
 /* ---- cuGetProcAddress: the answer depends on version and flags ---- */
 EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags);
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, cuuint64_t flags,
@@ -699,6 +1021,9 @@ static const struct variant {
     {"cuInit", 2000, -1, (void *)&cuInit},
     {"cuMemCreate", 10020, -1, (void *)&cuMemCreate},
     {"cuMemRelease", 10020, -1, (void *)&cuMemRelease},
+    {"cuCtxSetLimit", 3010, -1, (void *)&cuCtxSetLimit},
+    {"cuModuleLoadData", 2000, -1, (void *)&cuModuleLoadData},
+    {"cuLaunchGrid", 2000, -1, (void *)&cuLaunchGrid},
 };
 
 static CUresult resolve(const char *symbol, void **pfn, int version, cuuint64_t flags, int *status) {

@@ -31,6 +31,15 @@ typedef struct CUlaunchAttribute_st CUlaunchAttribute;   /* never read by the ho
 typedef struct CUgraphEdgeData_st CUgraphEdgeData;       /* never read by the hook */
 typedef struct CUexecAffinityParam_st CUexecAffinityParam;
 typedef struct CUctxCreateParams_st CUctxCreateParams;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUlinkState_st *CUlinkState;
+typedef int CUlimit;
+typedef int CUjit_option;
+typedef int CUlibraryOption;
+typedef int CUdevice_attribute;
+typedef int CUgraphNodeType;
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st CUDA_GRAPH_INSTANTIATE_PARAMS;   /* not read */
 
 typedef struct { char bytes[16]; } CUuuid;
 
@@ -79,6 +88,38 @@ typedef struct {
     } allocFlags;
 } CUmemAllocationProp;
 
+/* cuLaunchCooperativeKernelMultiDevice's per-device launch: the hook reads function and
+ * stream (each stream's context is the device it runs on). */
+typedef struct {
+    CUfunction function;
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void **kernelParams;
+} CUDA_LAUNCH_PARAMS;
+
+/* A graph memory node (CUDA_MEM_ALLOC_NODE_PARAMS_v1; the same layout in CUDA 11.4-13): the
+ * hook reads bytesize and the location. CUmemPoolProps is 88 bytes in every release (its
+ * reserved tail shrank as fields were added). */
+typedef struct {
+    int allocType;
+    int handleTypes;
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+typedef struct CUmemAccessDesc_st CUmemAccessDesc;
+typedef struct {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
 typedef int CUmemPool_attribute;
 typedef int CUgraphMem_attribute;
 typedef int CUstreamCaptureStatus;
@@ -111,6 +152,24 @@ typedef int CUdriverProcAddressQueryResult;
 #define CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT 2
 
 #define CU_MEM_LOCATION_TYPE_DEVICE 1
+
+/* CUlimit values (cuCtxSetLimit). */
+#define CU_LIMIT_STACK_SIZE 0x00
+#define CU_LIMIT_PRINTF_FIFO_SIZE 0x01
+#define CU_LIMIT_MALLOC_HEAP_SIZE 0x02
+#define CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH 0x03
+#define CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT 0x04
+#define CU_LIMIT_MAX_L2_FETCH_GRANULARITY 0x05
+#define CU_LIMIT_PERSISTING_L2_CACHE_SIZE 0x06
+#define CU_LIMIT_SHMEM_SIZE 0x07
+#define CU_LIMIT_CIG_ENABLED 0x08
+#define CU_LIMIT_CIG_SHMEM_FALLBACK_ENABLED 0x09
+
+#define CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT 16
+#define CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR 39
+
+#define CU_GRAPH_NODE_TYPE_GRAPH 4
+#define CU_GRAPH_NODE_TYPE_MEM_ALLOC 10
 
 /* CUarray_format values the array size estimate knows. */
 #define CU_AD_FORMAT_UNSIGNED_INT8 0x01

@@ -125,6 +125,9 @@ GM_HIDDEN int gm_capture_open(void);      /* some stream of the process is captu
 /* memory/: what the other families tell the pools and ask of the memory accounts */
 GM_HIDDEN void gm_pools_changed(void);   /* a call that may change what pools hold returned */
 GM_HIDDEN void gm_account_graph_memory(CUstream stream, int per_thread);   /* a graph launched */
+/* Before a graph's launch or upload: CUDA_ERROR_OUT_OF_MEMORY when its memory nodes cannot fit
+ * next to the container's other use; no lock and no call unless some graph has memory nodes. */
+GM_HIDDEN CUresult gm_graph_memory_check(CUgraphExec exec);
 /* Container-wide use and limit on `gpu`; 0 when known from the daemon, -1 for a local guess. */
 GM_HIDDEN int gm_usage(int gpu, uint64_t *used, uint64_t *limit);
 

@@ -63,6 +63,18 @@ static CUresult call_real(const struct gm_launch *l) {
                                                  l->args.ex.params, l->args.ex.extra);
     case GM_LAUNCH_GRAPH:
         return ((gm_fn_cuGraphLaunch)l->real)(l->args.graph, l->stream);
+    case GM_LAUNCH_LEGACY:
+        switch (l->args.legacy.call) {
+        case GM_LEGACY_LAUNCH: return ((gm_fn_cuLaunch)l->real)(l->args.legacy.f);
+        case GM_LEGACY_GRID:
+            return ((gm_fn_cuLaunchGrid)l->real)(l->args.legacy.f, l->args.legacy.width,
+                                                 l->args.legacy.height);
+        case GM_LEGACY_GRID_ASYNC:
+            return ((gm_fn_cuLaunchGridAsync)l->real)(l->args.legacy.f, l->args.legacy.width,
+                                                      l->args.legacy.height, l->stream);
+        }
+        break;
+    case GM_LAUNCH_KIND_COUNT: break;
     }
     return CUDA_ERROR_INVALID_VALUE;
 }

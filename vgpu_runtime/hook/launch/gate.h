@@ -4,7 +4,15 @@
 
 #include "hook.h"
 
-enum gm_launch_kind { GM_LAUNCH_KERNEL, GM_LAUNCH_KERNEL_EX, GM_LAUNCH_COOPERATIVE, GM_LAUNCH_GRAPH };
+enum gm_launch_kind {
+    GM_LAUNCH_KERNEL,
+    GM_LAUNCH_KERNEL_EX,
+    GM_LAUNCH_COOPERATIVE,
+    GM_LAUNCH_GRAPH,
+    GM_LAUNCH_LEGACY,        /* cuLaunch, cuLaunchGrid, cuLaunchGridAsync (pre-4.0 API) */
+    GM_LAUNCH_KIND_COUNT
+};
+enum gm_legacy_call { GM_LEGACY_LAUNCH, GM_LEGACY_GRID, GM_LEGACY_GRID_ASYNC };
 
 /* One launch, whichever entry point it came through: the gate calls `real` with `args`. */
 struct gm_launch {
@@ -24,6 +32,11 @@ struct gm_launch {
             void **params, **extra;
         } ex;
         CUgraphExec graph;
+        struct {
+            enum gm_legacy_call call;
+            CUfunction f;
+            int width, height;
+        } legacy;
     } args;
 };
 

@@ -4,7 +4,7 @@
 #ifdef GM_PROFILE
 #include <stdio.h>
 
-#define KINDS 4
+#define KINDS GM_LAUNCH_KIND_COUNT
 #define PARTS 3                 /* before the driver's call, in it, after it */
 #define BUCKETS 1024            /* of BUCKET_CYCLES each; the last takes everything longer */
 #define BUCKET_CYCLES 4
@@ -53,7 +53,7 @@ static double median_cycles(int part) {
 /* Appends the profile's key=value lines to the exit dump (core/stats.c): launches by entry
  * point, and per part its total and its median per launch (ns). */
 int gm_profile_dump(char *text, size_t size, int n) {
-    static const char *kinds[KINDS] = {"kernel", "kernel_ex", "cooperative", "graph"};
+    static const char *kinds[KINDS] = {"kernel", "kernel_ex", "cooperative", "graph", "legacy"};
     static const char *parts[PARTS] = {"before_driver", "driver", "after_driver"};
     uint64_t cycles = gm_cycles() - atomic_load(&first_cycles);
     int64_t ns = gm_now_ns() - atomic_load(&first_ns);

@@ -18,64 +18,13 @@
  * it is never refused, only accounted (like graph memory); it goes with cuCtxDestroy, the
  * last cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxReset, and with the connection.
  */
-#include <stdio.h>
-#include <stdlib.h>
-
 #include "memory.h"
 
 #define MAX_DEVICES 64
 
 static pthread_mutex_t primary_lock = PTHREAD_MUTEX_INITIALIZER;
 static int primary_refs[MAX_DEVICES];   /* retains this process holds, per device */
-
-enum source { SOURCE_NONE, SOURCE_CUDA, SOURCE_NVML };
-
-struct reading {
-    enum source source;
-    nvmlDevice_t nvml;
-    int nvml_open;
-};
-
-static int nvml_free(nvmlDevice_t device, uint64_t *free) {
-    nvmlMemory_t memory;
-    if (GM_REAL(nvmlDeviceGetMemoryInfo)(device, &memory) != NVML_SUCCESS) return -1;
-    *free = memory.free;
-    return 0;
-}
-
-static int cuda_free(uint64_t *free) {
-    size_t f = 0, t = 0;
-    if (GM_REAL(cuMemGetInfo_v2)(&f, &t) != CUDA_SUCCESS) return -1;
-    *free = f;
-    return 0;
-}
-
-/* The first reading picks the source; the second must use the same one. */
-static int read_free(struct reading *r, CUdevice dev, uint64_t *free) {
-    if (r->source == SOURCE_CUDA) return cuda_free(free);
-    if (r->source == SOURCE_NVML) return nvml_free(r->nvml, free);
-    CUdevice current;
-    if (GM_REAL(cuCtxGetDevice)(&current) == CUDA_SUCCESS && current == dev &&
-        cuda_free(free) == 0) {
-        r->source = SOURCE_CUDA;
-        return 0;
-    }
-    CUuuid uuid;
-    if (GM_REAL(cuDeviceGetUuid)(&uuid, dev) != CUDA_SUCCESS) return -1;
-    if (GM_REAL(nvmlInit_v2)() != NVML_SUCCESS) return -1;
-    r->nvml_open = 1;
-    const unsigned char *b = (const unsigned char *)uuid.bytes;
-    char text[48];
-    snprintf(text, sizeof text,
-             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
-             b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
-             b[14], b[15]);
-    if (GM_REAL(nvmlDeviceGetHandleByUUID)(text, &r->nvml) != NVML_SUCCESS ||
-        nvml_free(r->nvml, free) != 0)
-        return -1;
-    r->source = SOURCE_NVML;
-    return 0;
-}
+static CUcontext primary_ctx[MAX_DEVICES];   /* its handle: the charges made in it (charges.c) */
 
 static uint64_t configured_cost(void) { return gm_setting_context_bytes(); }
 
@@ -104,13 +53,13 @@ static void charge(int gpu, int64_t delta, int may_wait) {
 /* What `create` costs on `dev`: runs it between two readings of the device's free memory. */
 #define MEASURED(dev, cost, create)                                                  \
     do {                                                                             \
-        struct reading reading_ = {SOURCE_NONE, NULL, 0};                            \
+        struct gm_reading reading_ = GM_READING_INIT;                                \
         uint64_t before_ = 0, after_ = 0;                                            \
-        int measured_ = read_free(&reading_, (dev), &before_) == 0;                  \
+        int measured_ = gm_free_read(&reading_, (dev), &before_) == 0;               \
         result = (create);                                                           \
         measured_ = measured_ && result == CUDA_SUCCESS &&                           \
-                    read_free(&reading_, (dev), &after_) == 0;                       \
-        if (reading_.nvml_open) GM_REAL(nvmlShutdown)();                             \
+                    gm_free_read(&reading_, (dev), &after_) == 0;                    \
+        gm_free_done(&reading_);                                                     \
         (cost) = !measured_ ? configured_cost() : measured_cost(before_, after_);    \
     } while (0)
 
@@ -160,6 +109,7 @@ CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *ctxCreateParams, uns
 CUresult cuCtxDestroy_v2(CUcontext ctx) {
     CUresult result = GM_REAL(cuCtxDestroy_v2)(ctx);
     if (result != CUDA_SUCCESS || !gm_active()) return result;
+    gm_charges_context_gone(ctx);   /* its limits and modules went with it */
     uint64_t bytes = 0;
     uint32_t kind = KEY_CONTEXT, gpu = 0;
     if (gm_ledger_take((uint64_t)(uintptr_t)ctx, &bytes, &kind, &gpu))
@@ -177,7 +127,10 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     pthread_mutex_lock(&primary_lock);   /* two first retains must not both measure */
     if (primary_refs[dev] > 0) {
         result = GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
-        if (result == CUDA_SUCCESS) primary_refs[dev]++;
+        if (result == CUDA_SUCCESS) {
+            primary_refs[dev]++;
+            primary_ctx[dev] = *pctx;
+        }
         pthread_mutex_unlock(&primary_lock);
         return result;
     }
@@ -185,6 +138,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     MEASURED(dev, cost, GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev));
     if (result == CUDA_SUCCESS) {
         primary_refs[dev] = 1;
+        primary_ctx[dev] = *pctx;
         gm_ledger_put((uint64_t)dev + 1, cost, KEY_PRIMARY, (uint32_t)gpu);
     }
     pthread_mutex_unlock(&primary_lock);
@@ -195,7 +149,8 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     return result;
 }
 
-static void primary_gone(CUdevice dev) {
+static void primary_gone(CUdevice dev, CUcontext ctx) {
+    gm_charges_context_gone(ctx);   /* its limits and modules went with it */
     uint64_t bytes = 0;
     uint32_t kind = KEY_PRIMARY, gpu = 0;
     if (gm_ledger_take((uint64_t)dev + 1, &bytes, &kind, &gpu)) charge((int)gpu, -(int64_t)bytes, 0);
@@ -206,8 +161,9 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     if (result != CUDA_SUCCESS || !gm_active() || dev < 0 || dev >= MAX_DEVICES) return result;
     pthread_mutex_lock(&primary_lock);
     int last = primary_refs[dev] > 0 && --primary_refs[dev] == 0;
+    CUcontext ctx = primary_ctx[dev];
     pthread_mutex_unlock(&primary_lock);
-    if (last) primary_gone(dev);
+    if (last) primary_gone(dev, ctx);
     return result;
 }
 
@@ -217,14 +173,18 @@ CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     pthread_mutex_lock(&primary_lock);
     int held = primary_refs[dev] > 0;
     primary_refs[dev] = 0;
+    CUcontext ctx = primary_ctx[dev];
     pthread_mutex_unlock(&primary_lock);
-    if (held) primary_gone(dev);
+    if (held) primary_gone(dev, ctx);
     return result;
 }
 
 /* In a forked child: the parent's contexts are not the child's. */
 static void contexts_after_fork(void) {
     pthread_mutex_init(&primary_lock, NULL);
-    for (int i = 0; i < MAX_DEVICES; i++) primary_refs[i] = 0;
+    for (int i = 0; i < MAX_DEVICES; i++) {
+        primary_refs[i] = 0;
+        primary_ctx[i] = NULL;
+    }
 }
 GM_AFTER_FORK(contexts_after_fork);

@@ -13,6 +13,36 @@
 #define KEY_CONTEXT (GM_MEM_KIND_COUNT + 2)   /* cuCtxCreate*: the context handle */
 #define KEY_PRIMARY (GM_MEM_KIND_COUNT + 3)   /* a device's primary context: the device */
 
+/* measure.c: the device's free memory around a driver call, both readings from one source. */
+enum gm_source { GM_SOURCE_NONE, GM_SOURCE_CUDA, GM_SOURCE_NVML };
+struct gm_reading {
+    enum gm_source source;
+    nvmlDevice_t nvml;
+    int nvml_open;
+};
+#define GM_READING_INIT {GM_SOURCE_NONE, NULL, 0}
+GM_HIDDEN int gm_free_read(struct gm_reading *r, CUdevice dev, uint64_t *free);   /* 0 or -1 */
+GM_HIDDEN void gm_free_done(struct gm_reading *r);
+GM_HIDDEN void gm_measure_lock(void);     /* one measured reservation at a time */
+GM_HIDDEN void gm_measure_unlock(void);
+
+/* charges.c: device memory the driver reserves for a context outside allocation calls, booked
+ * by (what, handle) with its context; reserved with the daemon as GM_MEM_DEVICE. */
+#define GM_CHARGE_MODULE 1u
+#define GM_CHARGE_LIBRARY 2u
+#define GM_CHARGE_LIMIT 16u   /* + the CUlimit */
+GM_HIDDEN int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64_t bytes,
+                            uint64_t base);
+GM_HIDDEN uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx,
+                                  uint64_t *base);
+GM_HIDDEN void gm_charges_context_gone(CUcontext ctx);
+
+/* images.c: the device memory a module image's global variables take, read from the image
+ * (PTX text, ELF cubin, fatbin of those). *understood = 0 where some part could not be read
+ * (a compressed fatbin entry, an unknown format): then only a measurement can tell. */
+GM_HIDDEN uint64_t gm_image_globals(const void *image, size_t size_hint, int *understood);
+GM_HIDDEN uint64_t gm_image_file_globals(const char *path, int *understood);
+
 /* The GPU an allocation lands on, or a CUresult to return at once (via *error). */
 GM_HIDDEN int gm_gpu_for_alloc(CUdevice *dev, CUresult *error);
 GM_HIDDEN int gm_gpu_checked(int gpu, CUresult *error);
