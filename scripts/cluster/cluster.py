@@ -62,6 +62,10 @@ ETCD_CLIENT_PORT = 23790
 ETCD_PEER_PORT = 23800
 API_PORT = 6443
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
+# The tests' workloads: Debian's static busybox, its applets as links (a shell, cat, env).
+WORKLOAD_IMAGE = "localhost/gemini-test-workload:1"
+BUSYBOX = Path("/bin/busybox")
+BUSYBOX_APPLETS = ("sh", "cat", "env", "ls", "sleep", "grep", "test", "stat", "readlink")
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet",
                 "kube-proxy", "kubectl")
@@ -152,7 +156,8 @@ def etcd_bin() -> Path:
 
 
 def containerd_bin() -> Path:
-    return build_dir("containerd", HERE / "containerd", "github.com/containerd/containerd/v2") / "bin"
+    module = "github.com/containerd/containerd/v2"
+    return build_dir("containerd", HERE / "containerd", module) / "bin"
 
 
 def cni_bin() -> Path:
@@ -187,24 +192,32 @@ def build_all() -> None:
               for name, path in CNI_PLUGINS.items()])
     if not pause_archive().is_file():
         build_pause(pause_archive())
+    if not workload_archive().is_file():
+        build_workload(workload_archive())
 
 
 # ---------------------------------------------------------------------------------------------
 # Images without a registry
 
 
-def _tar_bytes(entries: Iterable[tuple[str, bytes, int]]) -> bytes:
-    """A reproducible tar of (path, content, mode) files."""
+def _tar_bytes(entries: Iterable[tuple[str, bytes | str, int]]) -> bytes:
+    """A reproducible tar of (path, content, mode) entries: bytes are a file, a str a symlink
+    to that target."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for path, content, mode in entries:
             info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = len(content), mode, 0
-            tar.addfile(info, io.BytesIO(content))
+            info.mode, info.mtime = mode, 0
+            if isinstance(content, str):
+                info.type, info.linkname = tarfile.SYMTYPE, content
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
     return buffer.getvalue()
 
 
-def oci_archive(out: Path, ref: str, files: Iterable[tuple[str, bytes, int]],
+def oci_archive(out: Path, ref: str, files: Iterable[tuple[str, bytes | str, int]],
                 entrypoint: Sequence[str]) -> None:
     """Writes an OCI image layout archive of one uncompressed layer (what `ctr images import`
     takes), named `ref` by the index's org.opencontainers.image.ref.name and containerd's
@@ -229,10 +242,11 @@ def oci_archive(out: Path, ref: str, files: Iterable[tuple[str, bytes, int]],
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
         "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json",
                        "digest": manifest_digest, "size": len(manifest),
-                       "annotations": {"io.containerd.image.name": ref,
-                                       "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]}}],
+                       "annotations": {
+                           "io.containerd.image.name": ref,
+                           "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]}}],
     }, sort_keys=True).encode()
-    blobs = [(f"blobs/sha256/{d.split(':')[1]}", b, 0o644)
+    blobs: list[tuple[str, bytes | str, int]] = [(f"blobs/sha256/{d.split(':')[1]}", b, 0o644)
              for d, b in ((layer_digest, layer), (config_digest, config),
                           (manifest_digest, manifest))]
     data = _tar_bytes([("oci-layout", b'{"imageLayoutVersion":"1.0.0"}', 0o644),
@@ -251,6 +265,21 @@ def build_pause(out: Path) -> None:
     oci_archive(out, PAUSE_IMAGE, [("pause", binary.read_bytes(), 0o755)], ["/pause"])
     binary.unlink()
     say(f"pause image {PAUSE_IMAGE} -> {out}")
+
+
+def workload_archive() -> Path:
+    digest = hashlib.sha256(BUSYBOX.read_bytes()).hexdigest()[:10]
+    return CACHE / f"workload-{digest}.oci.tar"
+
+
+def build_workload(out: Path) -> None:
+    """The tests' workload image: a static busybox and links to the applets they use."""
+    if "statically linked" not in run(["file", "-L", BUSYBOX]):
+        raise ClusterError(f"{BUSYBOX} is not static: apt-get install busybox-static")
+    files: list[tuple[str, bytes | str, int]] = [("bin/busybox", BUSYBOX.read_bytes(), 0o755)]
+    files += [(f"bin/{applet}", "busybox", 0o777) for applet in BUSYBOX_APPLETS]
+    oci_archive(out, WORKLOAD_IMAGE, files, ["/bin/sh"])
+    say(f"workload image {WORKLOAD_IMAGE} -> {out}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +545,7 @@ def write_sysctl(name: str, value: str) -> None:
 def up(state: Path) -> None:
     if os.geteuid() != 0:
         raise ClusterError("needs root: cgroups, mounts, iptables")
-    for tool in ("runc", "iptables", "openssl", "gcc", "go", "ip"):
+    for tool in ("runc", "iptables", "openssl", "gcc", "go", "ip", "file"):
         if shutil.which(tool) is None:
             raise ClusterError(f"{tool} is missing (apt-get install runc iptables openssl gcc "
                                "iproute2; Go from the machine)")
@@ -594,7 +623,8 @@ def up(state: Path) -> None:
                                 containerd_config(state)], env=cenv)
     sock = state / "containerd" / "containerd.sock"
     wait_for("containerd's socket", sock.is_socket, 60, state, "containerd")
-    ctr(state, "images", "import", "--all-platforms", pause_archive())
+    for archive in (pause_archive(), workload_archive()):
+        ctr(state, "images", "import", "--all-platforms", archive)
 
     KUBELET_ROOT.mkdir(parents=True, exist_ok=True)
     start(state, "kubelet", [
@@ -739,7 +769,8 @@ def env_json(state: Path) -> dict[str, str]:
             "kubectl": str(k8s_bin() / "kubectl"), "ctr": str(containerd_bin() / "ctr"),
             "containerd_socket": str(state / "containerd" / "containerd.sock"),
             "node": NODE_NAME, "cache": str(CACHE), "kubelet_root": str(KUBELET_ROOT),
-            "gemini_state": str(GEMINI_STATE), "pause_archive": str(pause_archive())}
+            "gemini_state": str(GEMINI_STATE), "workload_image": WORKLOAD_IMAGE,
+            "cdi_dir": str(state / "cdi")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
