@@ -428,6 +428,12 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 # Configuration files
 
 
+def restrict_oom() -> bool:
+    """Whether this process may not lower its oom_score_adj (no CAP_SYS_RESOURCE, bit 24)."""
+    caps = re.search(r"^CapEff:\s*([0-9a-f]+)", Path("/proc/self/status").read_text(), re.M)
+    return caps is None or not int(caps.group(1), 16) & (1 << 24)
+
+
 def containerd_config(state: Path) -> Path:
     base = state / "containerd"
     shim_dir = containerd_bin()
@@ -439,6 +445,10 @@ state = "{base}/state"
   address = "{base}/containerd.sock"
 
 [plugins.'io.containerd.cri.v1.runtime']
+  # This host withholds CAP_SYS_RESOURCE even from root, so no process may lower an
+  # oom_score_adj (runc's init dies writing the sandbox's -998: "failed to update
+  # /proc/self/oom_score_adj: Permission denied"). Clamp pods' values at containerd's own (0).
+  restrict_oom_score_adj = {'true' if restrict_oom() else 'false'}
   enable_cdi = true
   cdi_spec_dirs = ["{state}/cdi"]
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
@@ -637,6 +647,10 @@ def up(state: Path) -> None:
         state, "get", "node", NODE_NAME, "-o",
         "jsonpath={.status.conditions[?(@.type=='Ready')].status}").strip() == "True",
         180, state, "kubelet")
+    # Pods are refused until the controller manager has made the namespace's ServiceAccount.
+    wait_for("the default ServiceAccount", lambda: kubectl(
+        state, "get", "serviceaccount", "default", "-o", "name").strip(), 60, state,
+        "kube-controller-manager")
     t_start = time.monotonic() - t1
     (state / "timings.json").write_text(json.dumps({"build_s": round(t_build, 1),
                                                     "start_s": round(t_start, 1)}))

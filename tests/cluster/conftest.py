@@ -3,7 +3,8 @@
 The session's first cluster test starts it (building what the cache lacks: tens of minutes
 cold), imports the node image from scripts/build-image's OCI archive, writes a CDI spec for the
 simulated GPUs, labels the node and applies tests/cluster/overlay; the session's end stops it
-(GEMINI_CLUSTER_KEEP=1 leaves it up, for a look with `export KUBECONFIG=...`). A cluster that
+(GEMINI_CLUSTER_KEEP=1 leaves it up, for a look with `export KUBECONFIG=...`; a cluster already
+up is used and left as it is). A cluster that
 cannot start fails the tests, saying why: they never skip. Root only.
 """
 
@@ -100,19 +101,23 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float,
 def cluster() -> Iterator[Cluster]:
     if os.geteuid() != 0:
         pytest.fail("the cluster tests need root (cgroups, mounts, iptables): run them as root")
-    started = time.monotonic()
-    up = subprocess.run([sys.executable, str(SCRIPT), "up"], capture_output=True, text=True,
-                        stdin=subprocess.DEVNULL, timeout=5400)
-    sys.stderr.write(up.stdout)
-    if up.returncode != 0:
-        pytest.fail(f"scripts/cluster/cluster.py up failed ({up.returncode}) after "
-                    f"{time.monotonic() - started:.0f} s:\n{up.stdout[-3000:]}\n"
-                    f"{up.stderr[-5000:]}")
+    # A cluster already up (cluster.py up by hand) is used as it is and left up.
+    reuse = subprocess.run([sys.executable, str(SCRIPT), "status"], capture_output=True,
+                           stdin=subprocess.DEVNULL).returncode == 0
+    if not reuse:
+        started = time.monotonic()
+        up = subprocess.run([sys.executable, str(SCRIPT), "up"], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL, timeout=5400)
+        sys.stderr.write(up.stdout)
+        if up.returncode != 0:
+            pytest.fail(f"scripts/cluster/cluster.py up failed ({up.returncode}) after "
+                        f"{time.monotonic() - started:.0f} s:\n{up.stdout[-3000:]}\n"
+                        f"{up.stderr[-5000:]}")
     env = json.loads(run([sys.executable, str(SCRIPT), "env"]).stdout)
     try:
         yield Cluster(env)
     finally:
-        if os.environ.get("GEMINI_CLUSTER_KEEP") != "1":
+        if not reuse and os.environ.get("GEMINI_CLUSTER_KEEP") != "1":
             run([sys.executable, str(SCRIPT), "down"], timeout=300, check=False)
 
 
