@@ -154,7 +154,8 @@ def test_a_pod_asking_three_slices_is_placed_admitted_and_sees_its_allocation(
     # The channel and library directories are read-only bind mounts.
     mounts = text.split("--- mounts")[1].split("--- write")[0]
     for target in (paths.CONTAINER_CHANNEL_DIR, paths.CONTAINER_LIB_DIR):
-        line = next((m for m in mounts.splitlines() if m.split()[4] == target), None)
+        line = next((m for m in mounts.splitlines()
+                     if len(m.split()) > 5 and m.split()[4] == target), None)
         assert line is not None, mounts
         assert "ro" in line.split()[5].split(","), line
     assert "READONLY" in text.split("--- write")[1], text
