@@ -2,6 +2,7 @@
 """A real single-node Kubernetes cluster on this host, for the tests marked `cluster` (issue 29).
 
 Usage: scripts/cluster/cluster.py up|down|status|env|build [--state DIR]
+       scripts/cluster/cluster.py restart COMPONENT   (etcd, kube-apiserver, ..., kubelet)
 
   build   builds what is missing into the cache (GEMINI_CLUSTER_CACHE, default
           /root/.cache/gemini-cluster): Kubernetes 1.34 (kube-apiserver, kube-controller-manager,
@@ -387,7 +388,29 @@ def start(state: Path, name: str, command: Sequence[str | Path],
                                env=env or dict(os.environ))
     log.close()
     pid_file(state, name).write_text(str(process.pid))
+    # What `restart` needs to start it again the same way.
+    (state / "pids" / f"{name}.json").write_text(json.dumps(
+        {"command": [str(c) for c in command], "path": (env or os.environ).get("PATH", "")}))
     return process.pid
+
+
+def restart(state: Path, name: str) -> None:
+    """Stops one component (SIGTERM, as systemd would) and starts it again with the same
+    command line; waits for the API server or kubelet to answer again."""
+    saved = json.loads((state / "pids" / f"{name}.json").read_text())
+    pid = component_pid(state, name)
+    if pid:
+        stop_pid(pid)
+    start(state, name, saved["command"], env=dict(os.environ, PATH=saved["path"]))
+    if name == "kubelet":
+        wait_for("kubelet's healthz", lambda: run(
+            ["curl", "-sf", "http://127.0.0.1:10248/healthz"], check=False, quiet=True) == "ok",
+            60, state, "kubelet")
+    elif name == "kube-apiserver":
+        wait_for("the API server's /readyz",
+                 lambda: kubectl(state, "get", "--raw", "/readyz").strip() == "ok",
+                 180, state, "kube-apiserver")
+    say(f"{name} restarted")
 
 
 def wait_for(what: str, check: object, timeout: float, state: Path,
@@ -789,7 +812,9 @@ def env_json(state: Path) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("up", "down", "status", "env", "build"))
+    parser.add_argument("command", choices=("up", "down", "status", "env", "build", "restart"))
+    parser.add_argument("component", nargs="?", choices=COMPONENTS,
+                        help="restart: the component to stop and start again")
     parser.add_argument("--state", type=Path, default=DEFAULT_STATE)
     args = parser.parse_args(argv)
     (CACHE / "logs").mkdir(parents=True, exist_ok=True)
@@ -800,6 +825,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             up(args.state)
         elif args.command == "down":
             down(args.state)
+        elif args.command == "restart":
+            if args.component is None:
+                parser.error("restart needs a component")
+            restart(args.state, args.component)
         elif args.command == "status":
             return status(args.state)
         else:

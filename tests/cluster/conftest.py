@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from vgpu_runtime import paths
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,3 +193,59 @@ def gemini_node(cluster: Cluster, node_image: str) -> Cluster:
                lambda: vgpu_capacity(cluster) == (expected, expected), 120,
                explain_node_pod(cluster))
     return cluster
+
+
+HOOK_PREFIX = f"{paths.CONTAINER_LIB_DIR}/libgemini-hook.so."
+# What each workload prints before it sleeps: its environment, its mounts, whether it can
+# write its channel directory, what the channel and library directories hold.
+REPORT = ("env; echo '--- mounts'; cat /proc/self/mountinfo; echo '--- write';"
+          f" (echo x > {paths.CONTAINER_CHANNEL_DIR}/probe) 2>/dev/null && echo WRITABLE"
+          " || echo READONLY; echo '--- files';"
+          f" ls {paths.CONTAINER_CHANNEL_DIR} {paths.CONTAINER_LIB_DIR}; echo '--- end';"
+          " exec sleep 3600")
+
+
+def workload(cluster: Cluster, name: str, slices: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": {"test": "cluster"}},
+        "spec": {
+            "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "app", "image": cluster.env["workload_image"],
+                "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", REPORT],
+                "resources": {"limits": {"gemini.ai/vgpu": str(slices)}},
+            }],
+        },
+    }
+
+
+def create(cluster: Cluster, *pods: dict[str, Any]) -> None:
+    cluster.kubectl("create", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": list(pods)}))
+
+
+def phase(cluster: Cluster, name: str) -> str:
+    return str(cluster.get("pod", name, "-n", "default")["status"].get("phase", ""))
+
+
+def report(cluster: Cluster, name: str) -> str:
+    def complete() -> str | None:
+        out = cluster.kubectl("logs", "-n", "default", name, check=False)
+        return out if "--- end" in out else None
+    return wait_until(f"{name}'s report", complete, 60,
+                      lambda: cluster.kubectl("describe", "pod", "-n", "default", name,
+                                              check=False))
+
+
+def environment(text: str) -> dict[str, str]:
+    """The variables a workload's report printed."""
+    return dict(line.split("=", 1) for line in text.split("--- mounts")[0].splitlines()
+                if "=" in line)
+
+
+@pytest.fixture
+def cleanup(cluster: Cluster) -> Iterator[None]:
+    yield
+    cluster.kubectl("delete", "pods", "-n", "default", "-l", "test=cluster", "--wait=true",
+                    "--grace-period=1", "--timeout=60s", check=False)

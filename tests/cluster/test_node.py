@@ -5,20 +5,23 @@ default scheduler and admitted by kubelet, their containers started by container
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.cluster.conftest import (
+    HOOK_PREFIX,
     NAMESPACE,
     SIMULATED_GPUS,
     SLICES_PER_GPU,
     Cluster,
+    create,
+    environment,
+    phase,
+    report,
     wait_until,
+    workload,
 )
 from vgpu_runtime import paths
 from vgpu_runtime.gpus.simulated import simulated_uuid
@@ -26,61 +29,11 @@ from vgpu_runtime.gpus.simulated import simulated_uuid
 # Cold start builds Kubernetes (tens of minutes on 2 cores) inside the first test's setup.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]
 
-HOOK_PREFIX = f"{paths.CONTAINER_LIB_DIR}/libgemini-hook.so."
-# What each workload prints before it sleeps: its environment, its mounts, whether it can
-# write its channel directory, what the channel and library directories hold.
-REPORT = ("env; echo '--- mounts'; cat /proc/self/mountinfo; echo '--- write';"
-          f" (echo x > {paths.CONTAINER_CHANNEL_DIR}/probe) 2>/dev/null && echo WRITABLE"
-          " || echo READONLY; echo '--- files';"
-          f" ls {paths.CONTAINER_CHANNEL_DIR} {paths.CONTAINER_LIB_DIR}; echo '--- end';"
-          " exec sleep 3600")
-
-
-def workload(cluster: Cluster, name: str, slices: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": {"test": "cluster"}},
-        "spec": {
-            "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "app", "image": cluster.env["workload_image"],
-                "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", REPORT],
-                "resources": {"limits": {"gemini.ai/vgpu": str(slices)}},
-            }],
-        },
-    }
-
-
-def create(cluster: Cluster, *pods: dict[str, Any]) -> None:
-    cluster.kubectl("create", "-f", "-", input=json.dumps(
-        {"apiVersion": "v1", "kind": "List", "items": list(pods)}))
-
-
-def phase(cluster: Cluster, name: str) -> str:
-    return str(cluster.get("pod", name, "-n", "default")["status"].get("phase", ""))
-
-
-def report(cluster: Cluster, name: str) -> str:
-    def complete() -> str | None:
-        out = cluster.kubectl("logs", "-n", "default", name, check=False)
-        return out if "--- end" in out else None
-    return wait_until(f"{name}'s report", complete, 60,
-                      lambda: cluster.kubectl("describe", "pod", "-n", "default", name,
-                                              check=False))
-
-
 def section(text: str, title: str) -> str:
     """The lines of `kubectl describe node` under `Title:` up to the next unindented line."""
     match = re.search(rf"^{title}:\n((?:[ \t].*\n)*)", text, re.M)
     assert match, f"no {title} section in:\n{text[:3000]}"
     return match.group(1)
-
-
-@pytest.fixture
-def cleanup(cluster: Cluster) -> Iterator[None]:
-    yield
-    cluster.kubectl("delete", "pods", "-n", "default", "-l", "test=cluster", "--wait=true",
-                    "--grace-period=1", "--timeout=60s", check=False)
 
 
 def test_describe_node_shows_the_slices_the_plugin_registered(gemini_node: Cluster) -> None:
@@ -132,8 +85,7 @@ def test_a_pod_asking_three_slices_is_placed_admitted_and_sees_its_allocation(
         == "default-scheduler", scheduled[0]
 
     text = report(cluster, "three-slices")
-    env = dict(line.split("=", 1) for line in text.split("--- mounts")[0].splitlines()
-               if "=" in line)
+    env = environment(text)
     # The interposer, preloaded from the read-only library mount install-hook filled.
     assert env.get("LD_PRELOAD", "").startswith(HOOK_PREFIX), env
     library = env["LD_PRELOAD"].rsplit("/", 1)[1]
