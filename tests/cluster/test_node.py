@@ -1,4 +1,4 @@
-"""The product against the real kubelet, API server and default scheduler (issue 29): the
+"""The product against the real kubelet, API server and default scheduler: the
 DaemonSet of tests/cluster/overlay rolled out by the real controllers, the plugin registered
 with the real kubelet, `kubectl describe node`, and pods asking `gemini.ai/vgpu` placed by the
 default scheduler and admitted by kubelet, their containers started by containerd and runc."""

@@ -1,4 +1,4 @@
-"""Restarts on the real node (issue 29, item 4): the kubelet restarted under running pods, and
+"""Restarts on the real node: the kubelet restarted under running pods, and
 the node pod (plugin and daemon) deleted under a running workload."""
 
 from __future__ import annotations

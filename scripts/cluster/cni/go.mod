@@ -1,4 +1,4 @@
-// Module that builds the CNI plugins the test cluster's node needs (issue 29):
+// Module that builds the CNI plugins the test cluster's node needs:
 // bridge, host-local and loopback (portmap for hostPort).
 module gemini.ai/vgpu/scripts/cluster/cni
 

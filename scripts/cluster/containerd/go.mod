@@ -1,4 +1,4 @@
-// Module that builds containerd (with CDI support) and ctr for the test cluster (issue 29).
+// Module that builds containerd (with CDI support) and ctr for the test cluster.
 // v2.1 still runs on a cgroup v1 host such as this one.
 module gemini.ai/vgpu/scripts/cluster/containerd
 

@@ -1,4 +1,4 @@
-// Module that builds etcd for the test cluster (issue 29): the version k8s.io/kubernetes
+// Module that builds etcd for the test cluster: the version k8s.io/kubernetes
 // v1.34.4 requires. `go install` refuses go.etcd.io/etcd/server/v3 for its replace lines.
 module gemini.ai/vgpu/scripts/cluster/etcd
 

@@ -1,4 +1,4 @@
-// Module that builds the Kubernetes binaries of the test cluster (issue 29).
+// Module that builds the Kubernetes binaries of the test cluster.
 // `go install pkg@version` refuses k8s.io/kubernetes because of its replace lines,
 // so this module requires it and pins every staging module to the matching v0.34.x.
 module gemini.ai/vgpu/scripts/cluster/k8s
