@@ -36,6 +36,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -747,7 +748,7 @@ def down(state: Path, quiet: bool = False) -> None:
         subprocess.run(["umount", "-l", point], capture_output=True)
     if (k8s_bin() / "kube-proxy").exists():
         subprocess.run([k8s_bin() / "kube-proxy", "--cleanup"], capture_output=True)
-    cni_rules_cleanup()
+    iptables_cleanup()
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
     with contextlib.suppress(OSError, ValueError):
         for name, value in json.loads((state / "sysctls.json").read_text()).items():
@@ -765,18 +766,27 @@ def down(state: Path, quiet: bool = False) -> None:
         say(f"stopped; {state} removed")
 
 
-def cni_rules_cleanup() -> None:
-    """The bridge plugin's ipMasq chains (CNI-<hash>) and their POSTROUTING jumps."""
-    rules = run(["iptables", "-t", "nat", "-S"], check=False, quiet=True).splitlines()
-    for rule in rules:
-        if rule.startswith("-A POSTROUTING") and "CNI-" in rule:
-            subprocess.run(["iptables", "-t", "nat", *rule.replace("-A", "-D", 1).split()],
-                           capture_output=True)
-    for rule in rules:
-        if rule.startswith("-N CNI-"):
-            chain = rule.split()[1]
-            subprocess.run(["iptables", "-t", "nat", "-F", chain], capture_output=True)
-            subprocess.run(["iptables", "-t", "nat", "-X", chain], capture_output=True)
+def iptables_cleanup() -> None:
+    """What kubelet (KUBE-FIREWALL, KUBE-KUBELET-CANARY), kube-proxy (KUBE-*) and the CNI bridge
+    plugin (CNI-<hash>, ipMasq) leave in iptables and ip6tables: the rules that jump to those
+    chains, then the chains. `kube-proxy --cleanup` removes only kube-proxy's own."""
+    for command in ("iptables", "ip6tables"):
+        if shutil.which(command) is None:
+            continue
+        for table in ("filter", "nat", "mangle"):
+            rules = run([command, "-t", table, "-S"], check=False, quiet=True).splitlines()
+            ours = [r.split()[1] for r in rules
+                    if r.startswith("-N ") and r.split()[1].startswith(("KUBE-", "CNI-"))]
+            for rule in rules:
+                words = shlex.split(rule)
+                if (words[:1] == ["-A"] and words[1] not in ours
+                        and any(w in ours for w in words)):
+                    subprocess.run([command, "-t", table, "-D", *words[1:]],
+                                   capture_output=True)
+            for chain in ours:
+                subprocess.run([command, "-t", table, "-F", chain], capture_output=True)
+            for chain in ours:
+                subprocess.run([command, "-t", table, "-X", chain], capture_output=True)
 
 
 def remove_cgroups() -> None:
