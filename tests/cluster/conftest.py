@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 import pytest
 
 from vgpu_runtime import paths
-from vgpu_runtime.gpus.simulated import simulated_uuid
+from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
+from vgpu_runtime.gpus.simulated import SimulatedBackend, simulated_uuid
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "cluster" / "cluster.py"
@@ -33,6 +34,7 @@ OVERLAY = REPO / "tests" / "cluster" / "overlay"
 NODE_IMAGE = "localhost/gemini-vgpu-node:cluster-test"
 NAMESPACE = "gemini-system"
 SIMULATED_GPUS = 2          # tests/cluster/overlay/config/default.yaml
+DRIVER_IN_CONTAINER = "/opt/nvidia/lib64"   # where the CDI spec mounts the fake driver
 SLICES_PER_GPU = 10
 T = TypeVar("T")
 
@@ -137,16 +139,33 @@ def node_image(cluster: Cluster) -> str:
 
 
 def write_cdi_spec(cluster: Cluster) -> None:
-    """CDI devices for the simulated GPUs, as `nvidia-ctk cdi generate` writes them for real
-    ones: the plugin's Allocate names nvidia.com/gpu=<uuid> and containerd resolves it here.
-    Their only edit is a variable naming the GPU, which the test pods read back."""
-    devices = [{"name": simulated_uuid(i), "containerEdits": {
-        "env": [f"GEMINI_TEST_CDI_GPU_{i}={simulated_uuid(i)}"]}}
-        for i in range(SIMULATED_GPUS)]
-    spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu", "devices": devices}
+    """CDI devices for the simulated GPUs, shaped as `nvidia-ctk cdi generate` writes them for
+    real ones: the plugin's Allocate names nvidia.com/gpu=<uuid> and containerd resolves it
+    here. The spec mounts the tests' fake driver (libcuda.so.1, libnvidia-ml.so.1, built here)
+    where the real one would be, with the device nodes; each device sets the fake's GPU and a
+    variable naming it, which the test pods read back."""
+    driver = build_fake_driver(Path(cluster.env["state"]) / "fake-driver")
+    libraries = ("libcuda.so.1", "libnvidia-ml.so.1")
+    spec = {
+        "cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
+        "containerEdits": {
+            "env": [f"LD_LIBRARY_PATH={DRIVER_IN_CONTAINER}",
+                    f"FAKE_CUDA_TOTAL_MEM={SimulatedBackend(1).gpus[0].memory_total}"],
+            "deviceNodes": [{"path": "/dev/nvidiactl", "type": "c", "major": 195,
+                             "minor": 255, "permissions": "rw"}],
+            "mounts": [{"hostPath": str(driver / name),
+                        "containerPath": f"{DRIVER_IN_CONTAINER}/{name}",
+                        "options": ["ro", "nosuid", "nodev", "bind"]} for name in libraries],
+        },
+        "devices": [{"name": simulated_uuid(i), "containerEdits": {
+            "env": [f"FAKE_CUDA_UUIDS={simulated_uuid(i)}",
+                    f"GEMINI_TEST_CDI_GPU_{i}={simulated_uuid(i)}"],
+            "deviceNodes": [{"path": f"/dev/nvidia{i}", "type": "c", "major": 195, "minor": i,
+                             "permissions": "rw"}]}} for i in range(SIMULATED_GPUS)],
+    }
     directory = Path(cluster.env["cdi_dir"])
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "gemini-simulated.json").write_text(json.dumps(spec, indent=1))
+    (directory / "nvidia.com-gpu.json").write_text(json.dumps(spec, indent=1))
 
 
 def node_pod(cluster: Cluster) -> dict[str, Any] | None:
