@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "cluster" / "cluster.py"
 BUILD_IMAGE = REPO / "scripts" / "build-image"
 OVERLAY = REPO / "tests" / "cluster" / "overlay"
+IMAGE_WORK = REPO / "build" / "image"
 NODE_IMAGE = "localhost/gemini-vgpu-node:cluster-test"
 NAMESPACE = "gemini-system"
 SIMULATED_GPUS = 2          # tests/cluster/overlay/config/default.yaml
@@ -126,9 +127,10 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def node_image(cluster: Cluster) -> str:
-    """scripts/build-image's image, imported into the cluster's containerd from its OCI archive
-    (its podman storage and base are cached beside the cluster's binaries)."""
-    work = Path(cluster.env["cache"]) / "image"
+    """scripts/build-image's image, imported into the cluster's containerd from its OCI archive.
+    Its work directory is tests/rollout/test_image.py's, so one lane's base and layers serve
+    the other."""
+    work = IMAGE_WORK
     built = run([sys.executable, str(BUILD_IMAGE), "--work", str(work), "--name", NODE_IMAGE],
                 timeout=3000).stdout
     archive = next(line.split(" ", 1)[1] for line in built.splitlines()

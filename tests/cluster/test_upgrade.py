@@ -13,6 +13,7 @@ import pytest
 from tests.cluster.conftest import (
     BUILD_IMAGE,
     HOOK_PREFIX,
+    IMAGE_WORK,
     NAMESPACE,
     NODE_IMAGE,
     REPO,
@@ -44,7 +45,7 @@ def build_upgrade_image(cluster: Cluster, tmp: Path) -> None:
     subprocess.run(["tar", "-C", str(tree), "-xf", str(tmp / "tree.tar")], check=True)
     source = sorted((tree / "vgpu_runtime" / "hook").rglob("*.c"))[0]
     source.write_text(source.read_text() + "\n/* the cluster test's upgrade */\n")
-    work = Path(cluster.env["cache"]) / "image"
+    work = IMAGE_WORK
     built = run([sys.executable, str(tree / BUILD_IMAGE.relative_to(REPO)), "--work", str(work),
                  "--name", UPGRADE_IMAGE], timeout=3000).stdout
     archive = next(line.split(" ", 1)[1] for line in built.splitlines()
