@@ -440,7 +440,8 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 def kubectl(state: Path, *args: str, check: bool = True) -> str:
-    return run([k8s_bin() / "kubectl", "--kubeconfig", state / "admin.kubeconfig", *args],
+    return run([started_bin(state, "k8s", k8s_bin()) / "kubectl", "--kubeconfig",
+                state / "admin.kubeconfig", *args],
                check=check, quiet=True)
 
 
@@ -603,6 +604,8 @@ def up(state: Path) -> None:
     # Pods reach the API through the Service's ClusterIP (kube-proxy's DNAT): routed traffic.
     write_sysctl("net.ipv4.ip_forward", "1")
     write_sysctl("net.bridge.bridge-nf-call-iptables", "1")
+    (state / "bin.json").write_text(json.dumps({"k8s": str(k8s_bin()),
+                                                "containerd": str(containerd_bin())}))
     ip = host_ip()
     make_pki(state, ip)
     pki = state / "pki"
@@ -684,8 +687,16 @@ def up(state: Path) -> None:
     print(f"export KUBECONFIG={state / 'admin.kubeconfig'}")
 
 
+def started_bin(state: Path, name: str, default: Path) -> Path:
+    """The binary directory the cluster in `state` was started from (its cache may not be the
+    one this process would build into: GEMINI_CLUSTER_CACHE)."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return Path(json.loads((state / "bin.json").read_text())[name])
+    return default
+
+
 def ctr(state: Path, *args: str | Path, check: bool = True) -> str:
-    return run([containerd_bin() / "ctr", "--address",
+    return run([started_bin(state, "containerd", containerd_bin()) / "ctr", "--address",
                 state / "containerd" / "containerd.sock", "-n", "k8s.io", *args],
                check=check, quiet=not check)
 
@@ -710,9 +721,9 @@ def stop_pid(pid: int, timeout: float = 20) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def our_shims() -> list[int]:
+def our_shims(state: Path) -> list[int]:
     """The runc shims started by this cluster's containerd (by their executable's path)."""
-    shim = str(containerd_bin() / "containerd-shim-runc-v2")
+    shim = str(started_bin(state, "containerd", containerd_bin()) / "containerd-shim-runc-v2")
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -738,7 +749,7 @@ def down(state: Path, quiet: bool = False) -> None:
         pid = component_pid(state, name)
         if pid:
             stop_pid(pid)
-    for pid in our_shims():
+    for pid in our_shims(state):
         stop_pid(pid, 5)
     # Deepest first: pods' volumes, containerd's rootfs and sandbox mounts (shm, netns).
     for point in sorted(mounts_under(state, KUBELET_ROOT, Path("/run/netns")),
@@ -746,8 +757,9 @@ def down(state: Path, quiet: bool = False) -> None:
         if point.startswith("/run/netns") and "cni-" not in point:
             continue
         subprocess.run(["umount", "-l", point], capture_output=True)
-    if (k8s_bin() / "kube-proxy").exists():
-        subprocess.run([k8s_bin() / "kube-proxy", "--cleanup"], capture_output=True)
+    proxy = started_bin(state, "k8s", k8s_bin()) / "kube-proxy"
+    if proxy.exists():
+        subprocess.run([proxy, "--cleanup"], capture_output=True)
     iptables_cleanup()
     subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
     with contextlib.suppress(OSError, ValueError):
@@ -815,7 +827,8 @@ def status(state: Path) -> int:
 
 def env_json(state: Path) -> dict[str, str]:
     return {"kubeconfig": str(state / "admin.kubeconfig"), "state": str(state),
-            "kubectl": str(k8s_bin() / "kubectl"), "ctr": str(containerd_bin() / "ctr"),
+            "kubectl": str(started_bin(state, "k8s", k8s_bin()) / "kubectl"),
+            "ctr": str(started_bin(state, "containerd", containerd_bin()) / "ctr"),
             "containerd_socket": str(state / "containerd" / "containerd.sock"),
             "node": NODE_NAME, "cache": str(CACHE), "kubelet_root": str(KUBELET_ROOT),
             "gemini_state": str(GEMINI_STATE), "workload_image": WORKLOAD_IMAGE,
