@@ -1,6 +1,6 @@
-"""Co-scheduling through the real daemon: two tenant processes, each known by its connection's
-pid, measured by the (simulated) per-process utilisation source, hold the GPU at once when they
-leave it room, and take turns when one is GPU-bound."""
+"""Co-scheduling through the real daemon: two tenant processes, measured by the (simulated)
+device utilisation source while each holds the GPU alone, hold it at once when they leave it
+room, and take turns when one is GPU-bound."""
 
 from __future__ import annotations
 
@@ -81,8 +81,8 @@ def busy_file(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def daemon(state_dir: Path, busy_file: Path) -> Iterator[InProcessDaemon]:
-    served = InProcessDaemon(state_dir, "--co-schedule", "on", "--process-busy", "simulated",
-                             "--process-busy-file", str(busy_file)).wait_ready()
+    served = InProcessDaemon(state_dir, "--co-schedule", "on", "--gpu-busy", "simulated",
+                             "--gpu-busy-file", str(busy_file)).wait_ready()
     yield served
     assert served.stop() == 0, served.logs()
 
@@ -94,14 +94,17 @@ def gpu_status(daemon: InProcessDaemon) -> dict[str, Any]:
 
 def measure_alone(daemon: InProcessDaemon, busy_file: Path, tenant: TenantProcess,
                   allocation: str, busy: float, rows: list[list[float]]) -> None:
-    """The tenant holds the GPU alone for a while; the simulated NVML then says how busy its
-    process kept the GPU over that period, and the daemon takes the figure (scaled up by the
-    part of the period it held: 0.15 s of a 0.2 s period at most)."""
+    """The tenant holds the GPU alone for a while; the simulated NVML then says how busy the
+    device was over two 0.2 s periods inside that hold, and the daemon takes the figure."""
     tenant.ask()
     assert tenant.granted()
-    time.sleep(0.15)
+    start = time.monotonic()
+    while time.monotonic() < start + 0.45:   # asking again as each quota ends, as a hook does
+        time.sleep(0.03)
+        tenant.ask()
+        assert tenant.granted()
+    rows += [[start + 0.2, busy], [start + 0.4, busy]]
     tenant.send("release")
-    rows.append([tenant.pid, time.monotonic(), busy])
     busy_file.write_text(json.dumps({UUID_A: rows}))
     wait_for(lambda: {t["allocation"]: t for t in gpu_status(daemon)["tenants"]}[allocation]
              ["busy"] is not None, 5, f"{allocation}'s busy fraction")
@@ -132,19 +135,13 @@ def test_tenants_with_room_hold_the_gpu_at_once_and_gpu_bound_ones_take_turns(
             tenant.close()
 
 
-def test_a_sample_of_a_pid_no_tenant_connected_from_is_nobodys(
+def test_a_period_nobody_held_alone_gives_nobody_a_figure(
         daemon: InProcessDaemon, state_dir: Path, busy_file: Path) -> None:
     records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
     tenants = [TenantProcess(wait_served(r)) for r in records]
     try:
-        tenants[0].ask()
-        assert tenants[0].granted()
-        time.sleep(0.15)
-        tenants[0].send("release")
-        # A pid that is not any tenant's connection (a process claiming to be one is still
-        # known only by the connection it came through).
-        busy_file.write_text(json.dumps({UUID_A: [[tenants[0].pid + 100000, time.monotonic(),
-                                                   0.1]]}))
+        now = time.monotonic()   # the GPU was busy, but no tenant held it then
+        busy_file.write_text(json.dumps({UUID_A: [[now - 0.6, 0.9], [now - 0.4, 0.9]]}))
         time.sleep(0.6)   # three sampling periods
         assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
     finally:
@@ -157,7 +154,7 @@ def test_a_malformed_busy_file_is_reported_and_changes_nothing(
     records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
     tenants = [TenantProcess(wait_served(r)) for r in records]
     try:
-        busy_file.write_text(json.dumps({UUID_A: [[tenants[0].pid, time.monotonic(), 7]]}))
+        busy_file.write_text(json.dumps({UUID_A: [[time.monotonic(), 7]]}))
         wait_for(lambda: "busy fraction outside [0, 1]" in daemon.logs(), 5, "the warning")
         assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
     finally:

@@ -10,8 +10,8 @@ from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
 def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
                    **settings: object) -> TokenScheduler:
-    """Tenants whose busy fractions were measured in a turn alone each (NVML's figure over a
-    period it held the GPU alone), at time 1.0."""
+    """Tenants whose busy fractions were measured in a turn alone each (the device's
+    utilisation over a period one of them held the GPU alone), by time 1.0."""
     settings.setdefault("co_schedule", True)
     sched = TokenScheduler(TimeshareSettings(**settings), 0.0)   # type: ignore[arg-type]
     now = 0.0
@@ -21,7 +21,7 @@ def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = Non
         sched.request(name, now)
         assert set(sched.grants) == {name}
         sched.release(name, now + 0.2)
-        assert sched.observe_utilization(name, now, now + 0.2, fraction)
+        assert sched.observe_utilization(now, now + 0.2, fraction)
         now += 0.2
     return sched
 
@@ -98,27 +98,48 @@ def test_a_waiter_that_cannot_share_is_never_passed_over() -> None:
     assert set(sched.grants) == {"c"} and not sched.grants["c"].shared
 
 
-def test_a_busy_figure_is_taken_only_from_a_period_held_alone_in_part() -> None:
+def test_a_period_touched_by_co_held_grants_is_not_taken() -> None:
+    """While grants are co-held the device's figure is both tenants' at once: it says nothing
+    about either."""
     sched = scheduler_with({"a": 0.4, "b": 0.4})
-    # Co-held from 1.0: neither held the GPU alone in [1.0, 1.2), so NVML's figure there
-    # (time-slicing between them) says nothing about either.
     sched.request("a", 1.0)
     sched.request("b", 1.0)
     sched.release("a", 1.2)
     sched.release("b", 1.2)
-    assert not sched.observe_utilization("a", 1.0, 1.2, 0.9)
+    assert not sched.observe_utilization(1.0, 1.2, 0.9)
+    assert not sched.observe_utilization(1.1, 1.3, 0.9)   # touched at its start
     assert sched.tenants["a"].busy == pytest.approx(0.4)
-    # Alone for 0.15 of a 0.2 s period with 30 % busy: 0.4 of the time it held.
-    sched.request("a", 2.0)
-    sched.release("a", 2.15)
-    assert sched.observe_utilization("a", 2.0, 2.2, 0.3)
-    assert sched.tenants["a"].busy == pytest.approx(0.4)
-    assert sched.tenants["a"].busy_at == 2.2
-    # Alone for 0.04 of a 0.2 s period: too little to tell its figure from NVML's rounding.
-    sched.request("a", 3.0)
-    sched.release("a", 3.04)
-    assert not sched.observe_utilization("a", 3.0, 3.2, 0.05)
-    assert sched.tenants["a"].busy == pytest.approx(0.4)
+
+
+def test_busy_fractions_are_solved_from_turns_that_share_periods() -> None:
+    """Two tenants take turns of uneven lengths, several to a 0.2 s period: each period's
+    utilisation is the sum of their parts, and least squares finds each one's figure."""
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
+    truth = {"a": 0.3, "b": 0.7}
+    for name in truth:
+        sched.add(name, 0.5, 1.0, 0.0)
+    now, period_start, used = 0.0, 0.0, 0.0
+    turns = [("a", 0.03), ("b", 0.05), ("a", 0.07), ("b", 0.02), ("a", 0.05), ("b", 0.08)] * 10
+    for name, length in turns:
+        sched.request(name, now)
+        assert set(sched.grants) == {name}
+        now += length
+        sched.release(name, now)
+        used += truth[name] * length
+        if now - period_start >= 0.2:   # a period ends at a turn's end, as NVML's would
+            sched.observe_utilization(period_start, now, used / (now - period_start))
+            period_start, used = now, 0.0
+    for name, fraction in truth.items():
+        assert sched.tenants[name].busy == pytest.approx(fraction, abs=0.02), name
+
+
+def test_too_little_time_alone_gives_no_figure() -> None:
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    sched.release("a", 0.04)
+    assert sched.observe_utilization(0.0, 0.2, 0.1)   # taken, but 0.2 of a period is not enough
+    assert sched.tenants["a"].busy is None
 
 
 def test_co_holders_keep_each_others_gaps_filled_until_one_turns_gpu_bound() -> None:

@@ -171,15 +171,15 @@ class DaemonConfig:
         64 << 20, "bytes an allocation may hold past its memory limit, by the per-process "
         "figures, before the daemon reports the process that holds more than the hook declared",
         cfg.size, "SIZE")
-    # ---- per-process utilisation (co-scheduling's busy fractions) ----
-    process_busy: str = cfg.setting(
-        "auto", "per-process GPU utilisation for co-scheduling: auto (NVML when it loads and "
-        "pids match the host's), nvml, simulated (process_busy_file) or off (exclusive turns)",
+    # ---- the device's utilisation (co-scheduling's busy fractions) ----
+    gpu_busy: str = cfg.setting(
+        "auto", "device utilisation for co-scheduling: auto (NVML when it loads), nvml, "
+        "simulated (gpu_busy_file) or off (exclusive turns)",
         cfg.choice(*PROCESS_MEMORY_SOURCES), "SOURCE")
-    process_busy_file: str | None = cfg.setting(
-        None, "JSON file of simulated per-process utilisation, {GPU UUID: [[pid, end, busy], "
-        "...]} (end: CLOCK_MONOTONIC seconds), read every 0.2 s (process_busy=simulated)",
-        cfg.optional(cfg.text), "FILE")
+    gpu_busy_file: str | None = cfg.setting(
+        None, "JSON file of simulated device utilisation, {GPU UUID: [[end, busy], ...]} (end: "
+        "CLOCK_MONOTONIC seconds of a 0.2 s period's end), read every 0.2 s "
+        "(gpu_busy=simulated)", cfg.optional(cfg.text), "FILE")
     # ---- the hooks' enforcement settings (sent in every hello reply) ----
     interposer_token_timeout: float = cfg.setting(
         30.0, "seconds a launch waits for a token grant before the hook gates itself at its "
@@ -226,9 +226,9 @@ class DaemonConfig:
         if self.max_quota >= self.window:
             raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
                                   f"({self.window})")
-        if self.process_busy == "simulated" and not self.process_busy_file:
-            raise cfg.ConfigError("process_busy=simulated needs process_busy_file (the "
-                                  "simulated figures)")
+        if self.gpu_busy == "simulated" and not self.gpu_busy_file:
+            raise cfg.ConfigError("gpu_busy=simulated needs gpu_busy_file (the simulated "
+                                  "figures)")
         if self.process_memory == "simulated" and not self.process_memory_file:
             raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
                                   "JSON file of per-process figures)")

@@ -37,8 +37,11 @@ so, with the measurements behind it: README.md beside this file):
   left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
 Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels
-keep the GPU busy while it holds the token alone) is measured by the daemon from NVML's
-per-process utilisation (`observe_utilization`). While every holder and the waiting tenant
+keep the GPU busy while it holds the token alone) is estimated from the device's own
+utilisation (`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover
+exactly the 200 ms before their timestamp): each period that no co-held grant touched is an
+equation, utilisation = sum of (busy fraction x part of the period held alone), and the last
+`BUSY_PERIODS` of them are solved by least squares. While every holder and the waiting tenant
 first in line each keep the GPU busy at most `co_busy_max` of the time and together at most
 `co_room`, that tenant is granted beside them: launch-bound jobs fill each other's idle gaps,
 as under time-slicing. A co-held grant is charged its busy fraction of its time (what the
@@ -65,6 +68,10 @@ from vgpu_runtime.timeshare.window import UsageWindow, add_up
 # Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
 # a GPU can be cut into (paths.MAX_SLICES_PER_GPU, 1000).
 MAX_TENANTS = 1024
+# Utilisation periods kept for the busy fractions' least squares (10 s of NVML's 200 ms ones),
+# and the part of a period (summed over them) a tenant must have held alone to be estimated.
+BUSY_PERIODS = 50
+BUSY_EVIDENCE = 1.0
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,6 @@ class Tenant:
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     busy: float | None = None   # its kernels' part of the time it held the GPU alone
     busy_at: float = float("-inf")
-    alone: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,11 @@ class TokenScheduler:
         self.started = now
         self.tenants: dict[str, Tenant] = {}
         self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
+        # History for the busy fractions: who held alone when, when grants were co-held, and
+        # the utilisation periods taken.
+        self._alone: dict[str, deque[tuple[float, float]]] = {}
+        self._shared: deque[tuple[float, float]] = deque(maxlen=256)
+        self._periods: deque[tuple[dict[str, float], float]] = deque(maxlen=BUSY_PERIODS)
         self.generation = 0
         self.preemptions = 0
         self.co_grants = 0
@@ -212,6 +223,7 @@ class TokenScheduler:
         if tenant in self.grants:
             self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
+        self._alone.pop(tenant, None)
         self._rescale()
         return self._decided(now, self._dispatch(now))
 
@@ -281,24 +293,52 @@ class TokenScheduler:
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
         self.tenants[tenant].bursts.observe(start, end)
 
-    def observe_utilization(self, tenant: str, start: float, end: float, busy: float) -> bool:
-        """NVML's figure for the tenant's processes over [start, end): the part of that time
-        its kernels kept the GPU busy. Read as its busy fraction of the time it held the token
-        alone, where that was at least a quarter of the period (its kernels ran only then:
-        launches wait for the token); returns whether it was taken."""
-        state = self.tenants.get(tenant)
-        if state is None or end <= start:
+    def observe_utilization(self, start: float, end: float, busy: float) -> bool:
+        """The device's utilisation over [start, end): the part of it some kernel ran. Taken
+        where no co-held grant touched the period (then only the holders alone ran kernels:
+        launches wait for the token), and the busy fractions are estimated again; returns
+        whether it was taken."""
+        if end <= start or any(s < end and e > start for s, e in self._shared):
             return False
-        alone = add_up(min(e, end) - max(s, start) for s, e in state.alone
-                       if min(e, end) > max(s, start))
-        grant = self.grants.get(tenant)
-        if grant is not None and not grant.shared and len(self.grants) == 1:
-            alone += max(0.0, end - max(start, grant.granted_at))
-        if alone < 0.25 * (end - start):
-            return False
-        state.busy = min(1.0, max(0.0, busy) / (alone / (end - start)))
-        state.busy_at = end
+        span = end - start
+        parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._alone.get(t, ())
+                           if min(e, end) > max(s, start)) / span for t in self.tenants}
+        for tenant, grant in self.grants.items():   # a grant in progress, held alone
+            if not grant.shared:
+                parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
+        self._periods.append(({t: p for t, p in parts.items() if p > 0},
+                              min(max(busy, 0.0), 1.0)))
+        self._estimate_busy(end)
         return True
+
+    def _estimate_busy(self, now: float) -> None:
+        """Least squares over the kept periods (Gauss-Seidel: a few sweeps of each tenant's
+        own normal equation), for tenants that held the GPU alone long enough in them."""
+        held: dict[str, float] = {}
+        for parts, _ in self._periods:
+            for tenant, part in parts.items():
+                held[tenant] = held.get(tenant, 0.0) + part
+        known = [t for t, h in held.items() if h >= BUSY_EVIDENCE and t in self.tenants]
+        if not known:
+            return
+        b: dict[str, float] = {}
+        for tenant in known:
+            previous = self.tenants[tenant].busy
+            b[tenant] = 0.5 if previous is None else previous
+        for _ in range(8):
+            for tenant in known:
+                num = den = 0.0
+                for parts, util in self._periods:
+                    mine = parts.get(tenant, 0.0)
+                    if mine <= 0:
+                        continue
+                    others = add_up(b.get(o, 0.0) * p for o, p in parts.items() if o != tenant)
+                    num += mine * (util - others)
+                    den += mine * mine
+                b[tenant] = min(1.0, max(0.0, num / den))
+        for tenant in known:
+            self.tenants[tenant].busy = b[tenant]
+            self.tenants[tenant].busy_at = now
 
     @property
     def holder(self) -> Grant | None:
@@ -392,10 +432,10 @@ class TokenScheduler:
             busy = state.busy if state.busy is not None else 1.0
             start = grant.granted_at
             self._charge(state, start, start + busy * (end - start))
+            self._shared.append((start, end))
         else:
             self._charge(state, grant.granted_at, end)
-            if not self.grants:
-                state.alone.append((grant.granted_at, end))
+            self._held_alone(tenant, grant.granted_at, end)
         state.last_release = now
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
@@ -572,6 +612,9 @@ class TokenScheduler:
                 continue
             state = self.tenants[tenant]
             self._charge(state, grant.granted_at, max(now, grant.granted_at))
-            state.alone.append((grant.granted_at, now))
+            self._held_alone(tenant, grant.granted_at, now)
             self.grants[tenant] = Grant(tenant, grant.generation, now,
                                         grant.expires_at - now, True)
+
+    def _held_alone(self, tenant: str, start: float, end: float) -> None:
+        self._alone.setdefault(tenant, deque(maxlen=64)).append((start, end))

@@ -30,8 +30,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vgpu_runtime.daemon.channel.gpu_busy import SAMPLE_PERIOD, BusySample, BusySampler
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
-from vgpu_runtime.daemon.channel.process_busy import BusySample, BusySampler
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.timeshare.policy import Decision, Grant, TokenScheduler
 
@@ -50,10 +50,6 @@ WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 # a spin). Rounded up, both loops keep the timing the settings were measured with, and a
 # deadline already passed is retried 1 ms later, never in a spin.
 TIMER_RESOLUTION = 0.001
-# NVML's samples of one tenant's processes less than this apart are of one period; a period
-# is taken as at most SAMPLE_PERIOD_MAX long (NVML samples every 200 ms on the H200).
-SAMPLE_MERGE = 0.05
-SAMPLE_PERIOD_MAX = 0.2
 
 
 def timer_delay(delay: float) -> float:
@@ -82,10 +78,6 @@ class Waiter:
 
     has_activity_page = True
 
-    @property
-    def peer_pid(self) -> int:
-        """Its process's pid in the daemon's pid namespace (SO_PEERCRED); 0: unknown."""
-        return 0
 
     def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
         raise NotImplementedError
@@ -152,7 +144,6 @@ class GpuTokens:
         # The gate every slot's page shows; None until written to all (a new slot's page may
         # differ). Writing only on a change keeps each token hand-off O(1) in the tenants.
         self._gate: int | None = None
-        self._sampled_until: dict[str, float] = {}   # the end of each tenant's last sample
 
     # ---- membership ----
 
@@ -232,26 +223,11 @@ class GpuTokens:
         self.scheduler.observe_burst(allocation_id, start, min(end, self.clock()))
 
     def observe_utilization(self, samples: list[BusySample]) -> None:
-        """NVML's per-process figures (process_busy.py): each tenant's processes' samples of
-        one period add up, and go to the algorithm, which may now co-grant a waiter."""
-        tenant_of = {waiter.peer_pid: allocation_id for allocation_id, slot in self.slots.items()
-                     for waiter in slot.asks if waiter.peer_pid > 0}
-        periods: dict[str, list[list[float]]] = {}   # tenant -> [[end, busy], ...]
-        for sample in sorted(samples, key=lambda s: s.end):
-            tenant = tenant_of.get(sample.pid)
-            if tenant is None:
-                continue
-            rows = periods.setdefault(tenant, [])
-            if rows and sample.end - rows[-1][0] < SAMPLE_MERGE:
-                rows[-1][0] = max(rows[-1][0], sample.end)   # another process, same period
-                rows[-1][1] += sample.busy
-            else:
-                rows.append([sample.end, sample.busy])
-        for tenant, rows in periods.items():
-            for end, busy in rows:
-                start = max(self._sampled_until.get(tenant, -math.inf), end - SAMPLE_PERIOD_MAX)
-                self.scheduler.observe_utilization(tenant, start, end, min(busy, 1.0))
-                self._sampled_until[tenant] = end
+        """NVML's device utilisation samples (gpu_busy.py) go to the algorithm, which may now
+        co-grant a waiter."""
+        for sample in samples:
+            self.scheduler.observe_utilization(sample.end - SAMPLE_PERIOD, sample.end,
+                                               sample.busy)
         now = self.clock()
         self._apply(self.scheduler.tick(now), now)
 

@@ -1,21 +1,21 @@
-"""Each tenant's busy fraction for co-scheduling, from NVML's per-process utilisation.
+"""The device's utilisation, for co-scheduling's busy fractions.
 
 Co-scheduling (timeshare/policy.py) grants several tenants at once while their busy fractions
-leave the GPU room. The figure is the daemon's own, never the hook's: NVML's
-`nvmlDeviceGetProcessUtilization` gives, per process and sample period (about 200 ms on an
-H200), the part of the period the process's kernels kept the GPU's SMs busy. The algorithm
-reads a period as a tenant's busy fraction only where the tenant held the token alone for most
-of it (under time-slicing NVML credits each of two busy processes with about 95 %: measured on
-the H200, BENCHMARKS.md "Real jobs").
+leave the GPU room. The figures are the daemon's own, never the hook's: NVML's device
+utilisation samples (`nvmlDeviceGetSamples`, NVML_GPU_UTILIZATION_SAMPLES), the part of each
+period in which some kernel ran. On the H200 they come every 200 ms and cover exactly the 200 ms
+before their timestamp (a square wave of 100 ms of matmuls every 400 ms read 0.31, 0.19, 0.31,
+... against 0.32, 0.19, 0.31 of the wave's own time; BENCHMARKS.md, "Real jobs"). The algorithm
+solves them for each tenant's busy fraction from who held the GPU alone in each period.
+NVML's per-process figure (`nvmlDeviceGetProcessUtilization`) is not used: it credits each
+process with the device's activity while it is active (two trainers taking turns each read the
+device's 50-54 %).
 
-* A sample's pid is matched to the tenant of a connection whose SO_PEERCRED pid it is (as for
-  the context charge, process_memory.py: pids match only in the host's pid namespace, so
-  `auto` reads NVML only there); the figures of one tenant's processes in one period add up.
 * Read every `SAMPLE_INTERVAL` in a thread (NVML calls block), only while some GPU has two
   tenants or more and co-scheduling is on.
-* Sources: NVML, or simulated (a JSON file the tests write, {GPU UUID: [[pid, end, busy], ...]}
-  with `end` on the daemon's monotonic clock in seconds and `busy` a fraction), chosen by the
-  `process_busy` setting.
+* Sources: NVML, or simulated (a JSON file the tests write, {GPU UUID: [[end, busy], ...]} with
+  `end` on the daemon's monotonic clock in seconds and `busy` a fraction), chosen by the
+  `gpu_busy` setting.
 """
 
 from __future__ import annotations
@@ -29,45 +29,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from vgpu_runtime.daemon.channel.process_memory import in_initial_pid_namespace
 from vgpu_runtime.daemon.config import DaemonConfig
 
 log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL = 0.2   # NVML's own sample period on the H200: reading faster finds nothing new
+SAMPLE_PERIOD = 0.2     # the time one sample covers, ending at its timestamp
 
 
-class ProcessBusyError(Exception):
+class GpuBusyError(Exception):
     """The figures could not be read (NVML failed, a malformed simulated file)."""
 
 
 @dataclass(frozen=True)
 class BusySample:
-    pid: int
     end: float        # the period's end, on the daemon's monotonic clock (seconds)
-    busy: float       # the part of the period its kernels kept the GPU busy
+    busy: float       # the part of the period some kernel ran
 
 
-class ProcessBusySource(Protocol):
+class GpuBusySource(Protocol):
     name: str
 
     def read(self, uuids: Collection[str]) -> dict[str, list[BusySample]]:
-        """Blocking: the samples newer than the last read, per GPU; ProcessBusyError."""
+        """Blocking: the samples newer than the last read, per GPU; GpuBusyError."""
         ...
 
 
-class NvmlProcessBusy:
+class NvmlGpuBusy:
     name = "nvml"
 
     def __init__(self) -> None:
         try:
             import pynvml
         except ImportError as err:
-            raise ProcessBusyError(f"pynvml is not installed: {err}") from None
+            raise GpuBusyError(f"pynvml is not installed: {err}") from None
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as err:
-            raise ProcessBusyError(f"NVML unavailable: {err}") from None
+            raise GpuBusyError(f"NVML unavailable: {err}") from None
         self._nvml: Any = pynvml
         self._handles: dict[str, Any] = {}
         self._last_seen: dict[str, int] = {}
@@ -83,24 +82,25 @@ class NvmlProcessBusy:
                 handle = self._handles.get(uuid)
                 if handle is None:
                     handle = self._handles[uuid] = nvml.nvmlDeviceGetHandleByUUID(uuid)
-                samples = nvml.nvmlDeviceGetProcessUtilization(handle,
-                                                               self._last_seen.get(uuid, 0))
+                _, samples = nvml.nvmlDeviceGetSamples(
+                    handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, self._last_seen.get(uuid, 0))
             except nvml.NVMLError_NotFound:
                 continue   # no sample since the last (or not a GPU of this machine)
             except nvml.NVMLError as err:
-                raise ProcessBusyError(f"NVML on {uuid}: {err}") from None
+                raise GpuBusyError(f"NVML on {uuid}: {err}") from None
             last = self._last_seen.get(uuid, 0)
             fresh = [s for s in samples if s.timeStamp > last]
             if fresh:
                 self._last_seen[uuid] = max(s.timeStamp for s in fresh)
-            found[uuid] = [BusySample(int(s.pid), s.timeStamp / 1e6 - offset,
-                                      min(100, max(0, int(s.smUtil))) / 100) for s in fresh]
+            found[uuid] = [BusySample(s.timeStamp / 1e6 - offset,
+                                      min(100, max(0, int(s.sampleValue.uiVal))) / 100)
+                           for s in fresh]
         return found
 
 
-class SimulatedProcessBusy:
-    """Samples from a JSON file, {GPU UUID: [[pid, end, busy], ...]}, those newer than the
-    last read. No file: none; a malformed one: ProcessBusyError naming what is wrong."""
+class SimulatedGpuBusy:
+    """Samples from a JSON file, {GPU UUID: [[end, busy], ...]}, those newer than the last
+    read. No file: none; a malformed one: GpuBusyError naming what is wrong."""
 
     name = "simulated"
 
@@ -114,23 +114,23 @@ class SimulatedProcessBusy:
         except FileNotFoundError:
             return {}
         except OSError as err:
-            raise ProcessBusyError(f"{self.path}: {err.strerror}") from None
+            raise GpuBusyError(f"{self.path}: {err.strerror}") from None
         except ValueError as err:
-            raise ProcessBusyError(f"{self.path} is not JSON: {err}") from None
+            raise GpuBusyError(f"{self.path} is not JSON: {err}") from None
         if not isinstance(data, dict):
-            raise ProcessBusyError(f"{self.path} must map GPU UUIDs to [[pid, end, busy], ...]")
+            raise GpuBusyError(f"{self.path} must map GPU UUIDs to [[end, busy], ...]")
         found: dict[str, list[BusySample]] = {}
         for uuid, rows in data.items():
             if uuid not in uuids:
                 continue
             try:
-                samples = [BusySample(int(pid), float(end), float(busy)) for pid, end, busy in rows]
+                samples = [BusySample(float(end), float(busy)) for end, busy in rows]
             except (TypeError, ValueError):
-                raise ProcessBusyError(f"{self.path}: {uuid} must hold [pid, end, busy] "
-                                       "rows of numbers") from None
-            if any(s.pid <= 0 or not 0 <= s.busy <= 1 for s in samples):
-                raise ProcessBusyError(f"{self.path}: {uuid} holds a pid <= 0 or a busy "
-                                       "fraction outside [0, 1]")
+                raise GpuBusyError(f"{self.path}: {uuid} must hold [end, busy] rows of "
+                                   "numbers") from None
+            if any(not 0 <= s.busy <= 1 for s in samples):
+                raise GpuBusyError(f"{self.path}: {uuid} holds a busy fraction outside "
+                                   "[0, 1]")
             last = self._last_seen.get(uuid, float("-inf"))
             fresh = [s for s in samples if s.end > last]
             if fresh:
@@ -139,25 +139,20 @@ class SimulatedProcessBusy:
         return found
 
 
-def open_source(config: DaemonConfig) -> ProcessBusySource | None:
+def open_source(config: DaemonConfig) -> GpuBusySource | None:
     """The configured source, or None (logged: tenants then take exclusive turns). Blocking."""
-    choice = config.process_busy
+    choice = config.gpu_busy
     if choice == "off" or not config.co_schedule:
         return None
     if choice == "simulated":
-        assert config.process_busy_file is not None   # config.check() requires it
-        return SimulatedProcessBusy(config.process_busy_file)
-    if choice == "auto" and not in_initial_pid_namespace():
-        log.info("not in the host's pid namespace: NVML's pids are not this daemon's; "
-                 "tenants take exclusive turns (no co-scheduling)",
-                 extra={"process_busy": choice})
-        return None
+        assert config.gpu_busy_file is not None   # config.check() requires it
+        return SimulatedGpuBusy(config.gpu_busy_file)
     try:
-        return NvmlProcessBusy()
-    except ProcessBusyError as err:
+        return NvmlGpuBusy()
+    except GpuBusyError as err:
         level = logging.ERROR if choice == "nvml" else logging.INFO
-        log.log(level, "no per-process utilisation; tenants take exclusive turns",
-                extra={"process_busy": choice, "error": str(err)})
+        log.log(level, "no device utilisation; tenants take exclusive turns",
+                extra={"gpu_busy": choice, "error": str(err)})
         return None
 
 
@@ -186,7 +181,7 @@ class BusySampler:
 
     def __init__(self, service: SampledGpus) -> None:
         self.service = service
-        self.source: ProcessBusySource | None = None
+        self.source: GpuBusySource | None = None
         self.opened = False
         self.error: str | None = None
         self.readings = 0
@@ -220,15 +215,15 @@ class BusySampler:
         finally:
             self._task = None
 
-    async def _reading(self, source: ProcessBusySource, uuids: list[str]) -> None:
+    async def _reading(self, source: GpuBusySource, uuids: list[str]) -> None:
         try:
             found = await asyncio.to_thread(source.read, uuids)
             if self.error is not None:
-                log.info("per-process utilisation readable again", extra={"source": source.name})
+                log.info("device utilisation readable again", extra={"source": source.name})
             self.error = None
-        except ProcessBusyError as err:
+        except GpuBusyError as err:
             if self.error != str(err):
-                log.warning("cannot read per-process utilisation; tenants take exclusive turns "
+                log.warning("cannot read the device utilisation; tenants take exclusive turns "
                             "until it can be", extra={"source": source.name, "error": str(err)})
             self.error = str(err)
             return
