@@ -87,6 +87,17 @@ def daemon(state_dir: Path, busy_file: Path) -> Iterator[InProcessDaemon]:
     assert served.stop() == 0, served.logs()
 
 
+@pytest.fixture
+def pair(daemon: InProcessDaemon, state_dir: Path) -> Iterator[tuple[list[Any], list[
+        TenantProcess]]]:
+    """Two allocations of half the GPU, each with a tenant process connected."""
+    records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
+    tenants = [TenantProcess(wait_served(r)) for r in records]
+    yield records, tenants
+    for tenant in tenants:
+        tenant.close()
+
+
 def gpu_status(daemon: InProcessDaemon) -> dict[str, Any]:
     (gpu,) = [g for g in daemon.status()["gpus"] if g["uuid"] == UUID_A]
     return dict(gpu)
@@ -113,50 +124,35 @@ def measure_alone(daemon: InProcessDaemon, busy_file: Path, tenant: TenantProces
 @pytest.mark.parametrize("busy, together", [((0.2, 0.3), True), ((0.95, 0.2), False)],
                          ids=["room", "gpu-bound"])
 def test_tenants_with_room_hold_the_gpu_at_once_and_gpu_bound_ones_take_turns(
-        daemon: InProcessDaemon, state_dir: Path, busy_file: Path,
+        daemon: InProcessDaemon, pair: tuple[list[Any], list[TenantProcess]], busy_file: Path,
         busy: tuple[float, float], together: bool) -> None:
-    records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
-    tenants = [TenantProcess(wait_served(r)) for r in records]
-    try:
-        rows: list[list[float]] = []
-        for tenant, record, fraction in zip(tenants, records, busy, strict=True):
-            measure_alone(daemon, busy_file, tenant, record.id, fraction, rows)
-        tenants[0].ask()
-        assert tenants[0].granted()
-        tenants[1].ask()
-        assert tenants[1].granted(timeout=0.1 if not together else 5.0) == together
-        # Granted beside the holder (a count: the grants themselves end within a quota).
-        assert (gpu_status(daemon)["co_grants"] >= 1) == together
-        if not together:
-            tenants[0].send("release")
-            assert tenants[1].granted()   # its turn comes once the GPU-bound one is done
-    finally:
-        for tenant in tenants:
-            tenant.close()
+    records, tenants = pair
+    rows: list[list[float]] = []
+    for tenant, record, fraction in zip(tenants, records, busy, strict=True):
+        measure_alone(daemon, busy_file, tenant, record.id, fraction, rows)
+    tenants[0].ask()
+    assert tenants[0].granted()
+    tenants[1].ask()
+    assert tenants[1].granted(timeout=0.1 if not together else 5.0) == together
+    # Granted beside the holder (a count: the grants themselves end within a quota).
+    assert (gpu_status(daemon)["co_grants"] >= 1) == together
+    if not together:
+        tenants[0].send("release")
+        assert tenants[1].granted()   # its turn comes once the GPU-bound one is done
 
 
 def test_a_period_nobody_held_alone_gives_nobody_a_figure(
-        daemon: InProcessDaemon, state_dir: Path, busy_file: Path) -> None:
-    records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
-    tenants = [TenantProcess(wait_served(r)) for r in records]
-    try:
-        now = time.monotonic()   # the GPU was busy, but no tenant held it then
-        busy_file.write_text(json.dumps({UUID_A: [[now - 0.6, 0.9], [now - 0.4, 0.9]]}))
-        time.sleep(0.6)   # three sampling periods
-        assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
-    finally:
-        for tenant in tenants:
-            tenant.close()
+        daemon: InProcessDaemon, pair: tuple[list[Any], list[TenantProcess]],
+        busy_file: Path) -> None:
+    now = time.monotonic()   # the GPU was busy, but no tenant held it then
+    busy_file.write_text(json.dumps({UUID_A: [[now - 0.6, 0.9], [now - 0.4, 0.9]]}))
+    time.sleep(0.6)   # three sampling periods
+    assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
 
 
 def test_a_malformed_busy_file_is_reported_and_changes_nothing(
-        daemon: InProcessDaemon, state_dir: Path, busy_file: Path) -> None:
-    records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
-    tenants = [TenantProcess(wait_served(r)) for r in records]
-    try:
-        busy_file.write_text(json.dumps({UUID_A: [[time.monotonic(), 7]]}))
-        wait_for(lambda: "busy fraction outside [0, 1]" in daemon.logs(), 5, "the warning")
-        assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
-    finally:
-        for tenant in tenants:
-            tenant.close()
+        daemon: InProcessDaemon, pair: tuple[list[Any], list[TenantProcess]],
+        busy_file: Path) -> None:
+    busy_file.write_text(json.dumps({UUID_A: [[time.monotonic(), 7]]}))
+    wait_for(lambda: "busy fraction outside [0, 1]" in daemon.logs(), 5, "the warning")
+    assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
