@@ -133,6 +133,16 @@ def test_busy_fractions_are_solved_from_turns_that_share_periods() -> None:
         assert sched.tenants[name].busy == pytest.approx(fraction, abs=0.02), name
 
 
+def test_a_period_in_which_nothing_ran_is_not_taken() -> None:
+    """A job that holds the token while it loads launches nothing: that says nothing of what
+    it needs once it runs."""
+    sched = scheduler_with({"a": 0.6, "b": 0.6})
+    sched.request("a", 2.0)
+    sched.release("a", 2.2)
+    assert not sched.observe_utilization(2.0, 2.2, 0.0)
+    assert sched.tenants["a"].busy == pytest.approx(0.6)
+
+
 def test_too_little_time_alone_gives_no_figure() -> None:
     sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
     sched.add("a", 0.5, 1.0, 0.0)

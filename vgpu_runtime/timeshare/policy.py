@@ -68,10 +68,15 @@ from vgpu_runtime.timeshare.window import UsageWindow, add_up
 # Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
 # a GPU can be cut into (paths.MAX_SLICES_PER_GPU, 1000).
 MAX_TENANTS = 1024
-# Utilisation periods kept for the busy fractions' least squares (10 s of NVML's 200 ms ones),
-# and the part of a period (summed over them) a tenant must have held alone to be estimated.
-BUSY_PERIODS = 50
+# Utilisation periods kept for the busy fractions' least squares (3 s of NVML's 200 ms ones:
+# a job's loading phase, holding the GPU idle, is forgotten within as long), and the part of a
+# period (summed over them) a tenant must have held alone to be estimated.
+BUSY_PERIODS = 15
 BUSY_EVIDENCE = 1.0
+BUSY_RIDGE = 0.05
+# A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
+# token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
+BUSY_IDLE = 0.02
 
 
 @dataclass(frozen=True)
@@ -296,9 +301,10 @@ class TokenScheduler:
     def observe_utilization(self, start: float, end: float, busy: float) -> bool:
         """The device's utilisation over [start, end): the part of it some kernel ran. Taken
         where no co-held grant touched the period (then only the holders alone ran kernels:
-        launches wait for the token), and the busy fractions are estimated again; returns
-        whether it was taken."""
-        if end <= start or any(s < end and e > start for s, e in self._shared):
+        launches wait for the token) and something ran, and the busy fractions are estimated
+        again; returns whether it was taken."""
+        if (end <= start or busy < BUSY_IDLE
+                or any(s < end and e > start for s, e in self._shared)):
             return False
         span = end - start
         parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._alone.get(t, ())
@@ -335,7 +341,10 @@ class TokenScheduler:
                     others = add_up(b.get(o, 0.0) * p for o, p in parts.items() if o != tenant)
                     num += mine * (util - others)
                     den += mine * mine
-                b[tenant] = min(1.0, max(0.0, num / den))
+                # A little weight on the previous figure keeps it where turns always split
+                # periods alike (then only the sum of the figures is known).
+                prior = b[tenant]
+                b[tenant] = min(1.0, max(0.0, (num + BUSY_RIDGE * prior) / (den + BUSY_RIDGE)))
         for tenant in known:
             self.tenants[tenant].busy = b[tenant]
             self.tenants[tenant].busy_at = now
