@@ -4,6 +4,8 @@ tenants get exclusive turns, and nobody is passed over (policy.py's docstring)."
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
@@ -170,3 +172,68 @@ def test_co_holders_keep_each_others_gaps_filled_until_one_turns_gpu_bound() -> 
     sched.request("a", now)
     sched.request("b", now)
     assert len(sched.grants) == 1
+
+
+# ---- properties over generated histories ----
+
+# A step: (tenant index, action, seconds that pass first, a figure)
+#   ask      the tenant asks for the token (as a hook whose page says no)
+#   release  it gives the token back (idle, or done)
+#   measure  the device's utilisation over the last 0.2 s is the figure
+#   tick     the daemon's timer runs (revocations)
+step_strategy = st.tuples(st.integers(0, 3), st.sampled_from(["ask", "release", "measure",
+                                                               "tick"]),
+                          st.floats(0.0, 0.3), st.floats(0.0, 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.2, 0.3, 0.5, 0.7]), min_size=2, max_size=4),
+       st.lists(step_strategy, min_size=1, max_size=80))
+def test_co_grants_keep_their_rules_over_generated_histories(
+        shares: list[float], steps: list[tuple[int, str, float, float]]) -> None:
+    """After every event: a co-grant is only ever made beside holders that, with it, leave the
+    room (each fresh and at most co_busy_max, together at most co_room) and only to the waiter
+    first in line; a co-held grant is charged its busy fraction of its time at most; and the
+    GPU is never idle while a tenant waits (no caps here)."""
+    config = TimeshareSettings(co_schedule=True, window=1000.0)
+    sched = TokenScheduler(config, 0.0)
+    names = [f"t{i}" for i in range(len(shares))]
+    for name, share in zip(names, shares, strict=True):
+        sched.add(name, share, 1.0, 0.0)
+    now = 0.0
+    for index, action, wait, figure in steps:
+        name = names[index % len(names)]
+        now += wait
+        holders_before = dict(sched.grants)
+        order = sorted((t for t in sched.tenants.values() if t.waiting_since is not None),
+                       key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        charged_before = {t: sched.tenants[t].usage.usage(now + 1e-9) for t in names}
+        if action == "ask":
+            decision = sched.request(name, now)
+        elif action == "release":
+            decision = sched.release(name, now)
+        elif action == "measure":
+            sched.observe_utilization(max(0.0, now - 0.2), now, figure)
+            decision = sched.tick(now)
+        else:
+            decision = sched.tick(now)
+        for grant in decision.granted:
+            if not grant.shared:
+                continue
+            # Beside holders that all leave room, with the newcomer, by fresh figures.
+            figures = [sched.tenants[t].busy for t in decision.grants]
+            assert all(f is not None and f <= config.co_busy_max for f in figures), figures
+            assert sum(f for f in figures if f is not None) <= config.co_room + 1e-9
+            assert all(now - sched.tenants[t].busy_at <= config.co_refresh
+                       for t in decision.grants)
+        if (len(decision.granted) == 1 and decision.granted[0].shared and order
+                and action == "measure"):
+            # A co-grant made by a new figure goes to the first in line, nobody else.
+            assert decision.granted[0].tenant == order[0].id
+        # A shared grant that ended was charged at most its time (its busy fraction of it).
+        for tenant, grant in holders_before.items():
+            if tenant not in decision.grants and grant.shared:
+                added = sched.tenants[tenant].usage.usage(now + 1e-9) - charged_before[tenant]
+                assert added <= (now - grant.granted_at) + 1e-6
+        waiting = [t.id for t in sched.tenants.values() if t.waiting_since is not None]
+        assert not waiting or decision.grants, ("idle GPU while", waiting, "wait")
