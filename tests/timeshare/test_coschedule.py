@@ -237,3 +237,34 @@ def test_co_grants_keep_their_rules_over_generated_histories(
                 assert added <= (now - grant.granted_at) + 1e-6
         waiting = [t.id for t in sched.tenants.values() if t.waiting_since is not None]
         assert not waiting or decision.grants, ("idle GPU while", waiting, "wait")
+
+
+def test_a_capped_tenant_co_held_is_capped_in_busy_time() -> None:
+    """A tenant limited to 0.3 that shares the GPU is charged its busy fraction of its time,
+    and its credit (0.3 s a second) runs out on that charge: over 10 s beside a tenant that
+    leaves room, it is charged no more than its cap allows."""
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True, window=100.0, co_refresh=100.0),
+                           0.0)
+    sched.add("a", 0.3, 0.3, 0.0)
+    sched.add("b", 0.3, 1.0, 0.0)
+    for name, busy in (("a", 0.6), ("b", 0.3)):   # each measured in a turn alone
+        sched.request(name, 0.0)
+        sched.release(name, 1.0)
+        assert sched.observe_utilization(0.0, 1.0, busy)
+        sched.tenants[name].usage = type(sched.tenants[name].usage)(100.0)   # forget the turn
+    now, step = 1.0, 0.01
+    co_held = 0
+    while now < 11.0:
+        for name in ("a", "b"):
+            grant = sched.grants.get(name)
+            if grant is None or now >= grant.expires_at:
+                sched.request(name, now)   # always wants the GPU
+        co_held += len(sched.grants) == 2
+        sched.tick(now)
+        now += step
+    for name in ("a", "b"):
+        if name in sched.grants:
+            sched.release(name, now)
+    assert co_held > 100                     # they did share
+    charged = sched.tenants["a"].usage.usage(now)
+    assert charged <= 0.3 * 10.0 + 0.3 * sched.config.cycle + 0.05, charged
