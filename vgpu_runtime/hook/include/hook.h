@@ -64,9 +64,7 @@ static inline int64_t gm_now_ns(void) {
 }
 
 /* core/init.c */
-/* In a pod the channel is mounted here (= vgpu_runtime.paths.CONTAINER_CHANNEL_DIR); a socket
- * there wins over GEMINI_CHANNEL_DIR, which only gemini-run needs. */
-#define GM_POD_CHANNEL_DIR "/run/gemini"
+/* The channel's place in a pod and the daemon's socket name: gemini_wire.h. */
 GM_HIDDEN const char *gm_channel_dir(void);  /* the channel, or NULL: no channel, no hook */
 GM_HIDDEN int gm_active(void);               /* a channel exists */
 GM_HIDDEN void gm_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
