@@ -251,7 +251,7 @@ class TokenScheduler:
     def request(self, tenant: str, now: float, burst_hint: float | None = None,
                 work_end: float | None = None, work_running: bool = False,
                 work_since: float | None = None) -> Decision:
-        """The tenant wants the token. Returns a grant if the token changed hands now.
+        """The tenant wants the token. The decision says whether it (or anyone) was granted.
 
         `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
         last grant finished; work past the last release is overuse and is charged.
