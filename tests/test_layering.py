@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,8 +171,13 @@ def file_cycles(sources: dict[str, str], packages: frozenset[str] = frozenset())
     """Modules (name -> source) that import each other, directly or round a circle, imports
     under TYPE_CHECKING included: each such circle is a seam in the wrong place. An import of
     a package (its __init__, which may gather its modules' names) is not an edge."""
-    graph = {name: {t for t in imported_modules(source) if t in sources and t != name
-                    and t not in packages} for name, source in sources.items()}
+    return circles({name: {t for t in imported_modules(source) if t in sources and t != name
+                           and t not in packages} for name, source in sources.items()})
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node: files depending on each
+    other, directly or round a circle."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -225,3 +231,46 @@ def test_the_circle_check_sees_a_planted_back_import() -> None:
         f"    from {back} import GpuTokens\n")
     assert ["vgpu_runtime.daemon.channel.pages", back] in file_cycles(sources,
                                                                       product_packages())
+
+
+def hook_call_graph(out: Path) -> dict[str, set[str]]:
+    """Which of the interposer's C files calls or reads what another defines: each source
+    compiled alone with the build's flags, its defined and undefined symbols read by nm."""
+    from vgpu_runtime.hook import build
+
+    include = build.HOOK_DIR / "include"
+    defined: dict[str, str] = {}
+    wanted: dict[str, set[str]] = {}
+    for source in build.source_files():
+        name = f"{source.parent.name}/{source.name}"
+        obj = out / name.replace("/", "_").replace(".c", ".o")
+        subprocess.run(["gcc", "-c", *build.CFLAGS, f"-I{include}",
+                        f"-include{include / 'glibc_compat.h'}", str(source), "-o", str(obj)],
+                       check=True, cwd=build.HOOK_DIR)
+        symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True,
+                                 check=True).stdout.splitlines()
+        wanted[name] = set()
+        for line in symbols:
+            fields = line.split()
+            if len(fields) == 3 and fields[1] in "TDBR":
+                defined[fields[2]] = name
+            elif len(fields) == 2 and fields[0] == "U":
+                wanted[name].add(fields[1])
+    return {name: {defined[s] for s in symbols if s in defined and defined[s] != name}
+            for name, symbols in wanted.items()}
+
+
+def mutual_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if a < b and a in graph.get(b, set()))
+
+
+def test_no_two_hook_files_call_each_other(tmp_path: Path) -> None:
+    """Pairs only: longer circles through the channel client, the gate and the token remain
+    (init.c's activity check is called from everywhere and calls the client)."""
+    graph = hook_call_graph(tmp_path)
+    assert len(graph) > 20 and sum(map(len, graph.values())) > 40   # the graph is read at all
+    assert mutual_pairs(graph) == []
+    # The check sees a pair planted in it: token.c calling back into gate.c.
+    graph["launch/token.c"].add("launch/gate.c")
+    assert mutual_pairs(graph) == [("launch/gate.c", "launch/token.c")]
