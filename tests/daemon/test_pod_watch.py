@@ -263,6 +263,27 @@ async def test_collected_only_after_the_grace_of_continuous_absence(state_dir: P
     assert watch.record(record.id) is None and watch.record(other.id) is not None
 
 
+async def test_a_record_whose_slices_a_bigger_pod_holds_is_not_its_and_is_collected(
+        state_dir: Path) -> None:
+    """Kubelet gave a deleted 3-slice pod's slices, and three more, to a 6-slice pod: the old
+    record is not that pod's (a record is one container's allocation, whole), so it is not
+    bound to it, and it is collected after the grace (seen on the real cluster)."""
+    old = kubelet_record(state_dir)
+    bigger = (*SLICES, *(f"GPU-11111111-2222-3333-4444-555555555555::{i}" for i in (3, 4, 5)))
+    new = kubelet_record(state_dir, device_ids=bigger)
+    watch = Watch(state_dir, kube=None, grace=1.0)
+    six = PodRef("default", "six", "app")
+    watch.lister.holding((six, bigger))
+    await watch.pods.pass_once()
+    assert watch.binding(old.id) is None
+    bound = watch.binding(new.id)
+    assert bound is not None and bound.pod.name == "six"
+    watch.now += 1.01
+    await watch.pods.pass_once()
+    assert [collected for collected, _ in watch.collected] == [old.id]
+    assert watch.record(new.id) is not None
+
+
 async def test_never_collected_while_lists_fail_or_are_empty(state_dir: Path) -> None:
     kubelet_record(state_dir)
     watch = Watch(state_dir, kube=None, grace=0.0)

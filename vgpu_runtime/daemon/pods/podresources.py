@@ -37,11 +37,17 @@ class PodListing:
     at: float = 0.0                             # time.monotonic() of the answer
 
     def owner_of(self, device_ids: tuple[str, ...]) -> PodRef | None:
-        """The container that holds these slices; None unless one container holds them all."""
+        """The container that holds exactly these slices; None unless one container holds
+        them all and no others. A record is one container's allocation, whole: a pod holding
+        more (kubelet gave a deleted pod's slices to a bigger one) is another allocation's."""
         owners = {self.owners.get(d) for d in device_ids}
         if len(owners) != 1:
             return None
-        return owners.pop()
+        owner = owners.pop()
+        if owner is None:
+            return None
+        held = {d for d, o in self.owners.items() if o == owner}
+        return owner if held == set(device_ids) else None
 
 
 class PodResourcesLister:

@@ -201,7 +201,7 @@ class PodWatch:
         for gone in set(self.absent_since) - live:
             del self.absent_since[gone]
         for record in records:
-            if any(d in listing.owners for d in record.device_ids):
+            if listing.owner_of(record.device_ids) is not None:   # held whole by its pod
                 self.absent_since.pop(record.id, None)
                 continue
             since = self.absent_since.setdefault(record.id, now)
