@@ -52,7 +52,7 @@ import vgpu_runtime
 from vgpu_runtime import allocation, containerenv, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, securedir
-from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
 from vgpu_runtime.daemon import lock as scheduler_lock
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
@@ -108,20 +108,22 @@ class Request:
 
 
 def _fraction(text: str) -> float:
+    """The pod annotations' grammar: 0.3 or 30%."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+        return parse_fraction(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _size(text: str) -> int:
+    """A memory limit: a size above 0 (0 would refuse every allocation)."""
     try:
-        return parse_size(text)
+        size = parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return size
 
 
 def _count(text: str) -> int:

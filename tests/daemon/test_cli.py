@@ -151,6 +151,7 @@ def test_stop_is_refused_while_an_allocation_is_live_unless_forced(state_dir: Pa
         assert refused.returncode == 1
         assert refused.stderr.startswith("gemini-vgpu: error: gemini-scheduler refused stop: "
                                          f"1 allocation(s) live ({record.id})"), refused.stderr
+        assert "gemini-vgpu stop --force" in refused.stderr   # the way out, named
         assert daemon.proc.poll() is None and run_status(state_dir).returncode == 0
         forced = run_cli("stop", "--state-dir", str(state_dir), "--force")
         assert forced.returncode == 0, forced.stderr

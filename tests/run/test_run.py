@@ -285,9 +285,12 @@ def test_sigkill_of_gemini_run_leaves_a_record_the_next_run_removes(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--share", "1.5"], "must be in (0, 1]"),
-    (["--limit", "0"], "must be in (0, 1]"),
+    (["--share", "1.5"], "'1.5' is outside (0, 1]; write a fraction such as 0.3 or a "
+                         "percentage such as 30%"),
+    (["--limit", "0"], "'0' is outside (0, 1]"),
+    (["--share", "30 percent"], "is not a number; write a fraction such as 0.3"),
     (["--memory", "lots"], "expected a size"),
+    (["--memory", "0"], "'0' must be more than 0"),
     (["--simulate-gpus", "0"], "positive number of GPUs"),
     (["--share", "0.5", "--limit", "0.3"], "--limit 0.3 is below --share 0.5"),
     (["--no-such-flag"], "unrecognized arguments"),
@@ -475,3 +478,11 @@ def test_sigint_sent_with_kill_is_forwarded(state_dir: Path, hook_library: Path)
     code, err = finish(proc)
     assert code == 5, err
     assert live_records(state_dir) == []
+
+
+def test_shares_are_written_as_pod_annotations_are() -> None:
+    """One grammar for fractions: --share and --limit take 0.3 or 30%, as the annotations do."""
+    from vgpu_runtime.run import parse_args
+
+    request = parse_args(["--share", "30%", "--limit", "0.5", "--", "true"])
+    assert request.share == pytest.approx(0.3) and request.limit == pytest.approx(0.5)

@@ -106,7 +106,7 @@ class Daemon:
         if live and request.get("force") is not True:
             return {"error": f"{len(live)} allocation(s) live ({', '.join(live[:5])}); their "
                              "processes would gate themselves without the daemon. Stop them "
-                             "first, or force it"}
+                             "first, or force it (gemini-vgpu stop --force)"}
         log.info("stopping on request", extra={"live_allocations": live})
         self.stop()
         return {"stopping": True, "pid": os.getpid()}

@@ -13,12 +13,11 @@ holds and nothing else changes. Pure functions: no I/O here.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vgpu_runtime.allocation import AllocationRecord
-from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
 
 LIMIT_ANNOTATION = "gemini.ai/vgpu-limit"
 MEMORY_ANNOTATION = "gemini.ai/vgpu-memory"
@@ -34,16 +33,10 @@ class Overrides:
 
 def parse_limit(text: str) -> float:
     """'0.5' or '50%' -> 0.5; raises ValueError saying what is accepted."""
-    raw = text.strip()
     try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        raise ValueError(f"{LIMIT_ANNOTATION}={text!r} is not a number; write a fraction such "
-                         "as 0.5 or a percentage such as 50%") from None
-    if math.isnan(value) or not 0 < value <= 1:
-        raise ValueError(f"{LIMIT_ANNOTATION}={text!r} is outside (0, 1]; write a fraction such "
-                         "as 0.5 or a percentage such as 50%")
-    return value
+        return parse_fraction(text)
+    except ValueError as err:
+        raise ValueError(f"{LIMIT_ANNOTATION}={err}") from None
 
 
 def overrides_of(record: AllocationRecord, annotations: Mapping[str, str]) -> Overrides:
