@@ -196,7 +196,6 @@ def test_two_connections_of_one_process_are_charged_once(charged: DaemonProcess,
 CHILD = textwrap.dedent("""
     import os, sys
     from vgpu_runtime.daemon.channel.client import ChannelClient
-from vgpu_runtime.daemon.telemetry.metrics import render
     with ChannelClient(sys.argv[1]) as client:
         client.hello()
         client.reserve(0, int(sys.argv[2]))
