@@ -1,10 +1,8 @@
-"""Builds the interposer and the native token scheduler (C, gcc only) as part of `pip install .`.
+"""Builds the interposer (C, gcc only) as part of `pip install .`.
 
-The libraries land in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>
-(see vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules) and
-vgpu_runtime/lib/libgemini-timeshare.so.<version>-<digest> (the token scheduler,
-vgpu_runtime/timeshare/native/build.py); both build.py files load vgpu_runtime/common/cbuild.py,
-which names them and installs them by rename.
+The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>
+(see vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules);
+build.py loads vgpu_runtime/common/cbuild.py, which names it and installs it by rename.
 The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
 it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
 """
@@ -37,11 +35,6 @@ def _hook_builder():
     return _builder("_gemini_hook_build", "vgpu_runtime/hook/build.py")
 
 
-def _timeshare_builder():
-    # vgpu_runtime/timeshare/native/build.py: libgemini-timeshare, the token scheduler in C.
-    return _builder("_gemini_timeshare_build", "vgpu_runtime/timeshare/native/build.py")
-
-
 def platform_tag():
     machine = platform.machine()
     if machine not in MANYLINUX2014:
@@ -55,7 +48,6 @@ class BuildWithHook(build_py):
         super().run()
         out_dir = Path(self.build_lib) / "vgpu_runtime" / "lib"
         _hook_builder().build_library(out_dir)
-        _timeshare_builder().build_library(out_dir)
 
 
 class WithNativeLibrary(Distribution):

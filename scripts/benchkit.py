@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -183,3 +184,21 @@ def profile_table(profiles: dict[str, dict[str, int]]) -> str:
         lines.append(f"| {name} | {stats.get('ns_per_launch', '-')} | {shown} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+class Mps:
+    """An MPS control daemon with its pipe and log directories under /tmp."""
+
+    def __enter__(self) -> Mps:
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="mps-pipe-"),
+                    "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="mps-log-")}
+        os.environ.update(self.env)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True)
+        time.sleep(1)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, check=False)
+        time.sleep(2)
+        for key in self.env:
+            os.environ.pop(key, None)

@@ -56,11 +56,3 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> 
             module.missing = name
             return module
     return None
-
-
-@pytest.fixture(params=["python", "native"])
-def both_token_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The daemon's token code (token_path) each test of a module runs on: GEMINI_TOKEN_PATH
-    reaches the daemons the test starts, in this process and as processes."""
-    monkeypatch.setenv("GEMINI_TOKEN_PATH", request.param)
-    return str(request.param)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +35,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.hooklib": 1,
     # The plugin's section of the node configuration file: the config manager checks it too.
     "vgpu_runtime.pluginconfig": 1,
-    # The time-sharing algorithm, pure: policy.py and its twin in C (native/, nativepolicy.py).
+    # The time-sharing algorithm, pure.
     "vgpu_runtime.timeshare": 2,
     # The node daemon.
     "vgpu_runtime.daemon": 3,
@@ -159,3 +160,117 @@ def test_shell_scripts_run_no_test_module() -> None:
         if path.is_file() and path not in python and path.read_bytes().startswith(b"#!"):
             assert not re.search(r"-m\s+tests\.", path.read_text()), (
                 f"{path.relative_to(REPO)} runs a module of tests/")
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def file_cycles(sources: dict[str, str], packages: frozenset[str] = frozenset()) -> list[
+        list[str]]:
+    """Modules (name -> source) that import each other, directly or round a circle, imports
+    under TYPE_CHECKING included: each such circle is a seam in the wrong place. An import of
+    a package (its __init__, which may gather its modules' names) is not an edge."""
+    return circles({name: {t for t in imported_modules(source) if t in sources and t != name
+                           and t not in packages} for name, source in sources.items()})
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node: files depending on each
+    other, directly or round a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(name: str) -> None:   # Tarjan's strongly connected components
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if target not in index:
+                visit(target)
+                low[name] = min(low[name], low[target])
+            elif target in stack:
+                low[name] = min(low[name], index[target])
+        if low[name] == index[name]:
+            circle = []
+            while True:
+                member = stack.pop()
+                circle.append(member)
+                if member == name:
+                    break
+            if len(circle) > 1:
+                circles.append(sorted(circle))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    return circles
+
+
+def product_sources() -> dict[str, str]:
+    return {module_name(p): p.read_text() for folder in PRODUCT
+            for p in python_files(REPO / folder) if p.suffix == ".py"
+            and "kubeletapi" not in p.parts}
+
+
+def product_packages() -> frozenset[str]:
+    return frozenset(module_name(p) for folder in PRODUCT
+                     for p in (REPO / folder).rglob("__init__.py"))
+
+
+def test_no_files_import_each_other() -> None:
+    assert file_cycles(product_sources(), product_packages()) == []
+
+
+def test_the_circle_check_sees_a_planted_back_import() -> None:
+    sources = product_sources()
+    back = "vgpu_runtime.daemon.channel.tokens"
+    sources["vgpu_runtime.daemon.channel.pages"] += (
+        "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        f"    from {back} import GpuTokens\n")
+    assert ["vgpu_runtime.daemon.channel.pages", back] in file_cycles(sources,
+                                                                      product_packages())
+
+
+def hook_call_graph(out: Path) -> dict[str, set[str]]:
+    """Which of the interposer's C files calls or reads what another defines: each source
+    compiled alone with the build's flags, its defined and undefined symbols read by nm."""
+    from vgpu_runtime.hook import build
+
+    include = build.HOOK_DIR / "include"
+    defined: dict[str, str] = {}
+    wanted: dict[str, set[str]] = {}
+    for source in build.source_files():
+        name = f"{source.parent.name}/{source.name}"
+        obj = out / name.replace("/", "_").replace(".c", ".o")
+        subprocess.run(["gcc", "-c", *build.CFLAGS, f"-I{include}",
+                        f"-include{include / 'glibc_compat.h'}", str(source), "-o", str(obj)],
+                       check=True, cwd=build.HOOK_DIR)
+        symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True,
+                                 check=True).stdout.splitlines()
+        wanted[name] = set()
+        for line in symbols:
+            fields = line.split()
+            if len(fields) == 3 and fields[1] in "TDBR":
+                defined[fields[2]] = name
+            elif len(fields) == 2 and fields[0] == "U":
+                wanted[name].add(fields[1])
+    return {name: {defined[s] for s in symbols if s in defined and defined[s] != name}
+            for name, symbols in wanted.items()}
+
+
+def mutual_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if a < b and a in graph.get(b, set()))
+
+
+def test_no_two_hook_files_call_each_other(tmp_path: Path) -> None:
+    """Pairs only: longer circles through the channel client, the gate and the token remain
+    (init.c's activity check is called from everywhere and calls the client)."""
+    graph = hook_call_graph(tmp_path)
+    assert len(graph) > 20 and sum(map(len, graph.values())) > 40   # the graph is read at all
+    assert mutual_pairs(graph) == []
+    # The check sees a pair planted in it: token.c calling back into gate.c.
+    graph["launch/token.c"].add("launch/gate.c")
+    assert mutual_pairs(graph) == [("launch/gate.c", "launch/token.c")]

@@ -10,6 +10,7 @@ the hook inside every container finds its channel through them.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from vgpu_runtime.hook import build
@@ -47,15 +48,27 @@ CHANNELS_DIR_MODE = 0o700
 HOOK_LIBRARY_PREFIX = build.LIBRARY_PREFIX
 HOOK_LIBRARY_NAME = build.library_name()
 
+
+
+def _wire_string(name: str) -> str:
+    """A string the hook's wire header defines (#define NAME "value"): the channel's place
+    and the daemon's socket name are defined once, there, for the hook and for Python."""
+    header = Path(__file__).parent / "hook" / "include" / "gemini_wire.h"
+    found = re.search(rf'^#define {name} "([^"]*)"$', header.read_text(), re.M)
+    if found is None:
+        raise RuntimeError(f"{header} does not define {name}")
+    return found.group(1)
+
+
 # Inside a container.
 CONTAINER_LIB_DIR = "/opt/gemini/lib"
-CONTAINER_CHANNEL_DIR = "/run/gemini"
+CONTAINER_CHANNEL_DIR = _wire_string("GM_POD_CHANNEL_DIR")
 
 # The loader's preload file, for the `preload-file` injection method.
 CONTAINER_PRELOAD_FILE = "/etc/ld.so.preload"
 
 # Inside a channel directory. Kept short: a Unix socket path must fit in 107 bytes.
-CHANNEL_SOCKET_NAME = "sched.sock"
+CHANNEL_SOCKET_NAME = _wire_string("GM_CHANNEL_SOCKET_NAME")
 CHANNEL_PRELOAD_NAME = "ld.so.preload"   # bind-mounted at CONTAINER_PRELOAD_FILE
 UNIX_PATH_MAX = 107
 

@@ -132,12 +132,19 @@ def test_check_header_at_an_offset_and_view_in_place() -> None:
     assert (token.burst_ns, token.work_end_ns) == (-1, 123)
 
 
-def test_the_hooks_pod_channel_is_the_plugins_mount_point() -> None:
-    """The hook finds its channel where Allocate mounts it: one path, said in two languages."""
-    import re
-
+def test_the_channels_place_and_socket_name_are_defined_once() -> None:
+    """The hook finds its channel where Allocate mounts it, and the daemon's socket by the name
+    the daemon binds: both are defined in the wire header, which paths.py reads; no hook source
+    spells either again."""
     from vgpu_runtime import paths
 
-    header = (wire.HEADER_PATH.parent / "hook.h").read_text()
-    match = re.search(r'#define GM_POD_CHANNEL_DIR "([^"]+)"', header)
-    assert match is not None and match.group(1) == paths.CONTAINER_CHANNEL_DIR
+    header = wire.HEADER_PATH.read_text()
+    assert f'#define GM_POD_CHANNEL_DIR "{paths.CONTAINER_CHANNEL_DIR}"' in header
+    assert f'#define GM_CHANNEL_SOCKET_NAME "{paths.CHANNEL_SOCKET_NAME}"' in header
+    hook = wire.HEADER_PATH.parents[1]
+    for source in [*hook.rglob("*.c"), *hook.rglob("*.h")]:
+        if source != wire.HEADER_PATH:
+            text = source.read_text()
+            for literal in (f'"{paths.CHANNEL_SOCKET_NAME}"', f'/{paths.CHANNEL_SOCKET_NAME}"',
+                            f'"{paths.CONTAINER_CHANNEL_DIR}"'):
+                assert literal not in text, f"{source.name} spells {literal} again"

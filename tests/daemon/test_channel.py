@@ -28,9 +28,6 @@ from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import allocation, wire
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 
-# Every test here runs on both token paths (the daemon's token_path).
-pytestmark = pytest.mark.usefixtures("both_token_paths")
-
 C = wire.const
 POOL = C("GM_MEM_POOL")
 

@@ -78,6 +78,7 @@ class Watch:
     """A PodWatch on a state directory, with the daemon's callbacks recorded."""
 
     def __init__(self, state_dir: Path, kube: KubeApi | None, grace: float = 30.0) -> None:
+        self.now = 1000.0   # the absence clocks' time: moved by the tests, never the machine
         self.state_dir = state_dir
         self.lister = ScriptedLister()
         self.collected: list[tuple[str, str]] = []
@@ -87,7 +88,8 @@ class Watch:
                                              "node-1", "--collect-grace", str(grace)]).config
         self.bindings: dict[str, Binding] = {}
         self.pods = PodWatch(config, self.lister, kube, self.records, self.bindings.get,
-                             self.bind, self.collect, lambda *event: self.notified.append(event))
+                             self.bind, self.collect, lambda *event: self.notified.append(event),
+                             clock=lambda: self.now)
 
     def records(self) -> list[AllocationRecord]:
         return [r for _, r in allocation.scan_records(self.state_dir)
@@ -241,21 +243,18 @@ async def test_collected_only_after_the_grace_of_continuous_absence(state_dir: P
     await watch.pods.pass_once()
     watch.lister.holding((PodRef("default", "stays", "app"), ("GPU-other::0",)))
     await watch.pods.pass_once()                       # absent: its clock starts
-    await asyncio.sleep(0.6)
+    watch.now += 0.6
     watch.lister.answer = PodListing(False, "List failed: UNAVAILABLE")
     await watch.pods.pass_once()                       # a failed List restarts every clock
-    await asyncio.sleep(0.6)                           # past the grace since the first absence
+    watch.now += 0.6                                   # past the grace since the first absence
     watch.lister.holding((PodRef("default", "stays", "app"), ("GPU-other::0",)))
     await watch.pods.pass_once()                       # absent again: a new clock
     assert watch.collected == [], "collected though its absence was interrupted"
-    await asyncio.sleep(0.3)
+    watch.now += 0.999
     await watch.pods.pass_once()
     assert watch.collected == [], "collected before the grace period"
-    started = time.monotonic()
-    while not watch.collected:
-        await watch.pods.pass_once()
-        await asyncio.sleep(0.02)
-    assert time.monotonic() - started < 5
+    watch.now += 0.01                                  # just past the grace since it went
+    await watch.pods.pass_once()
     ((collected_id, reason),) = watch.collected
     assert collected_id == record.id
     prefix = "pod default/app-pod ended (absent from PodResources for "

@@ -21,11 +21,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon.tokenimpl import IMPLEMENTATIONS, make_tokens, run_timers, waiting_connections
+from tests.daemon.tokenimpl import make_tokens, run_timers, waiting_connections
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter
@@ -50,10 +49,10 @@ step_strategy = st.one_of(
 
 
 class Node:
-    def __init__(self, root: Path, tenants: list[tuple[int, bool]], implementation: str) -> None:
+    def __init__(self, root: Path, tenants: list[tuple[int, bool]]) -> None:
         self.now = 1000.0
         self.config = DaemonConfig()
-        self.tokens = make_tokens(implementation, self.config, lambda: self.now)
+        self.tokens = make_tokens(self.config, lambda: self.now)
         self.names = [f"t{i}" for i in range(len(tenants))]
         self.conns = {name: [Connection(), Connection()] for name in self.names}
         for name, (request, capped) in zip(self.names, tenants, strict=True):
@@ -117,16 +116,15 @@ class Node:
         return None
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(tenant_strategy, min_size=2, max_size=4),
        st.lists(step_strategy, min_size=1, max_size=40))
 def test_gpu_tokens_keep_the_invariants_over_generated_steps(
-        implementation: str, tenants: list[tuple[int, bool]],
+        tenants: list[tuple[int, bool]],
         steps: list[tuple[Any, ...]]) -> None:
     async def body() -> None:
         with tempfile.TemporaryDirectory(prefix="gti-") as tmp:
-            node = Node(Path(tmp), tenants, implementation)
+            node = Node(Path(tmp), tenants)
             try:
                 for index, step in enumerate(steps):
                     node.step(step)

@@ -14,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.tokenimpl import IMPLEMENTATIONS, make_tokens
+from tests.daemon.tokenimpl import make_tokens
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter
 from vgpu_runtime.daemon.config import DaemonConfig
-
-# Each test on both implementations of a GPU's token (tokens.py and the native one).
-pytestmark = pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 
 
 class Connection(Waiter):
@@ -33,9 +30,9 @@ class Connection(Waiter):
 
 
 class Node:
-    def __init__(self, root: Path, implementation: str) -> None:
+    def __init__(self, root: Path) -> None:
         self.now = 100.0
-        self.tokens = make_tokens(implementation, DaemonConfig(), lambda: self.now)
+        self.tokens = make_tokens(DaemonConfig(), lambda: self.now)
         for name in ("a", "b"):
             channel = root / name
             channel.mkdir()
@@ -69,8 +66,8 @@ class Node:
 
 
 async def test_a_process_that_says_its_work_runs_is_charged_from_its_own_previous_ask(
-        tmp_path: Path, implementation: str) -> None:
-    node = Node(tmp_path, implementation)
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
     x, y, b = Connection(), Connection(), Connection()
     node.ask("a", x)                       # x's first ask: the container gets the token
     node.ask("b", b)
@@ -93,8 +90,8 @@ async def test_a_process_that_says_its_work_runs_is_charged_from_its_own_previou
 
 
 async def test_the_report_after_running_ones_is_charged_from_the_ask_before_it(
-        tmp_path: Path, implementation: str) -> None:
-    node = Node(tmp_path, implementation)
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
     x, b = Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)
@@ -112,10 +109,10 @@ async def test_the_report_after_running_ones_is_charged_from_the_ask_before_it(
 
 
 async def test_a_process_that_never_says_running_is_charged_past_its_release_only(
-        tmp_path: Path, implementation: str) -> None:
+        tmp_path: Path) -> None:
     # Sync mode: the work_end of x's ask is measured from the container's last release, never
     # from an older one, so b's turn before x's second grant is not charged to it.
-    node = Node(tmp_path, implementation)
+    node = Node(tmp_path)
     x, b = Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)
@@ -129,11 +126,11 @@ async def test_a_process_that_never_says_running_is_charged_past_its_release_onl
 
 
 async def test_a_connection_asking_inside_its_own_grant_is_not_charged_for_it(
-        tmp_path: Path, implementation: str) -> None:
+        tmp_path: Path) -> None:
     # A client that asks ahead, while the grant it was sent is still valid, reports the end of
     # work done in that grant: the grant is charged when it ends, and b's turn before it is
     # not a's (the bug, end to end: a 0.3 tenant held 0.17).
-    node = Node(tmp_path, implementation)
+    node = Node(tmp_path)
     x, b = Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)
@@ -148,10 +145,10 @@ async def test_a_connection_asking_inside_its_own_grant_is_not_charged_for_it(
 
 
 async def test_another_process_reporting_during_the_containers_grant_is_charged(
-        tmp_path: Path, implementation: str) -> None:
+        tmp_path: Path) -> None:
     # y, another process of the container, asks after x was granted: its work, launched before
     # that grant, ran on past the release before it, through b's turn.
-    node = Node(tmp_path, implementation)
+    node = Node(tmp_path)
     x, y, b = Connection(), Connection(), Connection()
     node.ask("a", x)
     node.ask("b", b)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -209,7 +210,11 @@ async def test_restart_wipes_sockets_keeps_checkpoint_and_running_pods(
     pod = await kubelet.admit_pod("p", containers=[("c", 2)], resource=RES)
     await kubelet.restart()
     assert not (kubelet.directory / "stub.sock").exists()
-    assert (kubelet.directory / CHECKPOINT_FILE).exists()
+    # The real kubelet's shape (tests/cluster reads it): device IDs by NUMA node (the stub
+    # reports node 0; -1 stands for none).
+    (entry,) = json.loads((kubelet.directory / CHECKPOINT_FILE).read_text())["Data"][
+        "PodDeviceEntries"]
+    assert entry["DeviceIDs"] == {"0": list(pod.containers["c"].device_ids)}
     assert kubelet.socket_path.exists()
     assert kubelet.capacity(RES) == 0 and pod.admitted
     await stub.stop()

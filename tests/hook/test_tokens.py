@@ -16,9 +16,6 @@ from tests.hook.conftest import DaemonNode, Hooked, compile_program, start_node,
 from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
 from vgpu_runtime.daemon.channel import client
 
-# Every test here runs on both token paths (the daemon's token_path).
-pytestmark = pytest.mark.usefixtures("both_token_paths")
-
 GATE_OPEN, GATE_TOKEN = 0, 1
 
 

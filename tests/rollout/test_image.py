@@ -33,7 +33,6 @@ from tests.reliability.clients import Container, GiB
 from tests.rollout import oci
 from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.hook import identity
-from vgpu_runtime.timeshare.native import build as timeshare_build
 
 SCRIPT = REPO / "scripts" / "build-image"
 WORK = REPO / "build" / "image"
@@ -188,9 +187,8 @@ def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
     lib = "opt/gemini/lib/python3*/site-packages/vgpu_runtime/lib"
     (packaged,) = rootfs.glob(f"{lib}/{paths.HOOK_LIBRARY_PREFIX}*")
     assert packaged.name == paths.HOOK_LIBRARY_NAME
-    # Beside it, the token scheduler in C (vgpu_runtime/timeshare/native), built there too.
-    assert [p.name for p in rootfs.glob(f"{lib}/libgemini-timeshare.so.*")] == [
-        timeshare_build.library_name()]
+    # The only C library in the package: the token scheduler is Python alone.
+    assert not list(rootfs.glob(f"{lib}/libgemini-timeshare.so.*"))
     ours, theirs = identity.describe(hook_lib), identity.describe(packaged)
     assert theirs["soname"] == paths.HOOK_LIBRARY_NAME
     if ours["compiler"] != theirs["compiler"]:

@@ -117,7 +117,7 @@ class Simulation:
             if self._tick_at == deadline:
                 self._tick_at = None
             self._note_release_of_holder()
-            self._apply(self.scheduler.tick(self.now))
+            self._apply(self.scheduler.tick(self.now).grant)
 
         self.at(deadline, tick)
 
@@ -129,7 +129,8 @@ class Simulation:
     # ---- a tenant's loop (the hook's side) ----
 
     def _join(self, tenant: SimTenant) -> None:
-        self._apply(self.scheduler.add(tenant.name, tenant.request, tenant.limit, self.now))
+        self._apply(self.scheduler.add(tenant.name, tenant.request, tenant.limit,
+                                          self.now).grant)
         self._launch(tenant)
 
     def _holds(self, tenant: SimTenant) -> bool:
@@ -146,7 +147,7 @@ class Simulation:
         tenant.blocked = True
         self._apply(self.scheduler.request(
             tenant.name, self.now, burst_hint=tenant.workload.kernel * tenant.workload.per_sync,
-            work_end=tenant.last_work_end))
+            work_end=tenant.last_work_end).grant)
 
     def _run_burst(self, tenant: SimTenant) -> None:
         wl = tenant.workload
@@ -172,10 +173,10 @@ class Simulation:
         holder = self.scheduler.holder
         if holder and holder.tenant == tenant.name and tenant.last_work_end == since:
             tenant.released_at = self.now
-            self._apply(self.scheduler.release(tenant.name, self.now))
+            self._apply(self.scheduler.release(tenant.name, self.now).grant)
 
     def stop(self, name: str) -> None:
         """The tenant's process dies: its connection closes and the daemon removes it."""
         tenant = self.tenants[name]
         tenant.stopped = True
-        self._apply(self.scheduler.remove(name, self.now))
+        self._apply(self.scheduler.remove(name, self.now).grant)

@@ -32,9 +32,6 @@ from hypothesis import strategies as st
 from tests.timeshare.sim import Simulation, Workload
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
-# Every test here runs on the Python scheduler and on the native one (conftest.py).
-pytestmark = pytest.mark.usefixtures("each_implementation")
-
 HANDOFF = 0.0005
 SETTLE = 2.0       # seconds after the debt is paid back before the share window opens
 WINDOW = 10.0

@@ -1,8 +1,7 @@
-"""Building one of the package's C libraries with gcc alone: what the interposer's build
-(hook/build.py) and the native scheduler's (timeshare/native/build.py) share.
+"""Building the package's C library (the interposer, hook/build.py) with gcc alone.
 
-Pure standard library: those two files load it by path, since setup.py runs them by path during
-`pip install .`, where vgpu_runtime is not importable.
+Pure standard library: hook/build.py loads it by path, since setup.py runs that file by path
+during `pip install .`, where vgpu_runtime is not importable.
 
 A library is named `<prefix><package version>-<digest of its inputs>`, the inputs being every
 file its bytes come from: its sources and headers, its build.py (its flags) and this file. Each

@@ -79,19 +79,30 @@ class DaemonConfig:
     burst_history: float = cfg.setting(
         _ALGORITHM.burst_history, "seconds of bursts a quota estimate looks at",
         cfg.number(0.01, 3600), "SECONDS")
+    co_schedule: bool = cfg.setting(
+        _ALGORITHM.co_schedule, "grant several tenants at once while their busy fractions "
+        "(NVML, measured while each holds alone) leave the GPU room; off: one holder at a time",
+        cfg.boolean, "BOOL")
+    co_room: float = cfg.setting(
+        _ALGORITHM.co_room, "the most the co-holders' busy fractions may add up to",
+        cfg.number(0.1, 8), "FRACTION")
+    co_busy_max: float = cfg.setting(
+        _ALGORITHM.co_busy_max, "a tenant busier than this alone is GPU-bound and gets "
+        "exclusive turns only", cfg.number(0.0, 1.0), "FRACTION")
+    co_refresh: float = cfg.setting(
+        _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
+        "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
     event_loop: str = cfg.setting(
         "auto", "event loop of the daemon: auto (uvloop when it is installed, else asyncio's), "
         "uvloop or asyncio", cfg.choice(*EVENT_LOOPS), "LOOP")
-    # auto: the C path decides as the Python one, answers faster, uses less of the daemon's
-    # CPU, and pinned tenants did the same work beside either (BENCHMARKS.md, "Deciding the
-    # token path's default"); python stays for a node whose C library does not load.
+    # Deprecated, kept one release so that configurations naming it still load: one token
+    # implementation remains (Python; BENCHMARKS.md, "One token implementation").
     token_path: str = cfg.setting(
-        "auto", "the daemon's token code: auto (native when its library loads, else python, "
-        "saying why), native (C, channel/native/tokens.c) or python (channel/tokens.py)",
-        cfg.choice(*TOKEN_PATHS), "PATH")
+        "auto", "deprecated and ignored (the token code is Python alone); a value other than "
+        "auto logs a warning", cfg.choice(*TOKEN_PATHS), "PATH")
     # ---- what one allocation's clients may use (security, S2) ----
     max_connections: int = cfg.setting(
         1024, "connections one allocation may hold at once; past it a new one is refused with "
@@ -160,6 +171,15 @@ class DaemonConfig:
         64 << 20, "bytes an allocation may hold past its memory limit, by the per-process "
         "figures, before the daemon reports the process that holds more than the hook declared",
         cfg.size, "SIZE")
+    # ---- the device's utilisation (co-scheduling's busy fractions) ----
+    gpu_busy: str = cfg.setting(
+        "auto", "device utilisation for co-scheduling: auto (NVML when it loads), nvml, "
+        "simulated (gpu_busy_file) or off (exclusive turns)",
+        cfg.choice(*PROCESS_MEMORY_SOURCES), "SOURCE")
+    gpu_busy_file: str | None = cfg.setting(
+        None, "JSON file of simulated device utilisation, {GPU UUID: [[end, busy], ...]} (end: "
+        "CLOCK_MONOTONIC seconds of a 0.2 s period's end), read every 0.2 s "
+        "(gpu_busy=simulated)", cfg.optional(cfg.text), "FILE")
     # ---- the hooks' enforcement settings (sent in every hello reply) ----
     interposer_token_timeout: float = cfg.setting(
         30.0, "seconds a launch waits for a token grant before the hook gates itself at its "
@@ -206,6 +226,9 @@ class DaemonConfig:
         if self.max_quota >= self.window:
             raise cfg.ConfigError(f"max_quota ({self.max_quota}) must be shorter than window "
                                   f"({self.window})")
+        if self.gpu_busy == "simulated" and not self.gpu_busy_file:
+            raise cfg.ConfigError("gpu_busy=simulated needs gpu_busy_file (the simulated "
+                                  "figures)")
         if self.process_memory == "simulated" and not self.process_memory_file:
             raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
                                   "JSON file of per-process figures)")

@@ -147,8 +147,12 @@ class Daemon:
         log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name,
-                                                    "event_loop": event_loop_name(),
-                                                    "token_path": self.tokens.path})
+                                                    "event_loop": event_loop_name()})
+        if self.config.token_path != "auto":
+            log.warning("token_path is deprecated and ignored: the token code is Python alone "
+                        "(the C path was removed; BENCHMARKS.md, \"One token implementation\"); "
+                        "drop the setting, it goes in the next release",
+                        extra={"token_path": self.config.token_path})
         idle_since = time.monotonic()
         try:
             while not self._stop.is_set():

@@ -1,7 +1,8 @@
 """One GPU's token scheduler: the single authority on who may launch work, and for how long.
 
-Exactly one tenant (a container: all of its processes) holds the GPU's token at a time, for a
-quota sized from its estimated kernel burst. Every tenant has a request (guaranteed share, k/N)
+One tenant (a container: all of its processes) holds the GPU's token at a time, for a quota
+sized from its estimated kernel burst, unless the tenants leave the GPU room: then several hold
+it at once (co-scheduling, below). Every tenant has a request (guaranteed share, k/N)
 and a limit (cap). GPU time is charged per tenant over a sliding window. The rules (why each is
 so, with the measurements behind it: README.md beside this file):
 
@@ -35,6 +36,21 @@ so, with the measurements behind it: README.md beside this file):
 * so a busy tenant's wait is bounded (`TimeshareSettings.longest_wait`), and the GPU is never
   left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
+Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels
+keep the GPU busy while it holds the token alone) is estimated from the device's own
+utilisation (`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover
+exactly the 200 ms before their timestamp): each period that no co-held grant touched is an
+equation, utilisation = sum of (busy fraction x part of the period held alone), and the last
+`BUSY_PERIODS` of them are solved by least squares. While every holder and the waiting tenant
+first in line each keep the GPU busy at most `co_busy_max` of the time and together at most
+`co_room`, that tenant is granted beside them: launch-bound jobs fill each other's idle gaps,
+as under time-slicing. A co-held grant is charged its busy fraction of its time (what the
+tenant used of the GPU); an exclusive grant is charged in full (it kept everyone else out). A
+GPU-bound tenant, or one whose figure is older than `co_refresh`, gets exclusive turns only, so
+shares stay exact where tenants contend, and an exclusive turn measures its figure again. Only
+the first in line is ever co-granted, so a tenant that must wait for an exclusive turn is never
+passed over: the holders drain within a quota and it is granted.
+
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
 """
@@ -43,6 +59,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
@@ -51,6 +68,15 @@ from vgpu_runtime.timeshare.window import UsageWindow, add_up
 # Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
 # a GPU can be cut into (paths.MAX_SLICES_PER_GPU, 1000).
 MAX_TENANTS = 1024
+# Utilisation periods kept for the busy fractions' least squares (3 s of NVML's 200 ms ones:
+# a job's loading phase, holding the GPU idle, is forgotten within as long), and the part of a
+# period (summed over them) a tenant must have held alone to be estimated.
+BUSY_PERIODS = 15
+BUSY_EVIDENCE = 1.0
+BUSY_RIDGE = 0.05
+# A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
+# token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
+BUSY_IDLE = 0.02
 
 
 @dataclass(frozen=True)
@@ -66,6 +92,12 @@ class TimeshareSettings:
     preempt_after: float = 0.0    # > 0: a holder gives way to a waking tenant after this
     burst_merge_gap: float = 0.002  # the daemon's own burst estimate, used only when the hook
     burst_history: float = 3.0      # sends no figure: gaps merged, seconds remembered
+    # Off by default: NVML's per-process figure, the busy fraction's source, read 0.86-1.0 for
+    # a trainer whose true figure is 0.5-0.6 on the H200 (BENCHMARKS.md, "Real jobs").
+    co_schedule: bool = False     # grant several tenants at once when they leave the GPU room
+    co_room: float = 1.4          # the most the co-holders' busy fractions may add up to
+    co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
+    co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
 
     @property
     def debt(self) -> float:
@@ -94,10 +126,29 @@ class Grant:
     generation: int
     granted_at: float
     quota: float
+    shared: bool = False    # held beside others: charged at the tenant's busy fraction
 
     @property
     def expires_at(self) -> float:
         return self.granted_at + self.quota
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one event decided, for the daemon to apply without asking again: who holds the GPU
+    now and until when, the grants the event made, the grants it revoked (not returned in
+    time), whether launches need the token at all, and when `tick` must run next."""
+
+    grants: Mapping[str, Grant]
+    granted: tuple[Grant, ...] = ()
+    revoked: tuple[Grant, ...] = ()
+    wake_at: float | None = None
+    needs_token: bool = True
+
+    @property
+    def grant(self) -> Grant | None:
+        """The first grant the event made, if any."""
+        return self.granted[0] if self.granted else None
 
 
 @dataclass
@@ -116,6 +167,8 @@ class Tenant:
     revocations: int = 0
     last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    busy: float | None = None   # its kernels' part of the time it held the GPU alone
+    busy_at: float = float("-inf")
 
 
 @dataclass(frozen=True)
@@ -131,6 +184,8 @@ class TenantView:
     revocations: int
     burst: float | None       # what quota sizing takes as its kernel burst
     last_quota: float | None  # the quota of its last grant
+    busy: float | None        # its busy fraction alone (co-scheduling), None: not measured
+    shared: bool              # it holds a co-granted (shared) grant
 
 
 class TokenScheduler:
@@ -138,16 +193,22 @@ class TokenScheduler:
         self.config = config
         self.started = now
         self.tenants: dict[str, Tenant] = {}
-        self.holder: Grant | None = None
+        self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
+        # History for the busy fractions: who held alone when, when grants were co-held, and
+        # the utilisation periods taken.
+        self._alone: dict[str, deque[tuple[float, float]]] = {}
+        self._shared: deque[tuple[float, float]] = deque(maxlen=256)
+        self._periods: deque[tuple[dict[str, float], float]] = deque(maxlen=BUSY_PERIODS)
         self.generation = 0
         self.preemptions = 0
+        self.co_grants = 0
         # Effective shares, kept with the membership (the only thing they depend on): every
         # grant and charge reads them, and the token path is the daemon's hot path.
         self._shares: dict[str, float] = {}
 
     # ---- membership ----
 
-    def add(self, tenant: str, share: float, limit: float, now: float) -> Grant | None:
+    def add(self, tenant: str, share: float, limit: float, now: float) -> Decision:
         if not (0 < share <= 1) or not (share <= limit <= 1):
             raise ValueError(f"need 0 < share <= limit <= 1, got {share}, {limit}")
         if tenant in self.tenants:
@@ -160,17 +221,18 @@ class TokenScheduler:
             vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
         self._rescale()
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def remove(self, tenant: str, now: float) -> Grant | None:
+    def remove(self, tenant: str, now: float) -> Decision:
         """A tenant leaves (its last connection closed): what it held is released at once."""
-        if self.holder and self.holder.tenant == tenant:
-            self._end_grant(now)
+        if tenant in self.grants:
+            self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
+        self._alone.pop(tenant, None)
         self._rescale()
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def set_limit(self, tenant: str, limit: float, now: float) -> Grant | None:
+    def set_limit(self, tenant: str, limit: float, now: float) -> Decision:
         state = self.tenants[tenant]
         if not 0 < limit <= 1:
             raise ValueError(f"need 0 < limit <= 1, got {limit}")
@@ -178,7 +240,7 @@ class TokenScheduler:
         state.limit = max(limit, state.share)
         state.credit = min(max(state.credit, self.config.credit_floor(state.limit)),
                            self._capacity(state))
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
     def needs_token(self) -> bool:
         """A GPU given whole to one tenant needs no token: its launches go straight through."""
@@ -188,8 +250,8 @@ class TokenScheduler:
 
     def request(self, tenant: str, now: float, burst_hint: float | None = None,
                 work_end: float | None = None, work_running: bool = False,
-                work_since: float | None = None) -> Grant | None:
-        """The tenant wants the token. Returns a grant if the token changed hands now.
+                work_since: float | None = None) -> Decision:
+        """The tenant wants the token. The decision says whether it (or anyone) was granted.
 
         `work_end` is the hook's measurement (same monotonic clock) of when the GPU work of its
         last grant finished; work past the last release is overuse and is charged.
@@ -202,15 +264,16 @@ class TokenScheduler:
         # Every request carries the hook's current figure; none (-1) means it saw no burst end.
         state.burst_hint = burst_hint if burst_hint is not None and burst_hint > 0 else None
         was_active = state.waiting_since is not None
-        if self.holder and self.holder.tenant == tenant:
-            if now < self.holder.expires_at:
+        grant = self.grants.get(tenant)
+        if grant is not None:
+            if now < grant.expires_at:
                 # Still valid: another process of the tenant asked first. Its report is of work
                 # launched before this grant (it asked because its page said no), so it is
                 # measured from the release before it like any other; the caller drops the
                 # report of a connection asking ahead inside a grant it was sent itself.
                 self._charge_work(state, now, work_end, work_running, work_since)
-                return None
-            self._end_grant(now)   # quota used up: back to the queue like everyone else
+                return self._decided(now, [])
+            self._end_grant(tenant, now)   # quota used up: back to the queue like everyone else
             was_active = True
         self._charge_work(state, now, work_end, work_running, work_since)
         if not was_active:
@@ -220,32 +283,91 @@ class TokenScheduler:
         if state.waiting_since is None:
             state.waiting_since = now
         self._preempt_for(state, now)
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
-    def release(self, tenant: str, now: float, work_end: float | None = None) -> Grant | None:
+    def release(self, tenant: str, now: float, work_end: float | None = None) -> Decision:
         """The holder gives the token back (idle, or done). A stale release changes nothing."""
         state = self.tenants.get(tenant)
         if state is None:
-            return None
-        if self.holder and self.holder.tenant == tenant:
-            self._end_grant(now)
+            return self._decided(now, [])
+        if tenant in self.grants:
+            self._end_grant(tenant, now)
         self._charge_overuse(state, work_end, now)   # none from the daemon's own releases
-        return self._dispatch(now)
+        return self._decided(now, self._dispatch(now))
 
     def observe_burst(self, tenant: str, start: float, end: float) -> None:
         self.tenants[tenant].bursts.observe(start, end)
 
-    def tick(self, now: float) -> Grant | None:
+    def observe_utilization(self, start: float, end: float, busy: float) -> bool:
+        """The device's utilisation over [start, end): the part of it some kernel ran. Taken
+        where no co-held grant touched the period (then only the holders alone ran kernels:
+        launches wait for the token) and something ran, and the busy fractions are estimated
+        again; returns whether it was taken."""
+        if (end <= start or busy < BUSY_IDLE
+                or any(s < end and e > start for s, e in self._shared)):
+            return False
+        span = end - start
+        parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._alone.get(t, ())
+                           if min(e, end) > max(s, start)) / span for t in self.tenants}
+        for tenant, grant in self.grants.items():   # a grant in progress, held alone
+            if not grant.shared:
+                parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
+        self._periods.append(({t: p for t, p in parts.items() if p > 0},
+                              min(max(busy, 0.0), 1.0)))
+        self._estimate_busy(end)
+        return True
+
+    def _estimate_busy(self, now: float) -> None:
+        """Least squares over the kept periods (Gauss-Seidel: a few sweeps of each tenant's
+        own normal equation), for tenants that held the GPU alone long enough in them."""
+        held: dict[str, float] = {}
+        for parts, _ in self._periods:
+            for tenant, part in parts.items():
+                held[tenant] = held.get(tenant, 0.0) + part
+        known = [t for t, h in held.items() if h >= BUSY_EVIDENCE and t in self.tenants]
+        if not known:
+            return
+        b: dict[str, float] = {}
+        for tenant in known:
+            previous = self.tenants[tenant].busy
+            b[tenant] = 0.5 if previous is None else previous
+        for _ in range(8):
+            for tenant in known:
+                num = den = 0.0
+                for parts, util in self._periods:
+                    mine = parts.get(tenant, 0.0)
+                    if mine <= 0:
+                        continue
+                    others = add_up(b.get(o, 0.0) * p for o, p in parts.items() if o != tenant)
+                    num += mine * (util - others)
+                    den += mine * mine
+                # A little weight on the previous figure keeps it where turns always split
+                # periods alike (then only the sum of the figures is known).
+                prior = b[tenant]
+                b[tenant] = min(1.0, max(0.0, (num + BUSY_RIDGE * prior) / (den + BUSY_RIDGE)))
+        for tenant in known:
+            self.tenants[tenant].busy = b[tenant]
+            self.tenants[tenant].busy_at = now
+
+    @property
+    def holder(self) -> Grant | None:
+        """The longest-held grant: the only one unless tenants are co-scheduled."""
+        return min(self.grants.values(), key=lambda g: g.generation, default=None)
+
+    def tick(self, now: float) -> Decision:
         """Revoke an overdue token and wake tenants whose window freed capacity."""
-        if self.holder and now >= self.holder.expires_at + self.config.revoke_grace:
-            self.tenants[self.holder.tenant].revocations += 1
-            self._end_grant(now)
-        return self._dispatch(now)
+        revoked = []
+        for grant in list(self.grants.values()):
+            if now >= grant.expires_at + self.config.revoke_grace:
+                self.tenants[grant.tenant].revocations += 1
+                self._end_grant(grant.tenant, now)
+                revoked.append(grant)
+        return self._decided(now, self._dispatch(now), tuple(revoked))
 
     def next_deadline(self, now: float) -> float | None:
         """When tick() must run next: a revocation, or a limited tenant becoming eligible."""
-        if self.holder:
-            return self.holder.expires_at + self.config.revoke_grace
+        if self.grants:
+            return min(g.expires_at for g in self.grants.values()) + self.config.revoke_grace
         wakes = [self._eligible_at(t, now) for t in self.tenants.values()
                  if t.waiting_since is not None]
         return min(wakes) if wakes else None
@@ -267,8 +389,8 @@ class TokenScheduler:
         span = self._span(now)
         if span <= 0:
             return 0.0
-        grant = self.holder
-        running = grant.granted_at if grant is not None and grant.tenant == tenant else None
+        grant = self.grants.get(tenant)
+        running = grant.granted_at if grant is not None and not grant.shared else None
         return self.tenants[tenant].usage.usage(now, running) / span
 
     def snapshot(self, now: float) -> list[TenantView]:
@@ -278,10 +400,12 @@ class TokenScheduler:
             waits = sorted(t.waits)
             views.append(TenantView(
                 t.id, shares[t.id], t.limit, self.used(t.id, now), t.waiting_since is not None,
-                bool(self.holder and self.holder.tenant == t.id),
+                t.id in self.grants,
                 statistics.median(waits) if waits else None,
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
-                t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota))
+                t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota,
+                t.busy if now - t.busy_at <= self.config.co_refresh else None,
+                t.id in self.grants and self.grants[t.id].shared))
         return views
 
     # ---- internals ----
@@ -308,17 +432,26 @@ class TokenScheduler:
             return
         self._charge(state, since, min(work_end, now))
 
-    def _end_grant(self, now: float) -> None:
-        assert self.holder is not None
-        state = self.tenants[self.holder.tenant]
-        self._charge(state, self.holder.granted_at, max(now, self.holder.granted_at))
+    def _end_grant(self, tenant: str, now: float) -> None:
+        grant = self.grants.pop(tenant)
+        state = self.tenants[tenant]
+        end = max(now, grant.granted_at)
+        if grant.shared:
+            # Charged what it used of the GPU: its busy fraction of the time it held.
+            busy = state.busy if state.busy is not None else 1.0
+            start = grant.granted_at
+            self._charge(state, start, start + busy * (end - start))
+            self._shared.append((start, end))
+        else:
+            self._charge(state, grant.granted_at, end)
+            self._held_alone(tenant, grant.granted_at, end)
         state.last_release = now
-        self.holder = None
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
         """Cut the holder's quota short for a tenant that woke up behind it."""
         grant = self.holder
         if (self.config.preempt_after <= 0 or grant is None or grant.tenant == waiter.id
+                or grant.shared
                 or waiter.waiting_since is None or waiter.waiting_since <= grant.granted_at
                 or not self._has_credit(waiter, now)):
             return
@@ -328,8 +461,8 @@ class TokenScheduler:
             return
         expires = max(now, grant.granted_at + self.config.preempt_after)
         if expires < grant.expires_at:
-            self.holder = Grant(grant.tenant, grant.generation, grant.granted_at,
-                                expires - grant.granted_at)
+            self.grants[grant.tenant] = Grant(grant.tenant, grant.generation, grant.granted_at,
+                                              expires - grant.granted_at)
             self.preemptions += 1
 
     def _charge(self, state: Tenant, start: float, end: float) -> None:
@@ -371,7 +504,7 @@ class TokenScheduler:
         """The least advanced active (waiting or holding) tenant's virtual time; with none,
         the most advanced idle one's (`idle_too`) or None, and 0 with no tenant at all."""
         active = [t.vtime for t in self.tenants.values() if t.id != exclude and (
-            t.waiting_since is not None or (self.holder and self.holder.tenant == t.id))]
+            t.waiting_since is not None or t.id in self.grants)]
         if active:
             return min(active)
         if not idle_too:
@@ -403,7 +536,27 @@ class TokenScheduler:
         active = self._floor(exclude=None, idle_too=False)
         for t in eligible:
             self._bound_lead(t, active)
-        return min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        first = min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        if self.grants and not self._fits(first, now):
+            return None   # it waits for the holders to drain; nobody passes it meanwhile
+        return first
+
+    def _busy(self, tenant: Tenant, now: float) -> float | None:
+        """Its busy fraction where measured recently enough and not GPU-bound, else None."""
+        cfg = self.config
+        if (not cfg.co_schedule or tenant.busy is None or now - tenant.busy_at > cfg.co_refresh
+                or tenant.busy > cfg.co_busy_max):
+            return None
+        return tenant.busy
+
+    def _fits(self, tenant: Tenant, now: float) -> bool:
+        """The tenant may hold the GPU beside the present holders: each of them and it leave
+        room, together within `co_room`."""
+        figures = [self._busy(self.tenants[t], now) for t in self.grants]
+        figures.append(self._busy(tenant, now))
+        if None in figures:
+            return False
+        return add_up(f for f in figures if f is not None) <= self.config.co_room
 
     def _quota(self, tenant: Tenant, now: float) -> float:
         """A tenant's part of one round (its part of all requests x cycle), plus part of its
@@ -429,16 +582,48 @@ class TokenScheduler:
             quota = min(quota, max(tenant.credit, self._least_grant(tenant)))
         return quota
 
-    def _dispatch(self, now: float) -> Grant | None:
-        if self.holder is not None:
-            return None
-        chosen = self._choose(now)
-        if chosen is None:
-            return None
-        self.generation += 1
-        self.holder = Grant(chosen.id, self.generation, now, self._quota(chosen, now))
-        chosen.last_quota = self.holder.quota
-        if chosen.waiting_since is not None:
-            chosen.waits.append(now - chosen.waiting_since)
-        chosen.waiting_since = None
-        return self.holder
+    def _decided(self, now: float, granted: list[Grant],
+                 revoked: tuple[Grant, ...] = ()) -> Decision:
+        return Decision(dict(self.grants), tuple(granted), revoked, self.next_deadline(now),
+                        self.needs_token())
+
+    def _dispatch(self, now: float) -> list[Grant]:
+        """Grant the first in line, and the next ones too while they fit beside the holders.
+        Returns the grants made."""
+        made: list[Grant] = []
+        while True:
+            # Nobody may join a holder without room to share: then nothing is chosen (choosing
+            # moves waiters' virtual times) until the holders are gone, as with one token.
+            if self.grants and any(self._busy(self.tenants[t], now) is None for t in self.grants):
+                break
+            chosen = self._choose(now)
+            if chosen is None:
+                break
+            shared = bool(self.grants)
+            if shared:
+                self._share_holders(now)
+                self.co_grants += 1
+            self.generation += 1
+            grant = Grant(chosen.id, self.generation, now, self._quota(chosen, now), shared)
+            self.grants[chosen.id] = grant
+            chosen.last_quota = grant.quota
+            if chosen.waiting_since is not None:
+                chosen.waits.append(now - chosen.waiting_since)
+            chosen.waiting_since = None
+            made.append(grant)
+        return made
+
+    def _share_holders(self, now: float) -> None:
+        """A holder alone so far is joined: its time alone is charged in full up to now, and
+        from now on its busy fraction (the same grant: its page does not change)."""
+        for tenant, grant in list(self.grants.items()):
+            if grant.shared:
+                continue
+            state = self.tenants[tenant]
+            self._charge(state, grant.granted_at, max(now, grant.granted_at))
+            self._held_alone(tenant, grant.granted_at, now)
+            self.grants[tenant] = Grant(tenant, grant.generation, now,
+                                        grant.expires_at - now, True)
+
+    def _held_alone(self, tenant: str, start: float, end: float) -> None:
+        self._alone.setdefault(tenant, deque(maxlen=64)).append((start, end))

@@ -47,7 +47,7 @@ from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
 
 if TYPE_CHECKING:
-    from vgpu_runtime.daemon.channel.tokens import AnyGpuTokens
+    from vgpu_runtime.daemon.channel.tokens import GpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class AllocationChannel:
         self.binding = binding
         self.terms = terms
         self.tokens = tokens
-        self.token_gpus: list[AnyGpuTokens] = []   # by GPU index, once started
+        self.token_gpus: list[GpuTokens] = []   # by GPU index, once started
         self.slots: list[TenantSlot] = []
         self.ledger = MemoryLedger([g.memory_limit for g in terms])
         self.sessions: set[Session] = set()

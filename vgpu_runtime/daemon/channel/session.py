@@ -43,16 +43,45 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vgpu_runtime import wire
 from vgpu_runtime.daemon.channel.ledger import LedgerError, MemoryResult
 from vgpu_runtime.daemon.channel.peer import PeerCred
 from vgpu_runtime.daemon.channel.process_memory import ContextCharger, charger_for
-from vgpu_runtime.daemon.channel.tokens import Waiter, from_ns
+from vgpu_runtime.daemon.channel.tokens import TokenService, Waiter, from_ns
 
 if TYPE_CHECKING:
-    from vgpu_runtime.daemon.channel.channel import AllocationChannel
+    from vgpu_runtime.allocation import AllocationRecord
+    from vgpu_runtime.daemon.channel.ledger import MemoryLedger
+    from vgpu_runtime.daemon.channel.terms import GpuTerms
+
+
+class AllocationChannel(Protocol):
+    """What a session uses of the channel it came through (channel.AllocationChannel), so the
+    channel depends on its sessions and not the other way round."""
+
+    record: AllocationRecord
+    terms: tuple[GpuTerms, ...]
+    tokens: TokenService
+    ledger: MemoryLedger
+    memory_refusals: list[int]
+    bound: asyncio.Event
+
+    async def wait_bound(self) -> bool: ...
+
+    def page_descriptors(self) -> list[int]: ...
+
+    def token_request(self, session: Session, gpu: int, seq: int, burst: float | None,
+                      work_end: float | None, work_running: bool) -> None: ...
+
+    def token_release(self, gpu: int, work_end: float | None) -> None: ...
+
+    def usage_report(self, gpu: int, start: float, end: float) -> None: ...
+
+    def connection_closed(self, session: Session) -> None: ...
+
+    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None: ...
 
 log = logging.getLogger(__name__)
 

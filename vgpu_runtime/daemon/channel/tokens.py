@@ -7,13 +7,16 @@ connections:
   the record goes, so its request counts while it exists (an idle tenant holds nobody back);
 * the clock is CLOCK_MONOTONIC (`time.monotonic_ns()`), the clock the hooks read; the algorithm
   takes seconds, the wire and the pages carry nanoseconds;
-* after every call into the algorithm, `_publish` brings the pages and the connections in line
-  with who holds the token now: the old holder's page is cleared first, then the new holder's
-  page is written and every connection of that tenant waiting on this GPU gets TOKEN_GRANT;
+* every call into the algorithm returns its decision (policy.Decision), and `_apply` brings
+  the pages, the connections and the timers in line with it: one trip down, one back. It
+  follows who holds the token now (one tenant, or several co-scheduled): a page whose grant ended
+  is cleared first, then each new holder's page is written and every connection of that tenant
+  waiting on this GPU gets TOKEN_GRANT;
 * a grant to a tenant none of whose connections still waits (they closed while waiting) is
   handed back at once, so a departed waiter costs nobody anything;
-* one timer runs `tick()` at `next_deadline()` (revocation, a capped tenant becoming eligible);
-  another checks an idle holder at `last launch + idle_release`, only while someone waits.
+* one timer runs `tick()` at the decision's `wake_at` (revocation, a capped tenant eligible);
+  another checks an idle holder at `last launch + idle_release`, only while it holds alone and
+  someone waits.
 """
 
 from __future__ import annotations
@@ -23,18 +26,17 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime.common import config as cfg
+from vgpu_runtime.daemon.channel.gpu_busy import SAMPLE_PERIOD, BusySample, BusySampler
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.config import DaemonConfig
-from vgpu_runtime.timeshare.policy import Grant, TokenScheduler
+from vgpu_runtime.timeshare.policy import Decision, Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
-    from vgpu_runtime.daemon.channel.nativetokens import NativeGpuTokens
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class Waiter:
     (a version-1 hook, given no pages) asks for every launch, so its asks are its activity."""
 
     has_activity_page = True
+
 
     def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
         raise NotImplementedError
@@ -130,7 +133,7 @@ class GpuTokens:
         self.clock = clock
         self.scheduler = TokenScheduler(config.algorithm(), clock())
         self.slots: dict[str, TenantSlot] = {}
-        self.published: Grant | None = None
+        self.published: dict[str, Grant] = {}   # the grants the pages show, by tenant
         self._deadline_timer: asyncio.TimerHandle | None = None
         self._deadline_fires = math.inf           # when the pending deadline timer runs
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -146,10 +149,10 @@ class GpuTokens:
 
     def add(self, slot: TenantSlot, share: float, limit: float) -> None:
         now = self.clock()
-        self.scheduler.add(slot.allocation_id, share, limit, now)
+        decision = self.scheduler.add(slot.allocation_id, share, limit, now)
         self.slots[slot.allocation_id] = slot
         self._gate = None
-        self._publish(now)
+        self._apply(decision, now)
 
     def remove(self, allocation_id: str) -> TenantSlot | None:
         slot = self.slots.get(allocation_id)
@@ -157,17 +160,16 @@ class GpuTokens:
             return None
         now = self.clock()
         slot.page.clear()
-        self.scheduler.remove(allocation_id, now)
+        decision = self.scheduler.remove(allocation_id, now)
         del self.slots[allocation_id]
-        if self.published and self.published.tenant == allocation_id:
-            self.published = None
-        self._publish(now)
+        self.published.pop(allocation_id, None)
+        self._apply(decision, now)
         return slot
 
     def set_limit(self, allocation_id: str, limit: float) -> None:
         if self.scheduler.tenants[allocation_id].limit != limit:
-            self.scheduler.set_limit(allocation_id, limit, self.clock())
-            self._publish(self.clock())
+            now = self.clock()
+            self._apply(self.scheduler.set_limit(allocation_id, limit, now), now)
 
     def share_of(self, allocation_id: str) -> float:
         return self.scheduler.tenants[allocation_id].share
@@ -190,8 +192,8 @@ class GpuTokens:
         previous = slot.asks.get(waiter)
         since = previous.release_before if previous is not None and (
             work_running or previous.running) else None
-        holder = self.scheduler.holder
-        granted = holder is not None and holder.tenant == allocation_id and now < holder.expires_at
+        holder = self.scheduler.grants.get(allocation_id)
+        granted = holder is not None and now < holder.expires_at
         if not granted:
             slot.waiters[waiter] = seq
             if slot.wait_started is None:
@@ -202,23 +204,32 @@ class GpuTokens:
             work_end = None
         # With the tenant's grant still valid this only charges: another process's work
         # launched before that grant, running past the release before it.
-        self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running, since)
+        decision = self.scheduler.request(allocation_id, now, burst_hint, work_end, work_running,
+                                          since)
         slot.asks[waiter] = Ask(self.scheduler.tenants[allocation_id].last_release, work_running)
         if granted:
             assert holder is not None
             waiter.send_grant(seq, slot.index, holder.generation, to_ns(holder.expires_at))
             return
-        self._publish(now)
+        self._apply(decision, now)
 
     def release(self, allocation_id: str, work_end: float | None) -> None:
         now = self.clock()
-        self.scheduler.release(allocation_id, now, work_end)
-        self._publish(now)
+        self._apply(self.scheduler.release(allocation_id, now, work_end), now)
 
     def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
         # A burst cannot end after now: a claimed future end would stretch quotas and stay in
         # the history; clamped, a burst wholly in the future ends before it starts and is dropped.
         self.scheduler.observe_burst(allocation_id, start, min(end, self.clock()))
+
+    def observe_utilization(self, samples: list[BusySample]) -> None:
+        """NVML's device utilisation samples (gpu_busy.py) go to the algorithm, which may now
+        co-grant a waiter."""
+        for sample in samples:
+            self.scheduler.observe_utilization(sample.end - SAMPLE_PERIOD, sample.end,
+                                               sample.busy)
+        now = self.clock()
+        self._apply(self.scheduler.tick(now), now)
 
     def connection_closed(self, waiter: Waiter, allocation_id: str, last: bool) -> None:
         """A connection went away; with the tenant's last one goes the token it held."""
@@ -230,46 +241,54 @@ class GpuTokens:
         slot.granted.discard(waiter)
         if not slot.waiters:
             slot.wait_started = None
-        holder = self.scheduler.holder
-        if last and holder is not None and holder.tenant == allocation_id:
+        if last and allocation_id in self.scheduler.grants:
             log.info("token holder gone; passing the token on",
                      extra={"gpu": self.uuid, "allocation": allocation_id})
             now = self.clock()
-            self.scheduler.release(allocation_id, now)
-            self._publish(now)
+            self._apply(self.scheduler.release(allocation_id, now), now)
 
     # ---- keeping pages, connections and timers in line with the algorithm ----
 
-    def _publish(self, now: float) -> None:
+    def _apply(self, decision: Decision, now: float) -> None:
         while True:
-            holder = self.scheduler.holder
-            old = self.published
-            if old is not None and (holder is None or holder.generation != old.generation):
-                old_slot = self.slots.get(old.tenant)
-                if old_slot is not None:
-                    old_slot.page.clear()
-                self.published = None
-            elif old is not None and holder is not None and holder != old:
-                # Same grant, cut short (a waking tenant preempts): the holder's next launch
-                # reads the new end from its page and asks again.
-                self.slots[holder.tenant].page.grant(holder.generation, to_ns(holder.expires_at))
-                self.published = holder
-            if holder is None or self.published is not None:
-                break
-            slot = self.slots[holder.tenant]
-            if not slot.waiters:
+            grants = decision.grants
+            for tenant, old in list(self.published.items()):
+                new = grants.get(tenant)
+                slot = self.slots.get(tenant)
+                if new is None or new.generation != old.generation:
+                    if slot is not None:
+                        slot.page.clear()
+                    del self.published[tenant]
+                elif new.expires_at != old.expires_at and slot is not None:
+                    # Same grant, cut short (a waking tenant preempts): the holder's next
+                    # launch reads the new end from its page and asks again.
+                    slot.page.grant(new.generation, to_ns(new.expires_at))
+                    self.published[tenant] = new
+                else:
+                    self.published[tenant] = new   # shared from now on: the page is the same
+            gone = next((grant for tenant, grant in grants.items()
+                         if tenant not in self.published and not self.slots[tenant].waiters),
+                        None)
+            if gone is not None:
                 # Granted to a tenant whose waiting connections all left: pass it on.
-                self.scheduler.release(holder.tenant, now)
+                decision = self.scheduler.release(gone.tenant, now)
                 continue
-            self._hand_over(holder, slot)
-        self._update_gates()
-        self._arm_deadline(now)
-        self._arm_idle_check(now)
+            for tenant, grant in grants.items():
+                if tenant not in self.published:
+                    self._hand_over(grant, self.slots[tenant])
+            break
+        for grant in decision.revoked:
+            log.info("token revoked: not returned in time", extra={
+                "gpu": self.uuid, "allocation": grant.tenant, "generation": grant.generation,
+                "overrun_ms": round((now - grant.expires_at) * 1000, 3)})
+        self._update_gates(decision.needs_token)
+        self._arm_deadline(now, decision.wake_at)
+        self._arm_idle_check(now, holders=decision.grants)
 
     def _hand_over(self, grant: Grant, slot: TenantSlot) -> None:
         valid_until = to_ns(grant.expires_at)
         slot.page.grant(grant.generation, valid_until)
-        self.published = grant
+        self.published[grant.tenant] = grant
         self.grants += 1
         self._idle_backoff = self.config.idle_release
         self._cancel_idle_check()   # a pending check was about the previous holder
@@ -283,10 +302,11 @@ class GpuTokens:
         if log.isEnabledFor(logging.DEBUG):   # the fields cost more than the grant's frames
             log.debug("token granted", extra={"gpu": self.uuid, "allocation": grant.tenant,
                                                "generation": grant.generation,
+                                               "shared": grant.shared,
                                                "quota_ms": round(grant.quota * 1000, 3)})
 
-    def _update_gates(self) -> None:
-        gate = GATE_TOKEN if self.scheduler.needs_token() else GATE_OPEN
+    def _update_gates(self, needs_token: bool) -> None:
+        gate = GATE_TOKEN if needs_token else GATE_OPEN
         if gate == self._gate:
             return
         for slot in self.slots.values():
@@ -294,12 +314,11 @@ class GpuTokens:
                 slot.page.set_gate(gate)
         self._gate = gate
 
-    def _arm_deadline(self, now: float) -> None:
+    def _arm_deadline(self, now: float, deadline: float | None) -> None:
         """A timer that runs no later than the next deadline. One that runs earlier is kept:
         tick() is right at any time and `_on_deadline` arms the next, so a hand-off (whose
         deadline is later than its predecessor's) costs no timer, only an early tick now and
         then."""
-        deadline = self.scheduler.next_deadline(now)
         if self._deadline_timer is not None:
             if deadline is not None and self._deadline_fires <= deadline:
                 return
@@ -315,14 +334,7 @@ class GpuTokens:
         self._deadline_timer = None
         self._deadline_fires = math.inf
         now = self.clock()
-        holder = self.scheduler.holder
-        revocations = self.scheduler.tenants[holder.tenant].revocations if holder else 0
-        self.scheduler.tick(now)
-        if holder and self.scheduler.tenants[holder.tenant].revocations > revocations:
-            log.info("token revoked: not returned in time", extra={
-                "gpu": self.uuid, "allocation": holder.tenant, "generation": holder.generation,
-                "overrun_ms": round((now - holder.expires_at) * 1000, 3)})
-        self._publish(now)
+        self._apply(self.scheduler.tick(now), now)
 
     def _someone_else_waits(self, holder: Grant) -> bool:
         return any(t.waiting_since is not None for t in self.scheduler.tenants.values()
@@ -340,8 +352,14 @@ class GpuTokens:
         last_sync = -math.inf if sync is None else sync
         return max(last_launch, holder.granted_at), last_launch, last_sync
 
-    def _arm_idle_check(self, now: float, at: float | None = None) -> None:
-        holder = self.scheduler.holder
+    def _alone_holder(self, grants: Mapping[str, Grant] | None = None) -> Grant | None:
+        """The holder, when one tenant holds alone (co-holders' quotas bound any wait)."""
+        grants = self.scheduler.grants if grants is None else grants
+        return next(iter(grants.values())) if len(grants) == 1 else None
+
+    def _arm_idle_check(self, now: float, at: float | None = None,
+                        holders: Mapping[str, Grant] | None = None) -> None:
+        holder = self._alone_holder(holders)
         if holder is None or not self._someone_else_waits(holder):
             self._cancel_idle_check()
             return
@@ -368,7 +386,7 @@ class GpuTokens:
         self._idle_timer = None
         self._idle_fires = math.inf
         now = self.clock()
-        holder = self.scheduler.holder
+        holder = self._alone_holder()
         if holder is None or not self._someone_else_waits(holder):
             return
         reference, last_launch, last_sync = self._idle_reference(holder)
@@ -386,8 +404,7 @@ class GpuTokens:
             log.debug("idle holder releases early", extra={
                 "gpu": self.uuid, "allocation": holder.tenant,
                 "held_ms": round((now - holder.granted_at) * 1000, 3)})
-            self.scheduler.release(holder.tenant, now)
-            self._publish(now)
+            self._apply(self.scheduler.release(holder.tenant, now), now)
 
     def close(self) -> None:
         self._cancel_idle_check()
@@ -400,84 +417,43 @@ class GpuTokens:
 
     def next_wakeup(self) -> float | None:
         """When the next timer runs (this object's clock): the earlier of the deadline and the
-        idle check; None: neither is pending (NativeGpuTokens.next_wakeup's answer)."""
+        idle check; None: neither is pending."""
         at = min(self._deadline_fires, self._idle_fires)
         return None if math.isinf(at) else at
 
     def snapshot(self) -> dict[str, Any]:
-        return gpu_snapshot(self, lambda allocation_id: (
-            len(self.slots[allocation_id].waiters), self.slots[allocation_id].waits.snapshot()))
+        return gpu_snapshot(self)
 
 
-# Either implementation of one GPU's token: the same API, the same decisions.
-AnyGpuTokens: TypeAlias = "GpuTokens | NativeGpuTokens"
-
-
-def token_path(choice: str) -> tuple[str, Callable[[str, DaemonConfig], AnyGpuTokens]]:
-    """(name, class) of the token code `choice` (the token_path setting) names: auto is the
-    native code when its library loads, else this module's, with one log line saying why."""
-    if choice == "python":
-        return "python", GpuTokens
-    try:
-        from vgpu_runtime.daemon.channel import nativetokens
-        nativetokens.library()
-    except Exception as err:   # OSError, a build error (no gcc), cffi's errors
-        if choice == "native":
-            raise cfg.ConfigError(f"token_path native: the native token code does not load: "
-                                  f"{err}") from None
-        log.warning("token path: python, the native token code does not load",
-                    extra={"error": str(err)})
-        return "python", GpuTokens
-    return "native", nativetokens.NativeGpuTokens
-
-
-class TokenState(Protocol):
-    """What a GPU's status is read from, in either implementation (this module's GpuTokens,
-    nativetokens.NativeGpuTokens)."""
-
-    uuid: str
-    config: DaemonConfig
-    clock: Callable[[], float]
-    slots: dict[str, TenantSlot]
-
-    @property
-    def scheduler(self) -> Any: ...
-    @property
-    def grants(self) -> int: ...
-    @property
-    def idle_releases(self) -> int: ...
-
-
-def gpu_snapshot(tokens: TokenState,
-                 waiting: Callable[[str], tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """The status of one GPU's token (`gemini-vgpu status`, metrics, MQTT): the same JSON from
-    both implementations. `waiting(allocation)`: its connections waiting and its wait
-    histogram (WaitHistogram.snapshot's shape)."""
+def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
+    """The status of one GPU's token (`gemini-vgpu status`, metrics, MQTT)."""
     now = tokens.clock()
     scheduler = tokens.scheduler
     holder = scheduler.holder
     tenants = []
     for view in scheduler.snapshot(now):
         slot = tokens.slots[view.id]
-        connections_waiting, waits = waiting(view.id)
         tenants.append({
             "allocation": view.id, "gpu_index": slot.index,
             "request": view.share, "limit": view.limit, "achieved": view.used,
             "waiting": view.waiting, "holder": view.holder,
-            "connections_waiting": connections_waiting,
+            "connections_waiting": len(slot.waiters),
             "wait_p50_ms": None if view.wait_p50 is None else view.wait_p50 * 1000,
             "wait_p99_ms": None if view.wait_p99 is None else view.wait_p99 * 1000,
             "revocations": view.revocations,
             "burst_ms": None if view.burst is None else view.burst * 1000,
             "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
+            "busy": view.busy, "shared": view.shared,
             "memory_used": slot.ledger.used(slot.index),
             "memory_limit": slot.ledger.limit(slot.index),
-            "waits": waits,
+            "waits": slot.waits.snapshot(),
         })
     return {
         "uuid": tokens.uuid,
         "gate": "token" if scheduler.needs_token() else "open",
         "holder": holder.tenant if holder else None,
+        "holders": sorted(scheduler.grants),
+        "co_grants": scheduler.co_grants,
         "holder_remaining_ms": max(0.0, (holder.expires_at - now) * 1000) if holder else None,
         "generation": scheduler.generation,
         "grants": tokens.grants, "idle_releases": tokens.idle_releases,
@@ -492,16 +468,19 @@ class TokenService:
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.gpus: dict[str, AnyGpuTokens] = {}
-        self.path, self._gpu_tokens = token_path(config.token_path)
+        self.gpus: dict[str, GpuTokens] = {}
+        self.sampler = BusySampler(self)
 
-    def gpu(self, uuid: str) -> AnyGpuTokens:
+    def gpu(self, uuid: str) -> GpuTokens:
+        """The GPU's token; asked for when a tenant joins it, so sampling starts here."""
         tokens = self.gpus.get(uuid)
         if tokens is None:
-            tokens = self.gpus[uuid] = self._gpu_tokens(uuid, self.config)
+            tokens = self.gpus[uuid] = GpuTokens(uuid, self.config)
+        self.sampler.wake()
         return tokens
 
     def close(self) -> None:
+        self.sampler.close()
         for tokens in self.gpus.values():
             tokens.close()
 

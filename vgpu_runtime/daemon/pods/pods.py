@@ -54,8 +54,10 @@ Notify = Callable[[str, AllocationRecord, dict[str, object]], None]
 class PodWatch:
     def __init__(self, config: DaemonConfig, lister: PodResourcesLister,
                  kube: KubeApi | None, records: Records, binding_of: BindingOf, bind: Bind,
-                 collect: Collect, notify: Notify) -> None:
+                 collect: Collect, notify: Notify,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock   # absence clocks (collect_grace); tests drive their own
         self.lister = lister
         self.kube = kube
         self.records = records
@@ -202,7 +204,7 @@ class PodWatch:
         if not listing.ok:
             self.absent_since.clear()   # no evidence; absence must be continuous
             return
-        now = time.monotonic()
+        now = self.clock()
         live = {r.id for r in records}
         for gone in set(self.absent_since) - live:
             del self.absent_since[gone]

@@ -23,18 +23,27 @@
  * fake_cuda_set_copy_ns(ns) does the same for cuMemcpyHtoDAsync_v2, which the hook does not
  * gate (stream-ordered work a process queues without the token).
  * fake_cuda_busy_until(stream) says a stream's busy-until time (0 if never launched into).
+ * One GPU shared by processes (FAKE_CUDA_ENGINE=<file>): every process naming the same file
+ * queues its work on one engine as well, in launch order across processes (a kernel runs
+ * whole once reached, as kernels of two contexts take turns on a time-sliced GPU): a launch
+ * starts at max(now, its stream's busy-until, the engine's busy-until). Each piece of work's
+ * [start, end) goes into a ring in the file (struct fake_engine below), from which
+ * devkit/fakecuda/engine.py computes the device's utilisation as NVML samples it.
  * fake_cuda_calls(name) says how often an entry point was called.
  *
  * Built with -Bsymbolic so the pointers it hands out are its own, whatever is preloaded.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_types.h"
 
@@ -376,13 +385,58 @@ static int64_t *stream_busy(uintptr_t key, int make) {
 
 static _Atomic int64_t copy_ns;     /* duration of each later async copy; 0: free */
 
+/* ---- the engine shared by processes (FAKE_CUDA_ENGINE), see the header ---- */
+#define FAKE_ENGINE_MAGIC 0x454E474EU   /* "ENGN" */
+#define FAKE_ENGINE_RING 8192
+struct fake_engine {                    /* the file's layout; engine.py reads it */
+    uint32_t magic;
+    uint32_t ring_size;
+    _Atomic int64_t busy_until;         /* CLOCK_MONOTONIC ns */
+    _Atomic uint64_t appended;          /* pieces of work so far; the latest are in the ring */
+    _Atomic int64_t ring[FAKE_ENGINE_RING][2];
+};
+static struct fake_engine *engine;
+static pthread_once_t engine_once = PTHREAD_ONCE_INIT;
+
+static void engine_open(void) {
+    const char *path = getenv("FAKE_CUDA_ENGINE");
+    if (path == NULL || *path == 0) return;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    if (ftruncate(fd, sizeof(struct fake_engine)) != 0) {   /* zero-filled when new */
+        close(fd);
+        return;
+    }
+    void *page = mmap(NULL, sizeof(struct fake_engine), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (page == MAP_FAILED) return;
+    engine = page;
+    engine->magic = FAKE_ENGINE_MAGIC;
+    engine->ring_size = FAKE_ENGINE_RING;
+}
+
+/* Work ready at `ready` for `duration`: when it ends, the engine's queue taken into account. */
+static int64_t engine_queue(int64_t ready, int64_t duration) {
+    pthread_once(&engine_once, engine_open);
+    if (engine == NULL) return ready + duration;
+    int64_t seen = atomic_load(&engine->busy_until), start, end;
+    do {
+        start = seen > ready ? seen : ready;
+        end = start + duration;
+    } while (!atomic_compare_exchange_weak(&engine->busy_until, &seen, end));
+    uint64_t slot = atomic_fetch_add(&engine->appended, 1) % FAKE_ENGINE_RING;
+    atomic_store(&engine->ring[slot][0], start);
+    atomic_store(&engine->ring[slot][1], end);
+    return end;
+}
+
 static void queue_for(CUstream s, int per_thread, int64_t duration) {
     if (duration <= 0) return;
     pthread_mutex_lock(&lock);
     int64_t *busy = stream_busy(stream_key(s, per_thread), 1);
     if (busy != NULL) {
         int64_t now = monotonic_ns();
-        *busy = (*busy > now ? *busy : now) + duration;
+        *busy = engine_queue(*busy > now ? *busy : now, duration);
     }
     pthread_mutex_unlock(&lock);
 }

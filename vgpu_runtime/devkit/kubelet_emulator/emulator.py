@@ -330,10 +330,22 @@ class KubeletEmulator:
             self.pods.pop((namespace, name), None)
             self._write_checkpoint()
 
+    def _by_numa_node(self, resource: str, device_ids: Iterable[str]) -> dict[str, list[str]]:
+        known = self.devices.get(resource, {})
+        nodes: dict[str, list[str]] = {}
+        for device_id in device_ids:
+            device = known.get(device_id)
+            topology = getattr(device, "topology", None)
+            numa = [str(n.ID) for n in topology.nodes] if topology is not None else []
+            nodes.setdefault(numa[0] if numa else "-1", []).append(device_id)
+        return nodes
+
     def _write_checkpoint(self) -> None:
-        """Kubelet's checkpoint (simplified): what survives its restart."""
+        """Kubelet's checkpoint (simplified: no AllocResp, no Checksum): what survives its
+        restart. DeviceIDs maps a NUMA node ("-1": none known) to the container's devices on
+        it, as the real kubelet's file does (read back by tests/cluster/test_restarts.py)."""
         entries = [{"PodUID": p.uid, "ContainerName": c.name, "ResourceName": p.resource,
-                    "DeviceIDs": list(c.device_ids)}
+                    "DeviceIDs": self._by_numa_node(p.resource, c.device_ids)}
                    for p in self.running_pods() for c in p.containers.values() if c.device_ids]
         data = {"Data": {"PodDeviceEntries": entries,
                          "RegisteredDevices": {r: sorted(d) for r, d in self.devices.items()}}}

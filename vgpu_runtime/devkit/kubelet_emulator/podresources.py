@@ -5,15 +5,26 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 
+from vgpu_runtime.devkit.kubelet_emulator.pods import Pod
 from vgpu_runtime.devkit.kubelet_emulator.protocol import pr, pr_grpc
 
-if TYPE_CHECKING:
-    from vgpu_runtime.devkit.kubelet_emulator.emulator import KubeletEmulator
-    from vgpu_runtime.devkit.kubelet_emulator.pods import Pod
+
+class KubeletEmulator(Protocol):
+    """What the PodResources API reads of the emulator (emulator.KubeletEmulator), so the
+    emulator depends on this server and not the other way round."""
+
+    devices: dict[str, dict[str, Any]]
+    pods: dict[tuple[str, str], Pod]
+
+    def resources(self) -> list[str]: ...
+
+    def healthy_ids(self, resource: str = ...) -> set[str]: ...
+
+    def running_pods(self) -> list[Pod]: ...
 
 
 def _numa_nodes(device: Any) -> tuple[int, ...]:

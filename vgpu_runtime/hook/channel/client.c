@@ -322,8 +322,8 @@ static int connect_and_hello(void) {
     const char *dir = gm_channel_dir();
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     if (dir == NULL ||
-        (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/sched.sock", dir) >=
-            sizeof addr.sun_path)
+        (size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/" GM_CHANNEL_SOCKET_NAME,
+                         dir) >= sizeof addr.sun_path)
         return -1;
     struct gm_hello_reply reply;
     int fds[2 * GM_MAX_GPUS], nfds = 0;
@@ -418,8 +418,8 @@ static int ensure_connected(int may_wait, int *fresh) {
         if (backoff_ms < 500) backoff_ms *= 2;
     }
     if (may_wait && !gave_up) {
-        gm_warn("no answer from the node daemon at %s/sched.sock after %.1f s: allocations "
-                "fail closed until it answers", gm_channel_dir(), (double)wait / 1e9);
+        gm_warn("no answer from the node daemon at %s/" GM_CHANNEL_SOCKET_NAME " after %.1f s: "
+                "allocations fail closed until it answers", gm_channel_dir(), (double)wait / 1e9);
         gave_up = 1;
     }
     return -1;

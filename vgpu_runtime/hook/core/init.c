@@ -42,7 +42,8 @@ static pthread_once_t channel_once = PTHREAD_ONCE_INIT;
 
 static void find_channel(void) {
     struct stat st;
-    if (gm_lstat(GM_POD_CHANNEL_DIR "/sched.sock", &st) == 0 && S_ISSOCK(st.st_mode)) {
+    if (gm_lstat(GM_POD_CHANNEL_DIR "/" GM_CHANNEL_SOCKET_NAME, &st) == 0 &&
+        S_ISSOCK(st.st_mode)) {
         channel_dir = GM_POD_CHANNEL_DIR;
         return;
     }
@@ -60,7 +61,8 @@ int gm_active(void) {
     if (value < 0) {
         value = gm_channel_dir() != NULL;
         __atomic_store_n(&active, value, __ATOMIC_RELAXED);
-        if (!value) gm_debug("no channel (" GM_POD_CHANNEL_DIR "/sched.sock, GEMINI_CHANNEL_DIR): "
+        if (!value) gm_debug("no channel (" GM_POD_CHANNEL_DIR "/" GM_CHANNEL_SOCKET_NAME
+                             ", GEMINI_CHANNEL_DIR): "
                              "passing every call through");
     }
     return value;

@@ -10,8 +10,6 @@
 #include <unistd.h>
 
 #include "hook.h"
-
-struct gm_counters gm_counters;
 #ifdef GM_PROFILE
 GM_HIDDEN int gm_profile_dump(char *text, size_t size, int n);   /* launch/profile.c */
 #endif

@@ -1,13 +1,17 @@
 /*
- * table.c: real-function slots and the two lookups, all expanded from hooks.def.
+ * table.c: the name -> wrapper table, expanded from hooks.def, the lookups that answer dlsym
+ * (init.c) with a wrapper, and cuGetProcAddress itself. It names every wrapper and reads the
+ * real functions (real.c); only dlsym's override calls up into it.
  *
- * Real symbols are resolved lazily, once per library (pthread_once), from libcuda.so.1
- * or libnvidia-ml.so.1 through the real dlsym. A missing symbol gets a stub that answers
- * "not found", so an exported wrapper never calls through NULL. Once a library is loaded,
- * a lookup is one acquire load and an array read: every launch makes one, and the TLS read
- * and pthread_once call of the first-time path cost more than the rest of the open gate.
+ * cuGetProcAddress (4 args, CUDA 11.3+) and cuGetProcAddress_v2 (5 args, CUDA 12+) are how
+ * the CUDA runtime resolves every driver entry point. The driver decides which variant a
+ * (name, version, flags) means: cuMemAlloc at 3020 is cuMemAlloc_v2, cuLaunchKernel with the
+ * per-thread flag is cuLaunchKernel_ptsz, cuGetProcAddress at 12000 is the 5-argument one.
+ * So we never guess: we ask the real resolver with the same arguments and compare the
+ * pointer it returns with the real pointer of every hooked symbol; the wrapper of exactly
+ * that symbol replaces it, and anything else (cuGetExportTable included) is returned
+ * untouched.
  */
-#include <dlfcn.h>
 #include <string.h>
 
 #include "hook.h"
@@ -29,51 +33,6 @@ static const struct gm_entry entries[GM_ENTRY_COUNT] = {
 #include "../hooks.def"
 };
 
-static void *slots[GM_ENTRY_COUNT];
-static pthread_once_t lib_once[2] = {PTHREAD_ONCE_INIT, PTHREAD_ONCE_INIT};
-static _Atomic int lib_loaded[2];   /* set (release) once that library's slots are filled */
-static const char *const lib_names[2] = {"libcuda.so.1", "libnvidia-ml.so.1"};
-
-static void load_lib(enum gm_lib lib) {
-    gm_in_loader = 1;   /* dlsym calls made while the driver loads pass straight through */
-    void *handle = dlopen(lib_names[lib], RTLD_LAZY | RTLD_NOLOAD);
-    if (handle == NULL) handle = dlopen(lib_names[lib], RTLD_LAZY);
-    if (handle == NULL) {
-        gm_debug("%s not loadable: its entry points answer not-found", lib_names[lib]);
-    } else {
-        for (int i = 0; i < GM_ENTRY_COUNT; i++) {
-            if (entries[i].lib == lib) slots[i] = gm_real_dlsym(handle, entries[i].name);
-        }
-    }
-    gm_in_loader = 0;
-    atomic_store_explicit(&lib_loaded[lib], 1, memory_order_release);
-}
-
-static void load_cuda(void) { load_lib(GM_LIB_CUDA); }
-static void load_nvml(void) { load_lib(GM_LIB_NVML); }
-
-static int ensure_lib(enum gm_lib lib) {
-    if (gm_in_loader) return 0;   /* called back from inside a load: do not wait on ourselves */
-    pthread_once(&lib_once[lib], lib == GM_LIB_CUDA ? load_cuda : load_nvml);
-    return 1;
-}
-
-static CUresult missing_entry(void) { return CUDA_ERROR_NOT_FOUND; }
-static nvmlReturn_t missing_nvml_entry(void) { return NVML_ERROR_FUNCTION_NOT_FOUND; }
-
-void *gm_real_raw(enum gm_entry_id id) {
-    if (atomic_load_explicit(&lib_loaded[entries[id].lib], memory_order_acquire)) return slots[id];
-    if (!ensure_lib(entries[id].lib)) return NULL;
-    return slots[id];
-}
-
-void *gm_real(enum gm_entry_id id) {
-    void *fn = gm_real_raw(id);
-    if (fn != NULL) return fn;
-    /* Both stubs return int; callers pass arguments the stub ignores, as the C ABI allows. */
-    return entries[id].lib == GM_LIB_NVML ? (void *)&missing_nvml_entry : (void *)&missing_entry;
-}
-
 int gm_lookup_name(const char *name) {
     if (name == NULL || (name[0] != 'c' && name[0] != 'n')) return -1;   /* cu* / nvml* only */
     for (int i = 0; i < GM_ENTRY_COUNT; i++) {
@@ -92,10 +51,33 @@ void *gm_wrapper_for(const char *name, void *real) {
 }
 
 void *gm_wrapper_for_pointer(void *real) {
-    if (real == NULL || !ensure_lib(GM_LIB_CUDA)) return real;
+    if (real == NULL || !gm_real_loaded(GM_LIB_CUDA)) return real;
     for (int i = 0; i < GM_ENTRY_COUNT; i++) {
-        if (entries[i].wrapper != NULL && entries[i].lib == GM_LIB_CUDA && slots[i] == real)
+        if (entries[i].wrapper != NULL && entries[i].lib == GM_LIB_CUDA &&
+            gm_real_raw((enum gm_entry_id)i) == real)
             return entries[i].wrapper;
     }
     return real;
+}
+
+static void wrap_answer(void **pfn) {
+    if (pfn == NULL || *pfn == NULL) return;
+    void *wrapper = gm_wrapper_for_pointer(*pfn);
+    if (wrapper != *pfn) {
+        *pfn = wrapper;
+        GM_COUNT(wrapped_by_procaddress, 1);
+    }
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+    CUresult result = GM_REAL(cuGetProcAddress)(symbol, pfn, cudaVersion, flags);
+    if (result == CUDA_SUCCESS) wrap_answer(pfn);
+    return result;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             CUdriverProcAddressQueryResult *symbolStatus) {
+    CUresult result = GM_REAL(cuGetProcAddress_v2)(symbol, pfn, cudaVersion, flags, symbolStatus);
+    if (result == CUDA_SUCCESS) wrap_answer(pfn);
+    return result;
 }

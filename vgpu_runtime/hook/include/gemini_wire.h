@@ -46,6 +46,13 @@
 
 #include <stdint.h>
 
+/* Where a hook finds its daemon: in a pod the channel directory is mounted at
+ * GM_POD_CHANNEL_DIR (a socket there wins over GEMINI_CHANNEL_DIR, which only gemini-run
+ * sets), and the daemon's socket in it is GM_CHANNEL_SOCKET_NAME. The one definition:
+ * vgpu_runtime/paths.py reads these two lines (cffi takes no string constants). */
+#define GM_POD_CHANNEL_DIR "/run/gemini"
+#define GM_CHANNEL_SOCKET_NAME "sched.sock"
+
 /* GM_CDEF_BEGIN */
 #define GM_WIRE_VERSION 3
 #define GM_WIRE_VERSION_MIN 1   /* the oldest hello the daemon still serves */

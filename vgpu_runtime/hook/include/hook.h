@@ -37,11 +37,14 @@ enum gm_entry_id {
 
 enum gm_lib { GM_LIB_CUDA = 0, GM_LIB_NVML = 1 };
 
-/* core/table.c */
+/* core/real.c */
 GM_HIDDEN void *gm_real(enum gm_entry_id id);       /* never NULL: a "not found" stub instead */
 GM_HIDDEN void *gm_real_raw(enum gm_entry_id id);   /* NULL when the driver lacks it */
+GM_HIDDEN int gm_real_loaded(enum gm_lib lib);      /* loads it once; 0 from inside its load */
 #define GM_REAL(name) ((gm_fn_##name)gm_real(GM_ID_##name))
 #define GM_HAS_REAL(name) (gm_real_raw(GM_ID_##name) != NULL)
+
+/* core/table.c */
 GM_HIDDEN int gm_lookup_name(const char *name);     /* entry id of a hooked name, or -1 */
 GM_HIDDEN void *gm_wrapper_for(const char *name, void *real); /* wrapper if real is that entry's */
 GM_HIDDEN void *gm_wrapper_for_pointer(void *real);   /* wrapper of whichever variant it is */
@@ -64,9 +67,7 @@ static inline int64_t gm_now_ns(void) {
 }
 
 /* core/init.c */
-/* In a pod the channel is mounted here (= vgpu_runtime.paths.CONTAINER_CHANNEL_DIR); a socket
- * there wins over GEMINI_CHANNEL_DIR, which only gemini-run needs. */
-#define GM_POD_CHANNEL_DIR "/run/gemini"
+/* The channel's place in a pod and the daemon's socket name: gemini_wire.h. */
 GM_HIDDEN const char *gm_channel_dir(void);  /* the channel, or NULL: no channel, no hook */
 GM_HIDDEN int gm_active(void);               /* a channel exists */
 GM_HIDDEN void gm_debug(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

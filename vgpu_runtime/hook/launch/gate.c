@@ -9,35 +9,13 @@
  * Stream capture: a launch into a capturing stream only records a graph node, so it is
  * passed straight through, neither gated nor counted as a burst. Asking the driver costs
  * a call per launch, so we only ask while a capture is open somewhere in the process
- * (counted by the cuStreamBeginCapture* / cuStreamEndCapture* wrappers); with no capture
- * open no stream can be capturing.
+ * (capture.c counts them); with no capture open no stream can be capturing.
  */
 #include "gate.h"
 #include "profile.h"
 
-static _Atomic long captures_open;
-
-void gm_capture_opened(CUresult result) {
-    if (result == CUDA_SUCCESS) atomic_fetch_add_explicit(&captures_open, 1, memory_order_relaxed);
-}
-
-void gm_capture_closed(CUresult result) {
-    /* An invalidated or unjoined capture still ends (errors 900-907); a stream that was not
-     * capturing, or the wrong thread (908), ends nothing. */
-    if (result != CUDA_SUCCESS && !(result >= 900 && result <= 907)) return;
-    long open = atomic_load_explicit(&captures_open, memory_order_relaxed);
-    while (open > 0 && !atomic_compare_exchange_weak_explicit(
-                           &captures_open, &open, open - 1, memory_order_relaxed,
-                           memory_order_relaxed)) {
-    }
-}
-
-int gm_capture_open(void) {
-    return atomic_load_explicit(&captures_open, memory_order_relaxed) != 0;
-}
-
 static int stream_capturing(const struct gm_launch *launch) {
-    if (atomic_load_explicit(&captures_open, memory_order_relaxed) == 0) return 0;
+    if (!gm_capture_open()) return 0;
     CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
     CUresult result = launch->per_thread
                           ? GM_REAL(cuStreamIsCapturing_ptsz)(launch->stream, &status)

@@ -8,24 +8,6 @@
  */
 #include "memory.h"
 
-static int gpu_result(int gpu, CUresult *error) {
-    switch (gpu) {
-    case GM_NO_CONTEXT: *error = CUDA_ERROR_INVALID_CONTEXT; return -1;
-    case GM_NO_GPU: *error = CUDA_ERROR_INVALID_DEVICE; return -1;
-    case GM_UNKNOWN_GPU:   /* the daemon is away: fail closed */
-        GM_COUNT(mem_refused, 1);
-        *error = CUDA_ERROR_OUT_OF_MEMORY;
-        return -1;
-    default: return gpu;
-    }
-}
-
-int gm_gpu_checked(int gpu, CUresult *error) { return gpu_result(gpu, error); }
-
-int gm_gpu_for_alloc(CUdevice *dev, CUresult *error) {
-    return gpu_result(gm_current_gpu(dev), error);
-}
-
 CUresult gm_reserve(int gpu, uint32_t kind, uint64_t bytes) {
     struct gm_mem_reply reply;
     if (gm_channel_mem(GM_MSG_MEM_RESERVE, (uint32_t)gpu, kind, bytes, &reply, 1) < 0 ||

@@ -5,7 +5,7 @@
  */
 #include <string.h>
 
-#include "hook.h"
+#include "memory.h"
 
 #define MAX_DEVICES 64
 #define NOT_CACHED (-100)
@@ -44,4 +44,21 @@ int gm_current_gpu(CUdevice *dev_out) {
     if (GM_REAL(cuCtxGetDevice)(&dev) != CUDA_SUCCESS) return GM_NO_CONTEXT;
     if (dev_out != NULL) *dev_out = dev;
     return gm_gpu_of_device(dev);
+}
+
+/* The GPU an allocation goes to, or -1 with the driver's error for why there is none. */
+int gm_gpu_checked(int gpu, CUresult *error) {
+    switch (gpu) {
+    case GM_NO_CONTEXT: *error = CUDA_ERROR_INVALID_CONTEXT; return -1;
+    case GM_NO_GPU: *error = CUDA_ERROR_INVALID_DEVICE; return -1;
+    case GM_UNKNOWN_GPU:   /* the daemon is away: fail closed */
+        GM_COUNT(mem_refused, 1);
+        *error = CUDA_ERROR_OUT_OF_MEMORY;
+        return -1;
+    default: return gpu;
+    }
+}
+
+int gm_gpu_for_alloc(CUdevice *dev, CUresult *error) {
+    return gm_gpu_checked(gm_current_gpu(dev), error);
 }

@@ -1,0 +1,270 @@
+"""Co-scheduling: tenants that leave the GPU room hold it at once; GPU-bound or unmeasured
+tenants get exclusive turns, and nobody is passed over (policy.py's docstring)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
+
+
+def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
+                   **settings: object) -> TokenScheduler:
+    """Tenants whose busy fractions were measured in a turn alone each (the device's
+    utilisation over a period one of them held the GPU alone), by time 1.0."""
+    settings.setdefault("co_schedule", True)
+    sched = TokenScheduler(TimeshareSettings(**settings), 0.0)   # type: ignore[arg-type]
+    now = 0.0
+    for name in busy:
+        sched.add(name, (shares or {}).get(name, 0.5), 1.0, now)
+    for name, fraction in busy.items():
+        sched.request(name, now)
+        assert set(sched.grants) == {name}
+        sched.release(name, now + 0.2)
+        assert sched.observe_utilization(now, now + 0.2, fraction)
+        now += 0.2
+    return sched
+
+
+def test_tenants_that_leave_room_hold_the_gpu_at_once() -> None:
+    sched = scheduler_with({"a": 0.6, "b": 0.6})
+    first = sched.request("a", 1.0).grant
+    decision = sched.request("b", 1.0)
+    second = decision.grant
+    assert set(decision.grants) == {"a", "b"} and decision.granted == (second,)
+    assert first is not None and not first.shared
+    assert second is not None and second.shared
+    assert set(sched.grants) == {"a", "b"}
+    assert all(g.shared for g in sched.grants.values())   # a was joined: shared from then on
+    assert sched.grants["a"].expires_at == first.expires_at   # same grant, same page
+    assert sched.co_grants == 1
+
+
+@pytest.mark.parametrize("busy, why", [
+    ({"a": 0.95, "b": 0.3}, "a GPU-bound tenant"),
+    ({"a": 0.3, "b": 0.95}, "a GPU-bound waiter"),
+    ({"a": 0.8, "b": 0.8}, "more than the room together"),
+])
+def test_tenants_without_room_take_turns(busy: dict[str, float], why: str) -> None:
+    sched = scheduler_with(busy)
+    assert sched.request("a", 1.0).grant is not None
+    assert sched.request("b", 1.0).grant is None, why
+    assert set(sched.grants) == {"a"}
+    sched.release("a", 1.05)
+    assert set(sched.grants) == {"b"} and not sched.grants["b"].shared
+
+
+def test_an_unmeasured_or_stale_figure_means_exclusive_turns() -> None:
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.add("b", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    assert sched.request("b", 0.0).grant is None          # never measured
+    sched.release("a", 0.1)
+    sched.release("b", 0.2)
+    sched = scheduler_with({"a": 0.3, "b": 0.3}, co_refresh=5.0)
+    sched.request("a", 6.0)                          # measured before 1.0: stale by 6.0
+    assert sched.request("b", 6.0).grant is None
+
+
+def test_co_scheduling_off_keeps_one_holder() -> None:
+    sched = scheduler_with({"a": 0.2, "b": 0.2}, co_schedule=False)
+    sched.request("a", 1.0)
+    assert sched.request("b", 1.0).grant is None and set(sched.grants) == {"a"}
+
+
+def test_a_shared_grant_is_charged_its_busy_fraction_an_exclusive_one_in_full() -> None:
+    sched = scheduler_with({"a": 0.25, "b": 0.5}, window=100.0)
+    before = {t: sched.tenants[t].usage.usage(10.0) for t in ("a", "b")}
+    sched.request("a", 1.0)                  # alone until 1.1: charged 0.1 in full
+    sched.request("b", 1.1)                  # from 1.1 both are shared
+    sched.release("a", 1.2)                  # a: 0.1 shared at 0.25
+    sched.release("b", 1.3)                  # b: 0.2 shared at 0.5
+    got = {t: sched.tenants[t].usage.usage(10.0) - before[t] for t in ("a", "b")}
+    assert got["a"] == pytest.approx(0.1 + 0.25 * 0.1)
+    assert got["b"] == pytest.approx(0.5 * 0.2)
+
+
+def test_a_waiter_that_cannot_share_is_never_passed_over() -> None:
+    """c is GPU-bound and first in line (least served): a and b, who could share, are not
+    granted beside the holder meanwhile, so c is granted as soon as the holder is done."""
+    sched = scheduler_with({"a": 0.3, "b": 0.3, "c": 0.95})
+    sched.request("a", 1.0)
+    assert sched.request("c", 1.01).grant is None
+    sched.tenants["c"].vtime = sched.tenants["b"].vtime - 0.1   # c is behind everyone
+    assert sched.request("b", 1.02).grant is None   # would fit beside a; c is first
+    assert set(sched.grants) == {"a"}
+    sched.release("a", 1.05)
+    assert set(sched.grants) == {"c"} and not sched.grants["c"].shared
+
+
+def test_a_period_touched_by_co_held_grants_is_not_taken() -> None:
+    """While grants are co-held the device's figure is both tenants' at once: it says nothing
+    about either."""
+    sched = scheduler_with({"a": 0.4, "b": 0.4})
+    sched.request("a", 1.0)
+    sched.request("b", 1.0)
+    sched.release("a", 1.2)
+    sched.release("b", 1.2)
+    assert not sched.observe_utilization(1.0, 1.2, 0.9)
+    assert not sched.observe_utilization(1.1, 1.3, 0.9)   # touched at its start
+    assert sched.tenants["a"].busy == pytest.approx(0.4)
+
+
+def test_busy_fractions_are_solved_from_turns_that_share_periods() -> None:
+    """Two tenants take turns of uneven lengths, several to a 0.2 s period: each period's
+    utilisation is the sum of their parts, and least squares finds each one's figure."""
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
+    truth = {"a": 0.3, "b": 0.7}
+    for name in truth:
+        sched.add(name, 0.5, 1.0, 0.0)
+    now, period_start, used = 0.0, 0.0, 0.0
+    turns = [("a", 0.03), ("b", 0.05), ("a", 0.07), ("b", 0.02), ("a", 0.05), ("b", 0.08)] * 10
+    for name, length in turns:
+        sched.request(name, now)
+        assert set(sched.grants) == {name}
+        now += length
+        sched.release(name, now)
+        used += truth[name] * length
+        if now - period_start >= 0.2:   # a period ends at a turn's end, as NVML's would
+            sched.observe_utilization(period_start, now, used / (now - period_start))
+            period_start, used = now, 0.0
+    for name, fraction in truth.items():
+        assert sched.tenants[name].busy == pytest.approx(fraction, abs=0.02), name
+
+
+def test_a_period_in_which_nothing_ran_is_not_taken() -> None:
+    """A job that holds the token while it loads launches nothing: that says nothing of what
+    it needs once it runs."""
+    sched = scheduler_with({"a": 0.6, "b": 0.6})
+    sched.request("a", 2.0)
+    sched.release("a", 2.2)
+    assert not sched.observe_utilization(2.0, 2.2, 0.0)
+    assert sched.tenants["a"].busy == pytest.approx(0.6)
+
+
+def test_too_little_time_alone_gives_no_figure() -> None:
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    sched.release("a", 0.04)
+    assert sched.observe_utilization(0.0, 0.2, 0.1)   # taken, but 0.2 of a period is not enough
+    assert sched.tenants["a"].busy is None
+
+
+def test_co_holders_keep_each_others_gaps_filled_until_one_turns_gpu_bound() -> None:
+    """Two launch-bound tenants hold the GPU together round after round; when one's figure,
+    measured again in a turn alone, says it is GPU-bound, turns are exclusive again."""
+    sched = scheduler_with({"a": 0.5, "b": 0.5})
+    now = 1.0
+    for _ in range(20):
+        for name in ("a", "b"):
+            if name in sched.grants:
+                sched.release(name, now)
+            sched.request(name, now)
+        assert set(sched.grants) == {"a", "b"}
+        now += 0.05
+    sched.tenants["b"].busy = 0.97
+    for name in ("a", "b"):
+        sched.release(name, now)
+    sched.request("a", now)
+    sched.request("b", now)
+    assert len(sched.grants) == 1
+
+
+# ---- properties over generated histories ----
+
+# A step: (tenant index, action, seconds that pass first, a figure)
+#   ask      the tenant asks for the token (as a hook whose page says no)
+#   release  it gives the token back (idle, or done)
+#   measure  the device's utilisation over the last 0.2 s is the figure
+#   tick     the daemon's timer runs (revocations)
+step_strategy = st.tuples(st.integers(0, 3), st.sampled_from(["ask", "release", "measure",
+                                                               "tick"]),
+                          st.floats(0.0, 0.3), st.floats(0.0, 1.0))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.2, 0.3, 0.5, 0.7]), min_size=2, max_size=4),
+       st.lists(step_strategy, min_size=1, max_size=80))
+def test_co_grants_keep_their_rules_over_generated_histories(
+        shares: list[float], steps: list[tuple[int, str, float, float]]) -> None:
+    """After every event: a co-grant is only ever made beside holders that, with it, leave the
+    room (each fresh and at most co_busy_max, together at most co_room) and only to the waiter
+    first in line; a co-held grant is charged its busy fraction of its time at most; and the
+    GPU is never idle while a tenant waits (no caps here)."""
+    config = TimeshareSettings(co_schedule=True, window=1000.0)
+    sched = TokenScheduler(config, 0.0)
+    names = [f"t{i}" for i in range(len(shares))]
+    for name, share in zip(names, shares, strict=True):
+        sched.add(name, share, 1.0, 0.0)
+    now = 0.0
+    for index, action, wait, figure in steps:
+        name = names[index % len(names)]
+        now += wait
+        holders_before = dict(sched.grants)
+        order = sorted((t for t in sched.tenants.values() if t.waiting_since is not None),
+                       key=lambda t: (t.vtime, t.waiting_since or 0.0))
+        charged_before = {t: sched.tenants[t].usage.usage(now + 1e-9) for t in names}
+        if action == "ask":
+            decision = sched.request(name, now)
+        elif action == "release":
+            decision = sched.release(name, now)
+        elif action == "measure":
+            sched.observe_utilization(max(0.0, now - 0.2), now, figure)
+            decision = sched.tick(now)
+        else:
+            decision = sched.tick(now)
+        for grant in decision.granted:
+            if not grant.shared:
+                continue
+            # Beside holders that all leave room, with the newcomer, by fresh figures.
+            figures = [sched.tenants[t].busy for t in decision.grants]
+            assert all(f is not None and f <= config.co_busy_max for f in figures), figures
+            assert sum(f for f in figures if f is not None) <= config.co_room + 1e-9
+            assert all(now - sched.tenants[t].busy_at <= config.co_refresh
+                       for t in decision.grants)
+        if (len(decision.granted) == 1 and decision.granted[0].shared and order
+                and action == "measure"):
+            # A co-grant made by a new figure goes to the first in line, nobody else.
+            assert decision.granted[0].tenant == order[0].id
+        # A shared grant that ended was charged at most its time (its busy fraction of it).
+        for tenant, grant in holders_before.items():
+            if tenant not in decision.grants and grant.shared:
+                added = sched.tenants[tenant].usage.usage(now + 1e-9) - charged_before[tenant]
+                assert added <= (now - grant.granted_at) + 1e-6
+        waiting = [t.id for t in sched.tenants.values() if t.waiting_since is not None]
+        assert not waiting or decision.grants, ("idle GPU while", waiting, "wait")
+
+
+def test_a_capped_tenant_co_held_is_capped_in_busy_time() -> None:
+    """A tenant limited to 0.3 that shares the GPU is charged its busy fraction of its time,
+    and its credit (0.3 s a second) runs out on that charge: over 10 s beside a tenant that
+    leaves room, it is charged no more than its cap allows."""
+    sched = TokenScheduler(TimeshareSettings(co_schedule=True, window=100.0, co_refresh=100.0),
+                           0.0)
+    sched.add("a", 0.3, 0.3, 0.0)
+    sched.add("b", 0.3, 1.0, 0.0)
+    for name, busy in (("a", 0.6), ("b", 0.3)):   # each measured in a turn alone
+        sched.request(name, 0.0)
+        sched.release(name, 1.0)
+        assert sched.observe_utilization(0.0, 1.0, busy)
+        sched.tenants[name].usage = type(sched.tenants[name].usage)(100.0)   # forget the turn
+    now, step = 1.0, 0.01
+    co_held = 0
+    while now < 11.0:
+        for name in ("a", "b"):
+            grant = sched.grants.get(name)
+            if grant is None or now >= grant.expires_at:
+                sched.request(name, now)   # always wants the GPU
+        co_held += len(sched.grants) == 2
+        sched.tick(now)
+        now += step
+    for name in ("a", "b"):
+        if name in sched.grants:
+            sched.release(name, now)
+    assert co_held > 100                     # they did share
+    charged = sched.tenants["a"].usage.usage(now)
+    assert charged <= 0.3 * 10.0 + 0.3 * sched.config.cycle + 0.05, charged
