@@ -238,3 +238,34 @@ async def test_a_rebound_pod_without_annotations_gets_the_defaults(pods: PodNode
 def _bound_to(pods: PodNode, pod: Any, name: str) -> Binding | None:
     binding = pods.binding_of(pod, "app")
     return binding if binding is not None and binding.pod.name == name else None
+
+
+async def test_a_process_past_the_limit_by_memory_the_hook_never_saw_gets_an_event(
+        pods: PodNode, api: FakeApiServer, tmp_path: Path) -> None:
+    """NVML reconciliation: the per-process figure of a connected process puts its container
+    past the memory limit; the pod gets a Warning Event naming the process, what it holds and
+    the limit (once)."""
+    import json
+    import os
+
+    pod = await pods.node.kubelet.admit_pod("big", containers=[("app", 3)])
+    api.add_pod("default", "big", "uid-big", {})
+    figures = tmp_path / "figures.json"
+    await pods.start_daemon(*FAST, "--kubernetes", "true", "--kube-api-url", api.url,
+                            "--process-memory", "simulated", "--process-memory-file",
+                            str(figures), "--process-memory-interval", "0.05")
+    record = await until(lambda: pods.bound_record(pod, "app"), 10, "bound")
+    limit = record.gpus[0].memory_limit
+    me = os.getpid()
+    with ChannelClient(paths.channel_socket(record.channel_dir), timeout=15) as client:
+        await asyncio.to_thread(client.hello)
+        figures.write_text(json.dumps({record.gpus[0].uuid: {str(me): limit + (512 << 20)}}))
+        events = await until(lambda: api.events_for("default", "big") or None, 10, "an event")
+        await asyncio.sleep(0.3)                       # several readings: still one event
+        events = api.events_for("default", "big")
+    assert len(events) == 1, events
+    event = events[0]
+    assert event["reason"] == "GPUMemoryPastLimit" and event["type"] == "Warning"
+    assert event["involvedObject"]["uid"] == "uid-big"
+    assert f"process {me} holds {(limit >> 20) + 512} MiB" in event["message"]
+    assert f"limit of {limit >> 20} MiB" in event["message"]

@@ -4,6 +4,7 @@ built byte by byte (no CUDA toolkit), with global variables of a chosen size."""
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 
 def ptx(*globals_: tuple[str, str, int]) -> bytes:
@@ -19,17 +20,31 @@ def ptx(*globals_: tuple[str, str, int]) -> bytes:
     return "\n".join(lines).encode() + b"\0"
 
 
-def cubin(global_bytes: int) -> bytes:
-    """An ELF64 relocatable image whose `.nv.global` section (NOBITS, as nvcc makes it) takes
-    `global_bytes`; no other content the hook reads."""
-    names = b"\0.shstrtab\0.nv.global\0.text.k\0"
-    sections = [  # (name offset, type, flags, offset, size)
-        (0, 0, 0, 0, 0),
-        (1, 3, 0, 64, len(names)),                 # .shstrtab
-        (11, 8, 3, 0, global_bytes),               # .nv.global: SHT_NOBITS, WA
-        (22, 1, 6, 64 + len(names), 16),           # .text.k
+REAL_CUBIN = Path(__file__).resolve().parent / "data" / "global-4gib-sm90.cubin"
+
+
+def cubin(global_bytes: int, in_symbol: bool = True) -> bytes:
+    """An ELF64 image as ptxas makes one: an empty `.nv.global` section (NOBITS) and the
+    variable's size in its OBJECT symbol (`in_symbol`), or the size in the section itself."""
+    names = b"\0.shstrtab\0.nv.global\0.text.k\0.symtab\0.strtab\0"
+    strings = b"\0big\0"
+    symbols = bytes(24) + struct.pack("<IBBHQQ", 1, 0x11, 0, 2, 0,   # GLOBAL OBJECT in [2]
+                                      global_bytes if in_symbol else 0)
+    at_names = 64
+    at_text = at_names + len(names)
+    at_strings = at_text + 16
+    at_symbols = at_strings + len(strings)
+    at_symbols += -at_symbols % 8
+    sections = [  # (name offset, type, flags, offset, size, link, entsize)
+        (0, 0, 0, 0, 0, 0, 0),
+        (1, 3, 0, at_names, len(names), 0, 0),                             # .shstrtab
+        (11, 8, 3, at_text, 0 if in_symbol else global_bytes, 0, 0),       # .nv.global, WA
+        (22, 1, 6, at_text, 16, 0, 0),                                     # .text.k
+        (30, 2, 0, at_symbols, len(symbols), 5, 24),                       # .symtab
+        (38, 3, 0, at_strings, len(strings), 0, 0),                        # .strtab
     ]
-    body = names + b"\0" * 16
+    body = names + b"\0" * 16 + strings
+    body += b"\0" * (at_symbols - 64 - len(body)) + symbols
     shoff = 64 + len(body)
     shoff += -shoff % 8
     header = b"\x7fELF" + bytes([2, 1, 1, 0x33, 7]) + b"\0" * 7
@@ -37,8 +52,9 @@ def cubin(global_bytes: int) -> bytes:
                           len(sections), 1)
     image = header + body
     image += b"\0" * (shoff - len(image))
-    for name, kind, flags, offset, size in sections:
-        image += struct.pack("<IIQQQQIIQQ", name, kind, flags, 0, offset, size, 0, 0, 8, 0)
+    for name, kind, flags, offset, size, link, entsize in sections:
+        image += struct.pack("<IIQQQQIIQQ", name, kind, flags, 0, offset, size, link, 0, 8,
+                             entsize)
     return image
 
 

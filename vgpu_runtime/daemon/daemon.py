@@ -333,7 +333,7 @@ class Daemon:
             current.update(record, binding, terms)
             return
         channel = AllocationChannel(record, terms, self.tokens, self._bind_timeout,
-                                    self.pods.poke, binding)
+                                    self.pods.poke, binding, self.pods.post_pod_event)
         await channel.start()
         self._troubles.pop(record.id, None)
         self.channels[record.id] = channel

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vgpu_runtime import paths, wire
-from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
+from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef, RecordError
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import (
     GATE_TOKEN,
@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 CHANNEL_DIR_MODE = 0o755
 SOCKET_MODE = 0o666
 REFUSED = wire.Packer(wire.const("GM_MSG_ERROR"))
+OVER_LIMIT_REASON = "GPUMemoryPastLimit"
 
 
 class ChannelUnavailable(RecordError):
@@ -65,7 +66,8 @@ class AllocationChannel:
     def __init__(self, record: AllocationRecord, terms: tuple[GpuTerms, ...],
                  tokens: TokenService, bind_timeout: Callable[[], float] = lambda: 0.0,
                  want_binding: Callable[[], None] = lambda: None,
-                 binding: Binding | None = None) -> None:
+                 binding: Binding | None = None,
+                 pod_event: Callable[[PodRef, str, str], None] = lambda *_: None) -> None:
         self.record = record
         self.binding = binding
         self.terms = terms
@@ -85,6 +87,7 @@ class AllocationChannel:
         # Per GPU: the process reported past the limit (over_limit_observed), and how often.
         self.over_limit: dict[int, dict[str, Any]] = {}
         self.over_limit_reports = [0] * len(terms)
+        self.pod_event = pod_event   # (pod, reason, message): a Warning Event on the pod
         self._connect_meter: ConnectMeter | None = None   # made at the first accept
         self._summary_timer: asyncio.TimerHandle | None = None
         # A kubelet allocation is bound once the daemon has its pod binding (pods.py finds the
@@ -241,6 +244,12 @@ class AllocationChannel:
             log.warning("a process holds GPU memory the hook did not declare: the allocation is "
                         "past its memory limit", extra={"allocation": self.record.id, "gpu": gpu,
                                                         **report})
+            if self.binding is not None:
+                self.pod_event(self.binding.pod, OVER_LIMIT_REASON, (
+                    f"process {report['pid']} holds {process_bytes >> 20} MiB on GPU "
+                    f"{self.terms[gpu].uuid}, {declared >> 20} MiB of it declared to the "
+                    f"interposer; the container uses {used >> 20} MiB against its limit of "
+                    f"{limit >> 20} MiB"))
         elif not over and used <= limit and gpu in self.over_limit:
             report = self.over_limit.pop(gpu)
             log.info("the allocation is within its memory limit again", extra={

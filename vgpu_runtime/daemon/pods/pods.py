@@ -76,6 +76,11 @@ class PodWatch:
         """Something wants binding now (a new record, a waiting hello)."""
         self._wake.set()
 
+    def post_pod_event(self, pod: PodRef, reason: str, message: str) -> None:
+        """A Warning Event on a pod, posted in the background; nothing without Kubernetes."""
+        if self.kube is not None:
+            self._spawn(self._post(pod, reason, message))
+
     async def run(self) -> None:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -179,9 +184,12 @@ class PodWatch:
             self._spawn(self._event(pod, problem))
 
     async def _event(self, pod: PodRef, message: str) -> None:
+        await self._post(pod, INVALID_REASON, message)
+
+    async def _post(self, pod: PodRef, reason: str, message: str) -> None:
         assert self.kube is not None
         try:
-            await self.kube.post_event(pod, self.config.node_name, INVALID_REASON, message)
+            await self.kube.post_event(pod, self.config.node_name, reason, message)
         except Exception as err:
             log.warning("cannot post event", extra={"pod": pod.name, "error": str(err)})
 

@@ -6,7 +6,8 @@
  *
  * - PTX text: every module-scope `.global` declaration (not `.extern`): element size x vector
  *   width x array dimensions.
- * - ELF cubin (64-bit): the sizes of the sections `.nv.global*`, which hold every global.
+ * - ELF cubin (64-bit): the objects of the sections `.nv.global*` (their symbols' sizes:
+ *   ptxas leaves the section itself empty) and common objects.
  * - fatbin (magic 0xBA55ED50, or the runtime's wrapper 0x466243b1 around one): each entry's
  *   PTX or ELF as above. A compressed entry cannot be read without the driver's codec.
  * Anything not read whole (a compressed entry, an unsized array, another format) clears
@@ -198,6 +199,22 @@ static int looks_like_ptx(const unsigned char *p) {
 
 /* ---- ELF (64-bit cubins) ---- */
 
+#define SHT_SYMTAB 2
+#define STT_OBJECT 1
+#define SHN_COMMON 0xfff2
+
+static int global_section(const unsigned char *elf, uint64_t names_at, uint64_t names_size,
+                          const unsigned char *sh) {
+    uint32_t name = u32(sh);
+    if (name >= names_size) return 0;
+    const char *text = (const char *)elf + names_at + name;
+    size_t room = (size_t)(names_size - name);
+    return strnlen(text, room) < room && strncmp(text, ".nv.global", 10) == 0;
+}
+
+/* ptxas leaves `.nv.global` 0 bytes long and gives each variable's size in its symbol only
+ * (a 4 GiB array: a 4 GiB OBJECT symbol in an empty NOBITS section), so both are read: per
+ * global section the larger of its size and its objects' sizes, plus common objects. */
 static uint64_t elf_globals(const unsigned char *elf, uint64_t size, int *understood) {
     if (size < 64 || elf[4] != 2) { *understood = 0; return 0; }   /* ELFCLASS64 only */
     uint64_t shoff = u64(elf + 0x28);
@@ -210,23 +227,47 @@ static uint64_t elf_globals(const unsigned char *elf, uint64_t size, int *unders
     const unsigned char *names_header = elf + shoff + (uint64_t)shstrndx * shentsize;
     uint64_t names_at = u64(names_header + 24), names_size = u64(names_header + 32);
     if (names_at > size || names_size > size - names_at) { *understood = 0; return 0; }
+    uint64_t objects[256] = {0};   /* per section index (cubins have a few dozen) */
     uint64_t total = 0;
     for (uint16_t i = 0; i < shnum; i++) {
         const unsigned char *sh = elf + shoff + (uint64_t)i * shentsize;
-        uint32_t name = u32(sh);
-        if (name >= names_size) continue;
-        const char *text = (const char *)elf + names_at + name;
-        size_t room = (size_t)(names_size - name);
-        if (strnlen(text, room) < room && strncmp(text, ".nv.global", 10) == 0)
-            total = add(total, u64(sh + 32));
+        if (u32(sh + 4) != SHT_SYMTAB) continue;
+        uint64_t at = u64(sh + 24), bytes = u64(sh + 32), entry = u64(sh + 56);
+        if (entry < 24 || at > size || bytes > size - at) { *understood = 0; continue; }
+        for (uint64_t sym = at; sym + 24 <= at + bytes; sym += entry) {
+            const unsigned char *s = elf + sym;
+            if ((s[4] & 0xf) != STT_OBJECT) continue;
+            uint16_t section = u16(s + 6);
+            uint64_t object = u64(s + 16);
+            if (section == SHN_COMMON) total = add(total, object);
+            else if (section < shnum && section < 256) objects[section] = add(objects[section], object);
+            else if (section < shnum) *understood = 0;
+        }
+    }
+    for (uint16_t i = 0; i < shnum; i++) {
+        const unsigned char *sh = elf + shoff + (uint64_t)i * shentsize;
+        if (!global_section(elf, names_at, names_size, sh)) continue;
+        uint64_t section = u64(sh + 32), held = i < 256 ? objects[i] : 0;
+        total = add(total, section > held ? section : held);
     }
     return total;
 }
 
-/* The extent of an in-memory ELF whose size nobody gave: its section headers end it. */
+/* The extent of an in-memory ELF whose size nobody gave: the end of its section and program
+ * header tables and of every section with file content (the driver reads as far). */
 static uint64_t elf_extent(const unsigned char *elf) {
-    uint64_t shoff = u64(elf + 0x28);
-    uint64_t end = add(shoff, (uint64_t)u16(elf + 0x3C) * u16(elf + 0x3A));
+    uint64_t shoff = u64(elf + 0x28), phoff = u64(elf + 0x20);
+    uint16_t shentsize = u16(elf + 0x3A), shnum = u16(elf + 0x3C);
+    uint64_t end = add(shoff, (uint64_t)shnum * shentsize);
+    uint64_t programs = add(phoff, (uint64_t)u16(elf + 0x38) * u16(elf + 0x36));
+    if (programs > end) end = programs;
+    if (end > MAX_IMAGE || shentsize < 64) return 0;
+    for (uint16_t i = 0; i < shnum; i++) {
+        const unsigned char *sh = elf + shoff + (uint64_t)i * shentsize;
+        if (u32(sh + 4) == 8) continue;   /* SHT_NOBITS: no bytes in the file */
+        uint64_t section_end = add(u64(sh + 24), u64(sh + 32));
+        if (section_end > end) end = section_end;
+    }
     return end > MAX_IMAGE ? 0 : end;
 }
 
