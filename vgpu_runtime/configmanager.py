@@ -343,7 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = cfg.load(ManagerConfig, argv, prog=PROG,
                           description="writes the node's gemini.ai/vgpu configuration, chosen "
-                                      f"by its {CONFIG_LABEL} label, for the plugin and daemon")
+                                      f"by its {CONFIG_LABEL} label, for the plugin and daemon. "
+                                      f"For operators, with no cluster: '{PROG} check FILE...' "
+                                      "runs both programs' loaders on each node file; "
+                                      f"'{PROG} convert DEVICE_PLUGIN_FILE SCHEDULER_FILE' "
+                                      "writes the two-file ConfigMap's files as one v1 file")
     except cfg.ConfigError as err:
         cli.error(PROG, str(err))
         return 2

@@ -290,3 +290,15 @@ def test_an_output_it_cannot_write_is_logged_and_fails_the_oneshot(
     assert done.returncode == 1
     assert "cannot write the node's configuration" in done.stderr + done.stdout
     assert "Traceback" not in done.stderr
+
+
+def test_help_names_the_operators_commands() -> None:
+    """--help lists check and convert, which take no flags and so have no line of their own."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run([sys.executable, "-m", "vgpu_runtime.configmanager", "--help"],
+                           capture_output=True, text=True, check=True).stdout
+    flat = " ".join(shown.split())
+    assert "gemini-config-manager check FILE..." in flat
+    assert "gemini-config-manager convert DEVICE_PLUGIN_FILE SCHEDULER_FILE" in flat

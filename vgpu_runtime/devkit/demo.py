@@ -145,7 +145,9 @@ async def run_demo(root: Path, simulate_gpus: int) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    # The docstring's first sentence, whole (it runs over two lines).
+    parser = argparse.ArgumentParser(
+        description=" ".join((__doc__ or "").split("\n\n")[0].split()) or None)
     parser.add_argument("--simulate-gpus", type=int, default=None,
                         help="use N simulated GPUs (default: real GPUs if NVML finds any, else 2)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
