@@ -13,6 +13,8 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
     gemini_vgpu_token_wait_seconds (histogram)           waits for the GPU-time token
     gemini_vgpu_memory_refusals_total (counter)          allocations refused over the limit
     gemini_vgpu_memory_over_limit_reports_total (counter) found past the limit by NVML
+    gemini_vgpu_build_info{version,interposer}           1: what runs (the package and the
+                                                         interposer library it hands pods)
 
 The server runs in a thread (prometheus_client's exposition, http.server); each scrape asks the
 event loop for one status snapshot, so the figures are consistent and the loop stays the only
@@ -39,6 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from vgpu_runtime import __version__, paths
 from vgpu_runtime.daemon.telemetry.rows import container_rows, gpu_rows
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,11 @@ CONTAINER_LABELS = ["pod", "namespace", "container", "allocation", "gpu"]
 
 
 def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
+    build = GaugeMetricFamily("gemini_vgpu_build_info", "The package version and the "
+                              "interposer library this daemon serves (always 1)",
+                              labels=["version", "interposer"])
+    build.add_metric([__version__, paths.HOOK_LIBRARY_NAME], 1.0)
+    yield build
     gpu_labels = ["gpu", "model"]
     slices = GaugeMetricFamily("gemini_vgpu_gpu_slices", "Slices the GPU is advertised as",
                                labels=gpu_labels)
