@@ -250,6 +250,7 @@ class GpuTokens:
     # ---- keeping pages, connections and timers in line with the algorithm ----
 
     def _apply(self, decision: Decision, now: float) -> None:
+        revoked = list(decision.revoked)   # kept across the hand-backs below
         while True:
             grants = decision.grants
             for tenant, old in list(self.published.items()):
@@ -272,12 +273,13 @@ class GpuTokens:
             if gone is not None:
                 # Granted to a tenant whose waiting connections all left: pass it on.
                 decision = self.scheduler.release(gone.tenant, now)
+                revoked += decision.revoked
                 continue
             for tenant, grant in grants.items():
                 if tenant not in self.published:
                     self._hand_over(grant, self.slots[tenant])
             break
-        for grant in decision.revoked:
+        for grant in revoked:
             log.info("token revoked: not returned in time", extra={
                 "gpu": self.uuid, "allocation": grant.tenant, "generation": grant.generation,
                 "overrun_ms": round((now - grant.expires_at) * 1000, 3)})
