@@ -226,17 +226,23 @@ REPORT = ("env; echo '--- mounts'; cat /proc/self/mountinfo; echo '--- write';"
           " exec sleep 3600")
 
 
-def workload(cluster: Cluster, name: str, slices: int) -> dict[str, Any]:
+def workload(cluster: Cluster, name: str, slices: int, image: str | None = None,
+             script: str = REPORT, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod of one container asking `slices`, running `script` in `image` (the workload
+    image and the REPORT script unless told)."""
+    container: dict[str, Any] = {
+        "name": "app", "image": image or cluster.env["workload_image"],
+        "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", script],
+        "resources": {"limits": {"gemini.ai/vgpu": str(slices)}},
+    }
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "namespace": "default", "labels": {"test": "cluster"}},
         "spec": {
             "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "app", "image": cluster.env["workload_image"],
-                "imagePullPolicy": "Never", "command": ["/bin/sh", "-c", REPORT],
-                "resources": {"limits": {"gemini.ai/vgpu": str(slices)}},
-            }],
+            "containers": [container],
         },
     }
 

@@ -15,6 +15,7 @@ from tests.cluster.conftest import (
     Cluster,
     create,
     wait_until,
+    workload,
 )
 from vgpu_runtime import allocation, paths
 
@@ -26,7 +27,7 @@ OUT_OF_MEMORY = 2   # CUDA_ERROR_OUT_OF_MEMORY
 PROGRAM = (REPO / "tests" / "containers" / "launch_loop.py").read_text()
 
 
-def cuda_pod(name: str, slices: int) -> dict[str, Any]:
+def cuda_pod(cluster: Cluster, name: str, slices: int) -> dict[str, Any]:
     """Prints its allocation id, then the program's answers to: init, meminfo, two allocations
     of half its memory limit (GEMINI_VGPU_MEMORY_LIMIT) and 1 MiB each, 1 s of 1 ms kernels
     synchronised every 4, quit; then the interposer's counters."""
@@ -35,28 +36,16 @@ def cuda_pod(name: str, slices: int) -> dict[str, Any]:
               " printf '%s\\n' init meminfo \"alloc $half\" \"alloc $half\""
               " \"loop $(date +%s) 1 1000000 4\" quit | /usr/bin/python3 -c \"$PROGRAM\";"
               " echo '--- stats'; cat /tmp/hook-stats; echo '--- end'; exec sleep 3600")
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": {"test": "cluster"}},
-        "spec": {
-            "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                # The node image for its Debian userland and python3 (/usr/bin: Allocate's
-                # library mount at /opt/gemini/lib hides the image's own virtual environment).
-                "name": "app", "image": NODE_IMAGE, "imagePullPolicy": "Never",
-                "command": ["/bin/sh", "-c", script],
-                "env": [{"name": "PROGRAM", "value": PROGRAM},
-                        {"name": "GEMINI_HOOK_STATS", "value": "/tmp/hook-stats"}],
-                "resources": {"limits": {"gemini.ai/vgpu": str(slices)}},
-            }],
-        },
-    }
+    # The node image for its Debian userland and python3 (/usr/bin: Allocate's library mount
+    # at /opt/gemini/lib hides the image's own virtual environment).
+    return workload(cluster, name, slices, image=NODE_IMAGE, script=script,
+                    env={"PROGRAM": PROGRAM, "GEMINI_HOOK_STATS": "/tmp/hook-stats"})
 
 
 def test_a_cuda_program_gets_its_memory_limit_from_the_daemon_and_launches_gated(
         gemini_node: Cluster, cleanup: None) -> None:
     cluster = gemini_node
-    create(cluster, cuda_pod("cuda", 3))
+    create(cluster, cuda_pod(cluster, "cuda", 3))
     out = wait_until("the CUDA program's report", lambda: (
         text if "--- end" in (text := cluster.kubectl("logs", "-n", "default", "cuda",
                                                       check=False)) else None), 120,
