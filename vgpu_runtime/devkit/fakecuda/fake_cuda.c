@@ -843,6 +843,15 @@ static CUresult load_image(uintptr_t *handle, const char *image, int need_contex
     return result;
 }
 
+/* load_image of a file's contents, as cuModuleLoad and cuLibraryLoadFromFile read them. */
+static CUresult load_file(uintptr_t *handle, const char *path, int need_context) {
+    char *image = read_file(path);
+    if (image == NULL) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = load_image(handle, image, need_context);
+    free(image);
+    return result;
+}
+
 static CUresult unload_image(uintptr_t handle) {
     pthread_mutex_lock(&lock);
     CUresult result = CUDA_ERROR_INVALID_VALUE;
@@ -872,11 +881,7 @@ EXPORT CUresult cuModuleLoadFatBinary(CUmodule *module, const void *image) {
 }
 EXPORT CUresult cuModuleLoad(CUmodule *module, const char *path) {
     CALLED();
-    char *image = read_file(path);
-    if (image == NULL) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = load_image((uintptr_t *)module, image, 1);
-    free(image);
-    return result;
+    return load_file((uintptr_t *)module, path, 1);
 }
 EXPORT CUresult cuModuleUnload(CUmodule module) { CALLED(); return unload_image((uintptr_t)module); }
 EXPORT CUresult cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *o,
@@ -889,11 +894,7 @@ EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *path, CUji
                                       void **ov, unsigned int n, CUlibraryOption *lo, void **lov,
                                       unsigned int ln) {
     CALLED();
-    char *image = read_file(path);
-    if (image == NULL) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = load_image((uintptr_t *)library, image, 0);
-    free(image);
-    return result;
+    return load_file((uintptr_t *)library, path, 0);
 }
 EXPORT CUresult cuLibraryUnload(CUlibrary library) { CALLED(); return unload_image((uintptr_t)library); }
 
