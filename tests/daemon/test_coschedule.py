@@ -121,8 +121,10 @@ def measure_alone(daemon: InProcessDaemon, busy_file: Path, tenant: TenantProces
              ["busy"] is not None, 5, f"{allocation}'s busy fraction")
 
 
-@pytest.mark.parametrize("busy, together", [((0.2, 0.3), True), ((0.95, 0.2), False)],
-                         ids=["room", "gpu-bound"])
+# A GPU-bound tenant counts for the whole GPU: beside it only a light tenant fits co_room.
+@pytest.mark.parametrize("busy, together", [((0.2, 0.3), True), ((0.95, 0.5), False),
+                                            ((0.95, 0.15), True)],
+                         ids=["room", "gpu-bound", "light-beside-gpu-bound"])
 def test_tenants_with_room_hold_the_gpu_at_once_and_gpu_bound_ones_take_turns(
         daemon: InProcessDaemon, pair: tuple[list[Any], list[TenantProcess]], busy_file: Path,
         busy: tuple[float, float], together: bool) -> None:

@@ -37,19 +37,23 @@ so, with the measurements behind it: README.md beside this file):
   left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
 Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels
-keep the GPU busy while it holds the token alone) is estimated from the device's own
-utilisation (`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover
-exactly the 200 ms before their timestamp): each period that no co-held grant touched is an
-equation, utilisation = sum of (busy fraction x part of the period held alone), and the last
-`BUSY_PERIODS` of them are solved by least squares. While every holder and the waiting tenant
-first in line each keep the GPU busy at most `co_busy_max` of the time and together at most
-`co_room`, that tenant is granted beside them: launch-bound jobs fill each other's idle gaps,
-as under time-slicing. A co-held grant is charged its busy fraction of its time (what the
-tenant used of the GPU); an exclusive grant is charged in full (it kept everyone else out). A
-GPU-bound tenant, or one whose figure is older than `co_refresh`, gets exclusive turns only, so
-shares stay exact where tenants contend, and an exclusive turn measures its figure again. Only
-the first in line is ever co-granted, so a tenant that must wait for an exclusive turn is never
-passed over: the holders drain within a quota and it is granted.
+keep the GPU busy while it holds the token) is estimated from the device's own utilisation
+(`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover exactly the 200 ms
+before their timestamp): each period is an equation, utilisation = sum of (busy fraction x part
+of the period held), and the last `BUSY_PERIODS` of them are solved by least squares. A period
+that co-held grants touched is taken only while the GPU was not saturated (`BUSY_SATURATED`):
+there the holders filled each other's gaps; in a saturated one they contended. Beside others
+a tenant counts for its figure, or for the whole GPU where it is GPU-bound (above
+`co_busy_max`), unmeasured, or measured longer than `co_refresh` ago. The waiting tenant first
+in line is granted beside the holders while all of them and it count for `co_room` at most:
+launch-bound jobs fill each other's idle gaps, as under time-slicing, and a light tenant (an
+inference loop) fills a GPU-bound one's, while two that may be GPU-bound never share, so their
+shares stay exact where they contend. A co-held grant is charged its busy fraction of its time
+(what the tenant used of the GPU; in full where unmeasured); an exclusive grant is charged in
+full (it kept everyone else out). Figures that go stale while co-held at saturation mean
+exclusive turns, which measure them again. Only the first in line is ever co-granted, so a
+tenant that must wait for an exclusive turn is never passed over: the holders drain within a
+quota and it is granted.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -77,6 +81,10 @@ BUSY_RIDGE = 0.05
 # A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
 # token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
 BUSY_IDLE = 0.02
+# A co-held period busier than this is left out: there the co-holders contended (each ran
+# less than it would alone), so the sum of their figures is not what they would use. Below
+# it they filled each other's gaps, and the period measures them as one held alone does.
+BUSY_SATURATED = 0.9
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class TimeshareSettings:
     # Off by default: NVML's per-process figure, the busy fraction's source, read 0.86-1.0 for
     # a trainer whose true figure is 0.5-0.6 on the H200 (BENCHMARKS.md, "Real jobs").
     co_schedule: bool = False     # grant several tenants at once when they leave the GPU room
-    co_room: float = 1.4          # the most the co-holders' busy fractions may add up to
+    co_room: float = 1.25         # the most the co-holders' busy fractions may add up to
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
     co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
 
@@ -194,9 +202,9 @@ class TokenScheduler:
         self.started = now
         self.tenants: dict[str, Tenant] = {}
         self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
-        # History for the busy fractions: who held alone when, when grants were co-held, and
-        # the utilisation periods taken.
-        self._alone: dict[str, deque[tuple[float, float]]] = {}
+        # History for the busy fractions: who held when (alone or co-held), when grants were
+        # co-held, and the utilisation periods taken.
+        self._held: dict[str, deque[tuple[float, float]]] = {}
         self._shared: deque[tuple[float, float]] = deque(maxlen=256)
         self._periods: deque[tuple[dict[str, float], float]] = deque(maxlen=BUSY_PERIODS)
         self.generation = 0
@@ -228,7 +236,7 @@ class TokenScheduler:
         if tenant in self.grants:
             self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
-        self._alone.pop(tenant, None)
+        self._held.pop(tenant, None)
         self._rescale()
         return self._decided(now, self._dispatch(now))
 
@@ -300,18 +308,20 @@ class TokenScheduler:
 
     def observe_utilization(self, start: float, end: float, busy: float) -> bool:
         """The device's utilisation over [start, end): the part of it some kernel ran. Taken
-        where no co-held grant touched the period (then only the holders alone ran kernels:
-        launches wait for the token) and something ran, and the busy fractions are estimated
-        again; returns whether it was taken."""
-        if (end <= start or busy < BUSY_IDLE
-                or any(s < end and e > start for s, e in self._shared)):
+        where something ran (only holders run kernels: launches wait for the token) and, if
+        co-held grants touched the period, the GPU was not saturated; then the busy fractions
+        are estimated again. Returns whether it was taken."""
+        if end <= start or busy < BUSY_IDLE:
+            return False
+        co_held = (any(s < end and e > start for s, e in self._shared)
+                   or any(g.shared for g in self.grants.values()))
+        if co_held and busy >= BUSY_SATURATED:
             return False
         span = end - start
-        parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._alone.get(t, ())
+        parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._held.get(t, ())
                            if min(e, end) > max(s, start)) / span for t in self.tenants}
-        for tenant, grant in self.grants.items():   # a grant in progress, held alone
-            if not grant.shared:
-                parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
+        for tenant, grant in self.grants.items():   # grants in progress
+            parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
         self._periods.append(({t: p for t, p in parts.items() if p > 0},
                               min(max(busy, 0.0), 1.0)))
         self._estimate_busy(end)
@@ -444,7 +454,7 @@ class TokenScheduler:
             self._shared.append((start, end))
         else:
             self._charge(state, grant.granted_at, end)
-            self._held_alone(tenant, grant.granted_at, end)
+        self._held_for(tenant, grant.granted_at, end)
         state.last_release = now
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
@@ -541,22 +551,23 @@ class TokenScheduler:
             return None   # it waits for the holders to drain; nobody passes it meanwhile
         return first
 
-    def _busy(self, tenant: Tenant, now: float) -> float | None:
-        """Its busy fraction where measured recently enough and not GPU-bound, else None."""
+    def _room_taken(self, tenant: Tenant, now: float) -> float:
+        """The part of the GPU a tenant is counted for beside others: its busy fraction where
+        measured recently enough, and the whole GPU where GPU-bound, unmeasured or stale."""
         cfg = self.config
-        if (not cfg.co_schedule or tenant.busy is None or now - tenant.busy_at > cfg.co_refresh
+        if (tenant.busy is None or now - tenant.busy_at > cfg.co_refresh
                 or tenant.busy > cfg.co_busy_max):
-            return None
+            return 1.0
         return tenant.busy
 
     def _fits(self, tenant: Tenant, now: float) -> bool:
-        """The tenant may hold the GPU beside the present holders: each of them and it leave
-        room, together within `co_room`."""
-        figures = [self._busy(self.tenants[t], now) for t in self.grants]
-        figures.append(self._busy(tenant, now))
-        if None in figures:
+        """The tenant may hold the GPU beside the present holders: all of them and it are
+        counted for `co_room` at most (so a GPU-bound holder admits only light tenants, and
+        two that may be GPU-bound never share)."""
+        if not self.config.co_schedule:
             return False
-        return add_up(f for f in figures if f is not None) <= self.config.co_room
+        taken = add_up(self._room_taken(self.tenants[t], now) for t in self.grants)
+        return taken + self._room_taken(tenant, now) <= self.config.co_room
 
     def _quota(self, tenant: Tenant, now: float) -> float:
         """A tenant's part of one round (its part of all requests x cycle), plus part of its
@@ -592,9 +603,10 @@ class TokenScheduler:
         Returns the grants made."""
         made: list[Grant] = []
         while True:
-            # Nobody may join a holder without room to share: then nothing is chosen (choosing
-            # moves waiters' virtual times) until the holders are gone, as with one token.
-            if self.grants and any(self._busy(self.tenants[t], now) is None for t in self.grants):
+            # Where no waiter fits beside the holders nothing is chosen (choosing moves waiters'
+            # virtual times) until the holders are gone, as with one token.
+            if self.grants and not any(self._fits(t, now) for t in self.tenants.values()
+                                       if t.waiting_since is not None):
                 break
             chosen = self._choose(now)
             if chosen is None:
@@ -621,9 +633,9 @@ class TokenScheduler:
                 continue
             state = self.tenants[tenant]
             self._charge(state, grant.granted_at, max(now, grant.granted_at))
-            self._held_alone(tenant, grant.granted_at, now)
+            self._held_for(tenant, grant.granted_at, now)
             self.grants[tenant] = Grant(tenant, grant.generation, now,
                                         grant.expires_at - now, True)
 
-    def _held_alone(self, tenant: str, start: float, end: float) -> None:
-        self._alone.setdefault(tenant, deque(maxlen=64)).append((start, end))
+    def _held_for(self, tenant: str, start: float, end: float) -> None:
+        self._held.setdefault(tenant, deque(maxlen=64)).append((start, end))
