@@ -22,6 +22,7 @@ from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slicecounts import SETTLE_INTERVAL, SliceCounts
 from device_plugin.statedir import prepare as prepare_state_dir
+from vgpu_runtime import hoststate
 from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common.atomicfile import DirectorySyncer
@@ -128,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.setup(config.log_level, config.log_format, native_stderr=True)
     for note in loaded.notes:
         log.warning(note)
+    try:
+        hoststate.refuse_node_program(config.state_dir)
+    except hoststate.MachineTaken as err:
+        cli.error(PROG, str(err))
+        return 1
     try:
         backend = make_backend(config)
         watch = configwatch.ConfigWatch(loaded, lambda: None, plugin_config.check)

@@ -26,6 +26,8 @@ Record (JSON, `version` 2):
     hook_library  file name of the interposer version the container was given
     created_at    creation time, seconds since the epoch
     owner_pid     gemini-run's pid, or null
+    owner_uid     the user a host daemon's allocation belongs to (only that uid and root may
+                  connect to its channel, see it or end it); absent elsewhere
 
 A version-1 record (written before bindings existed) is read too. The daemon of that time
 rewrote it with its pod and annotation values (`pod`, `limit`, `memory_limit`, the entitlement
@@ -129,6 +131,7 @@ class AllocationRecord:
     created_at: float
     limit: float | None = None
     owner_pid: int | None = None
+    owner_uid: int | None = None        # set by the host daemon alone
     # What a version-1 record's old daemon wrote into it (read only, never written back).
     carried: Binding | None = None
 
@@ -137,6 +140,8 @@ class AllocationRecord:
         # was the largest CPU cost of a new Allocate.
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del data["carried"]
+        if self.owner_uid is None:
+            del data["owner_uid"]   # only the host daemon's records carry it
         data["version"] = RECORD_VERSION
         data["device_ids"] = list(self.device_ids)
         data["gpus"] = [{f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
@@ -218,8 +223,18 @@ def _parse(data: Any) -> AllocationRecord:
         created_at=created_at,
         limit=limit,
         owner_pid=data.get("owner_pid") and _need(data, "owner_pid", int),
+        owner_uid=_uid(data),
         carried=carried,
     )
+
+
+def _uid(data: dict[str, Any]) -> int | None:
+    if data.get("owner_uid") is None:
+        return None
+    uid = _need(data, "owner_uid", int)
+    if not 0 <= uid < 1 << 32:
+        raise RecordError(f"owner_uid out of range: {uid}")
+    return int(uid)
 
 
 def _memory(data: dict[str, Any], key: str) -> int | None:

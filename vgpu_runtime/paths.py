@@ -32,6 +32,9 @@ SLICES_FILE_NAME = "slices.json"     # slice counts per GPU: the plugin
 LOCK_NAME = "scheduler.lock"         # one daemon per state directory
 CONTROL_SOCKET_NAME = "scheduler.sock"   # the daemon's control socket
 RUN_LOCK_NAME = "run.lock"           # gemini-run's admission lock
+HOST_MARKER_NAME = "host.json"       # the host daemon's: this machine's GPUs are the host's
+HOST_SOCKET_NAME = "host.sock"       # the host daemon's socket for every user of its group
+HOST_CHANNELS_SUBDIR = "host-channels"   # the host daemon's channel directories
 BINDINGS_DIR_MODE = 0o700
 PAGES_DIR_MODE = 0o700
 # A GPU is cut into at most this many slices: "<uuid>::<n>" stays well under kubelet's
@@ -41,6 +44,17 @@ MAX_SLICES_PER_GPU = 1000
 # the leaf, which needs no search permission on the host's parents, and nobody else on the host
 # can reach any channel, whatever its name (allocation IDs are hashes of guessable slice IDs).
 CHANNELS_DIR_MODE = 0o700
+# The host daemon serves every user of a machine: host-channels/ lets them pass (never list) to
+# their own channel, <id>/ (root's, 0711), whose socket is theirs alone (0600, chowned).
+HOST_CHANNELS_DIR_MODE = 0o711
+
+# The host daemon: one per machine, installed by an administrator (gemini-host install); its
+# socket's group names the users it serves, and its metrics port is not the node daemon's.
+DEFAULT_HOST_GROUP = "gemini"
+HOST_METRICS_PORT = 9402
+# Host-wide GPU locks (gpulock.py): a root-owned sticky directory every user can lock in.
+DEFAULT_GPU_LOCK_DIR = "/run/lock"
+ENV_GPU_LOCK_DIR = "GEMINI_GPU_LOCK_DIR"
 
 # The interposer is installed under a name that changes with its sources
 # (libgemini-hook.so.<version>-<digest>, see hook/build.py) and a file of that name is never
@@ -121,6 +135,18 @@ def lock_file(state_dir: str | Path) -> Path:
 
 def control_socket(state_dir: str | Path) -> Path:
     return Path(state_dir) / CONTROL_SOCKET_NAME
+
+
+def host_marker(state_dir: str | Path) -> Path:
+    return Path(state_dir) / HOST_MARKER_NAME
+
+
+def host_socket(state_dir: str | Path) -> Path:
+    return Path(state_dir) / HOST_SOCKET_NAME
+
+
+def host_channels_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / HOST_CHANNELS_SUBDIR
 
 
 def channels_dir(state_dir: str | Path) -> Path:

@@ -51,7 +51,7 @@ from typing import NoReturn
 import vgpu_runtime
 from vgpu_runtime import allocation, containerenv, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
-from vgpu_runtime.common import cli, securedir
+from vgpu_runtime.common import cli, procs, securedir
 from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
 from vgpu_runtime.daemon import lock as scheduler_lock
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
@@ -250,40 +250,11 @@ def _pod_note(state_dir: Path, record: AllocationRecord) -> str:
     return f", pod {binding.pod.namespace}/{binding.pod.name}" if binding else ""
 
 
-def _boot_time() -> float | None:
-    with contextlib.suppress(OSError, ValueError), open("/proc/stat") as handle:
-        for line in handle:
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    return None
-
-
-def process_start_time(pid: int) -> float | None:
-    """When `pid` started (seconds since the epoch), or None when it cannot be told."""
-    boot = _boot_time()
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2:].split()
-    if boot is None or len(fields) < 20:
-        return None
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
-
 def owner_alive(record: AllocationRecord) -> bool:
     pid = record.owner_pid
     if not pid:
         return True  # nothing to judge by: keep it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's live process
-    started = process_start_time(pid)
-    # Start times are in clock ticks since boot: allow a second of rounding.
-    return started is None or started <= record.created_at + 1
+    return procs.alive_since(pid, record.created_at)
 
 
 def remove_allocation(state_dir: Path, record: AllocationRecord) -> None:

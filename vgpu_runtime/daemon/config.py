@@ -121,6 +121,11 @@ class DaemonConfig:
     client_write_timeout: float = cfg.setting(
         5.0, "seconds the daemon waits for one client to read its replies before dropping "
         "the connection", cfg.number(0.01, 600), "SECONDS")
+    gpu_lock_dir: str | None = cfg.setting(
+        None, "host-wide GPU locks (vgpu_runtime/gpulock.py): claim each GPU in this directory "
+        "before serving an allocation on it, and refuse one another user's daemon holds "
+        "(gemini-run starts its daemon with it; a node's daemon takes none)",
+        cfg.optional(cfg.text), "DIR")
     # ---- pod awareness ----
     node_name: str = cfg.setting(
         default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "

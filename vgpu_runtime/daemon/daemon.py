@@ -30,6 +30,7 @@ from vgpu_runtime.daemon.channel.terms import terms_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
+from vgpu_runtime.daemon.gpuclaims import ServedGpus
 from vgpu_runtime.daemon.pods.node import (
     HealthFile,
     SliceCount,
@@ -66,6 +67,7 @@ class Daemon:
         self.state_dir = Path(config.state_dir)
         self.channels: dict[str, AllocationChannel] = {}
         self.tokens = TokenService(config)
+        self.claims = ServedGpus(config.gpu_lock_dir)   # gemini-run's daemons: host-wide
         self.watcher = RecordWatcher(self.state_dir)
         self.corrupt: dict[str, str] = {}
         # The pod bindings this daemon wrote (<state-dir>/bindings), by allocation id.
@@ -325,6 +327,7 @@ class Daemon:
                 self.watcher.mark_unservable(record, err)
                 self.corrupt[str(paths.allocations_dir(self.state_dir) / f"{record.id}.json")] = (
                     str(err))
+        self.claims.keep(self.records())
 
     async def _serve(self, current: AllocationChannel | None, record: AllocationRecord) -> None:
         binding = self._binding_for(record)
@@ -332,6 +335,7 @@ class Daemon:
         if current is not None:
             current.update(record, binding, terms)
             return
+        self.claims.claim(record)   # RecordError where another user's daemon holds a GPU
         channel = AllocationChannel(record, terms, self.tokens, self._bind_timeout,
                                     self.pods.poke, binding, self.pods.post_pod_event)
         await channel.start()
@@ -487,6 +491,7 @@ class Daemon:
         await asyncio.gather(*(c.close("gemini-scheduler stopping", removed=False)
                                for c in self.channels.values()), return_exceptions=True)
         self.channels.clear()
+        self.claims.close()
         self.tokens.close()
         log.info("gemini-scheduler stopped")
 

@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from vgpu_runtime import hoststate
 from vgpu_runtime.common import cli, configwatch, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
@@ -66,9 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.warning(note)
     raise_open_file_limit()   # one socket per client process, past the usual 1024
     try:
+        hoststate.refuse_node_program(config.state_dir)   # the host daemon's, not ours
         os.makedirs(config.state_dir, mode=0o755, exist_ok=True)
         lock_fd = lock.acquire(config.state_dir)
-    except lock.AlreadyRunning as err:
+    except (lock.AlreadyRunning, hoststate.MachineTaken) as err:
         cli.error(PROG, str(err))
         return 1
     except OSError as err:

@@ -12,6 +12,8 @@ host's <state-dir>/channels is 0700 (paths.CHANNELS_DIR_MODE), so no host user r
 Where the allocation's user is known (gemini-run's, whose directory that user made), a peer of
 another uid (SO_PEERCRED) is refused too; so is a connection past max_connections (config.py),
 and one past the allocation's connect rate (reconnects.py), whose log lines are summarised.
+The host daemon's allocations name their user (the record's owner_uid): their socket is chowned
+to that user and 0600, in a directory of root's that others may pass but not list.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 
 CHANNEL_DIR_MODE = 0o755
 SOCKET_MODE = 0o666
+OWNED_SOCKET_MODE = 0o600
 REFUSED = wire.Packer(wire.const("GM_MSG_ERROR"))
 OVER_LIMIT_REASON = "GPUMemoryPastLimit"
 
@@ -132,7 +135,10 @@ class AllocationChannel:
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
             self._join_token_schedulers()
-            if self.record.origin == "gemini-run":
+            if self.record.owner_uid is not None:
+                # The host daemon's: the user it admitted, known by that user's connection.
+                self.owner_uid = self.record.owner_uid
+            elif self.record.origin == "gemini-run":
                 # gemini-run made the directory as the user whose command connects.
                 self.owner_uid = os.stat(directory).st_uid
             loop = asyncio.get_running_loop()
@@ -157,7 +163,11 @@ class AllocationChannel:
         try:
             sock.bind(str(temporary))
             sock.listen(128)
-            os.chmod(temporary, SOCKET_MODE)
+            if self.record.owner_uid is None:
+                os.chmod(temporary, SOCKET_MODE)
+            else:   # a host allocation: its user's alone (the directory is root's, 0711)
+                os.chown(temporary, self.record.owner_uid, -1)
+                os.chmod(temporary, OWNED_SOCKET_MODE)
             os.rename(temporary, self.socket_path)
         except OSError:
             sock.close()
@@ -401,6 +411,7 @@ class AllocationChannel:
         record = self.record
         return {
             "id": record.id, "origin": record.origin, "owner_pid": record.owner_pid,
+            "owner_uid": record.owner_uid,
             "limit": (self.binding.limit if self.binding and self.binding.limit is not None
                       else record.limit), "channel_dir": record.channel_dir,
             "socket": str(self.socket_path), "created_at": record.created_at,
