@@ -1,0 +1,5 @@
+import sys
+
+from vgpu_runtime.daemon.host.main import main
+
+sys.exit(main())
