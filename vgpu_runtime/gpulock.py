@@ -186,20 +186,24 @@ def holder(directory: str | Path, uuid: str, uid: int | None) -> Holder | None:
 
 def refusal(held: Holder, asker_uid: int | None) -> str:
     """Why a GPU is not this user's now, and what to do: a message for people."""
+    verb = "served" if held.is_host else "held"
+    return f"GPU {held.uuid} is {verb} by {held.describe()}: {advice(held, asker_uid)}"
+
+
+def advice(held: Holder, asker_uid: int | None) -> str:
     if held.is_host:
-        return (f"GPU {held.uuid} is served by {held.describe()}, which serves every user of "
-                "this machine: run gemini-run without --state-dir (it finds the host daemon by "
-                f"itself in {paths.DEFAULT_STATE_DIR}), or stop the host daemon first")
+        return ("it serves every user of this machine: run gemini-run without --state-dir (it "
+                f"finds the host daemon by itself in {paths.DEFAULT_STATE_DIR}), or stop the "
+                "host daemon first")
     if asker_uid is None:
-        return (f"GPU {held.uuid} is held by {held.describe()}, started by that user's "
-                "gemini-run; the host daemon serves it once that daemon has no allocation on "
-                "it (it exits 600 s after its last one; that user or root may stop it now: "
+        return ("that user's gemini-run started it; the host daemon can serve the GPU once "
+                "that daemon has no allocation on it (that user or root may stop it now: "
                 "gemini-vgpu stop)")
-    return (f"GPU {held.uuid} is held by {held.describe()}: one user's daemon holds a GPU "
-            "alone while it runs allocations there, so that two users never share it "
-            "unknowingly. Use another GPU (--gpu), wait for that user's jobs to end, or have an "
-            "administrator install the host daemon, which shares every GPU among all users "
-            "(sudo gemini-host install; README, 'One daemon for every user')")
+    return ("one user's daemon holds a GPU alone while it runs allocations there, so that two "
+            "users never share it unknowingly. Use another GPU (--gpu), wait for that user's "
+            "jobs to end, or have an administrator install the host daemon, which shares every "
+            "GPU among all users (sudo gemini-host install; README, 'One daemon for every "
+            "user')")
 
 
 class GpuClaims:

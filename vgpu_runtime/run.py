@@ -49,11 +49,13 @@ from pathlib import Path
 from typing import NoReturn
 
 import vgpu_runtime
-from vgpu_runtime import allocation, containerenv, paths
+from vgpu_runtime import allocation, containerenv, gpulock, hoststate, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, procs, securedir
 from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
 from vgpu_runtime.daemon import lock as scheduler_lock
+from vgpu_runtime.daemon.channel import client
+from vgpu_runtime.daemon.host import client as host_client
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.gpus.simulated import SimulatedBackend
@@ -65,6 +67,7 @@ ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
 RUN_LOCK_NAME = paths.RUN_LOCK_NAME
 DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
+REFUSAL_POLL = 0.25        # seconds between asking a starting daemon whether it refused ours
 DAEMON_IDLE_EXIT = 600.0   # seconds the daemon started here outlives the last allocation
 SHARE_EPSILON = 1e-9
 CHILD_POLL_INTERVAL = 1.0
@@ -105,6 +108,7 @@ class Request:
     simulate_gpus: int | None
     hook_library: str | None
     command: list[str]
+    state_dir_named: bool = False   # by --state-dir or GEMINI_STATE_DIR, not the default
 
 
 def _fraction(text: str) -> float:
@@ -171,11 +175,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
     if args.limit is not None and args.limit < args.share:
         parser.error(f"--limit {args.limit:g} is below --share {args.share:g}: the cap on a "
                      "share cannot be less than the share guaranteed")
-    state_dir = args.state_dir or os.environ.get(ENV_STATE_DIR) or paths.default_state_dir()
+    named = args.state_dir or os.environ.get(ENV_STATE_DIR)
     return Request(
         gpu=args.gpu, share=args.share, limit=args.limit, memory=args.memory,
-        state_dir=Path(state_dir), overcommit=args.overcommit, simulate_gpus=simulate,
-        hook_library=args.hook_library or os.environ.get(ENV_HOOK_LIBRARY), command=command)
+        state_dir=Path(named or paths.default_state_dir()), overcommit=args.overcommit,
+        simulate_gpus=simulate, hook_library=args.hook_library or os.environ.get(
+            ENV_HOOK_LIBRARY), command=command, state_dir_named=bool(named))
 
 
 def check_command(command: list[str]) -> None:
@@ -217,17 +222,41 @@ def shares_in_use(state_dir: Path, uuid: str) -> list[tuple[AllocationRecord, fl
     return used
 
 
-def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: float) -> GpuInfo:
+def held_by_others(gpus: list[GpuInfo]) -> dict[str, gpulock.Holder]:
+    """The GPUs another user's daemon (or the host daemon) serves now, host-wide (gpulock.py):
+    this user's daemon would refuse them. An untrustworthy lock directory is refused here."""
+    held = {}
+    for gpu in gpus:
+        try:
+            holder = gpulock.holder(gpulock.lock_dir(), gpu.uuid, os.geteuid())
+        except gpulock.GpuLockError as err:
+            raise RunError(str(err)) from None
+        if holder is not None:
+            held[gpu.uuid] = holder
+    return held
+
+
+def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: float,
+               held: dict[str, gpulock.Holder] | None = None) -> GpuInfo:
+    """The GPU asked for, else the first with room that no other user's daemon holds."""
+    held = held or {}
     if wanted is not None:
         for gpu in gpus:
             if wanted in (str(gpu.index), gpu.uuid):
+                if gpu.uuid in held:
+                    raise RunError(gpulock.refusal(held[gpu.uuid], os.geteuid()))
                 return gpu
         known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
         raise RunError(f"no GPU {wanted!r} on this machine; known: {known}")
-    for gpu in gpus:
+    free = [gpu for gpu in gpus if gpu.uuid not in held]
+    if not free:
+        holders = "; ".join(f"GPU {g.index}: {held[g.uuid].describe()}" for g in gpus)
+        raise RunError(f"every GPU of this machine is held by another user's daemon ({holders})"
+                       f": {gpulock.advice(held[gpus[0].uuid], os.geteuid())}")
+    for gpu in free:
         if sum(s for _, s in shares_in_use(state_dir, gpu.uuid)) + share <= 1 + SHARE_EPSILON:
             return gpu
-    return gpus[0]  # none has room: the admission check explains
+    return free[0]  # none has room: the admission check explains
 
 
 def admit(state_dir: Path, gpu: GpuInfo, share: float, overcommit: bool) -> None:
@@ -323,8 +352,10 @@ def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Pope
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     log_fd = securedir.open_nofollow(state_dir / DAEMON_LOG_NAME,
                                      os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    # The daemon sees the GPUs gemini-run sees (gemini-vgpu status lists them).
+    # The daemon sees the GPUs gemini-run sees (gemini-vgpu status lists them), and claims
+    # each it serves host-wide, in the lock directory gemini-run checked.
     simulate = ["--simulate-gpus", str(simulate_gpus)] if simulate_gpus else []
+    simulate += ["--gpu-lock-dir", str(gpulock.lock_dir())]
     with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
@@ -340,10 +371,16 @@ def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] |
     state_dir = request.state_dir
     socket_path = paths.channel_socket(record.channel_dir)
     deadline = time.monotonic() + DAEMON_START_TIMEOUT
+    next_ask = time.monotonic() + REFUSAL_POLL
     while not socket_path.exists():
         pending = signal.sigtimedwait(FORWARDED, 0)
         if pending is not None:
             raise Interrupted(pending.si_signo)
+        if time.monotonic() >= next_ask:
+            next_ask = time.monotonic() + REFUSAL_POLL
+            refused = daemon_refusal(state_dir, record)
+            if refused is not None:
+                raise RunError(f"gemini-scheduler will not serve the allocation: {refused}")
         if daemon is None and not scheduler_lock.is_held(state_dir):
             # The running daemon exited (idle_exit) before it saw the record: start one.
             daemon = ensure_daemon(state_dir, request.simulate_gpus)
@@ -356,6 +393,19 @@ def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] |
                            f"gemini-scheduler serving {state_dir}? See "
                            f"{state_dir / DAEMON_LOG_NAME}")
         time.sleep(0.02)
+
+
+def daemon_refusal(state_dir: Path, record: AllocationRecord) -> str | None:
+    """Why the running daemon will not serve `record` (a GPU another user's daemon took first,
+    say), from its status; None while it has not refused it."""
+    try:
+        status = client.request(state_dir, "status", timeout=2.0)
+    except (OSError, ValueError):
+        return None
+    for bad in status.get("corrupt_records", []) if isinstance(status, dict) else []:
+        if Path(str(bad.get("path"))).name == f"{record.id}.json":
+            return str(bad.get("error"))
+    return None
 
 
 class Interrupted(Exception):
@@ -429,9 +479,34 @@ def build_record(request: Request, gpu: GpuInfo, library: Path) -> AllocationRec
         limit=request.limit, owner_pid=os.getpid())
 
 
+def run_on_host(request: Request, host: Path, library: Path) -> int:
+    """Through the host daemon: it admits across users and makes the allocation; this process's
+    connection is its lease, so it ends with this process however this process ends."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)   # as in run(), below
+    signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+    try:
+        try:
+            lease = host_client.Lease(host, gpu=request.gpu, share=request.share,
+                                      limit=request.limit, memory=request.memory,
+                                      overcommit=request.overcommit,
+                                      hook_library=library.name)
+        except host_client.HostError as err:
+            raise RunError(f"the host daemon refused: {err}") from None
+        try:
+            return supervise(request.command, child_environment(lease.record, library))
+        finally:
+            lease.end()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
+
+
 def run(request: Request) -> int:
     check_command(request.command)
     library = hook_library_path(request)
+    # The machine's host daemon serves every user where an administrator installed it.
+    host = hoststate.find_host(request.state_dir if request.state_dir_named else None)
+    if host is not None:
+        return run_on_host(request, host, library)
     gpus = discover(request)
     prepare_state_dir(request.state_dir)
     # An ignored SIGCHLD is inherited across exec (some supervisors set it): children would be
@@ -443,7 +518,8 @@ def run(request: Request) -> int:
     try:
         with admission_lock(request.state_dir):
             clean_stale(request.state_dir)
-            gpu = choose_gpu(gpus, request.gpu, request.state_dir, request.share)
+            gpu = choose_gpu(gpus, request.gpu, request.state_dir, request.share,
+                             held_by_others(gpus))
             admit(request.state_dir, gpu, request.share, request.overcommit)
             record = build_record(request, gpu, library)
             Path(record.channel_dir).mkdir(mode=0o700)

@@ -6,6 +6,7 @@ its unit; a user outside its group asks an administrator to be added.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_runtime import hoststate, paths
+from vgpu_runtime.allocation import AllocationRecord, RecordError
 
 
 class HostError(Exception):
@@ -88,3 +90,31 @@ def unreachable(state_dir: Path, err: OSError) -> str:
                 f"{hoststate.HOST_UNIT} (journalctl -u {hoststate.HOST_UNIT} says why it "
                 "stopped)")
     return f"cannot reach the host daemon on {socket_path}: {err}"
+
+
+class Lease:
+    """An allocation of the host daemon's, held by this process's connection: it ends when
+    `end` is called or when this process exits however it exits (the kernel closes the
+    connection)."""
+
+    def __init__(self, state_dir: str | Path, **ask: Any) -> None:
+        self.state_dir = Path(state_dir)
+        self.connection = HostConnection(state_dir)
+        try:
+            answer = self.connection.ask("allocate", **ask)
+            self.record = AllocationRecord.from_json(answer["allocation"])
+        except (HostError, KeyError, RecordError) as err:
+            self.connection.close()
+            raise HostError(str(err)) from None
+
+    def end(self) -> None:
+        """Release the allocation now: on the lease's own connection, or, where a restart of
+        the daemon broke it, on a new one (the daemon would otherwise end it within a second
+        of this process's exit)."""
+        try:
+            self.connection.ask("release", id=self.record.id)
+        except HostError:
+            with contextlib.suppress(HostError):
+                request(self.state_dir, "release", id=self.record.id)
+        finally:
+            self.connection.close()
