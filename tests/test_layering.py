@@ -33,6 +33,9 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.nodefiles": 1,
     "vgpu_runtime.containerenv": 1,
     "vgpu_runtime.hooklib": 1,
+    # Whose a machine is (the host daemon's mark) and whose daemon serves each GPU.
+    "vgpu_runtime.hoststate": 1,
+    "vgpu_runtime.gpulock": 1,
     # The plugin's section of the node configuration file: the config manager checks it too.
     "vgpu_runtime.pluginconfig": 1,
     # The time-sharing algorithm, pure.
@@ -43,6 +46,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.run": 4,
     "vgpu_runtime.cli": 4,
     "vgpu_runtime.install": 4,
+    "vgpu_runtime.hostctl": 4,
     "vgpu_runtime.configmanager": 4,
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,

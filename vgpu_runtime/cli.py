@@ -2,7 +2,9 @@
 `gemini-vgpu stop` stops it (the one gemini-run started in the background, typically).
 
 The daemon's control socket (<state-dir>/scheduler.sock) is private to the daemon's user: on a
-node that is root, with gemini-run it is the user who ran it (a per-user state directory).
+node that is root, with gemini-run it is the user who ran it (a per-user state directory). Where
+the host daemon is installed (hoststate.py), both ask it instead, through its group's socket:
+each user sees their own allocations and what is free; it is stopped through its unit.
 """
 
 from __future__ import annotations
@@ -13,18 +15,21 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import paths
+from vgpu_runtime import hoststate, paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
 from vgpu_runtime.daemon import lock as scheduler_lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.control import control_socket
+from vgpu_runtime.daemon.host import client as host_client
 
 PROG = "gemini-vgpu"
 STOP_TIMEOUT = 15.0   # the daemon closes every channel first; 15 s is what gemini-run allows
 FREE_COLUMNS = ("INDEX", "GPU", "MODEL", "MEMORY", "FREE SHARE", "FREE SLICES", "HEALTH")
+HOST_FREE_COLUMNS = ("INDEX", "GPU", "MODEL", "MEMORY", "FREE SHARE", "FREE MEMORY", "HEALTH")
 COLUMNS = ("CONTAINER", "ALLOCATION", "REQUEST", "LIMIT", "ACHIEVED", "MEMORY USED / LIMIT",
            "WAIT P50", "WAIT P99", "REVOKED", "HOLDER")
 
@@ -87,6 +92,8 @@ def _container(entry: dict[str, Any] | None) -> str:
     pod = entry.get("pod")
     if pod:
         return f"{pod['namespace']}/{pod['name']}/{pod['container']}"
+    if entry.get("owner_uid") is not None:   # the host daemon's: whose, and which process
+        return f"uid {entry['owner_uid']} pid {entry.get('owner_pid') or '?'}"
     if entry.get("owner_pid"):
         return f"{entry['origin']} pid {entry['owner_pid']}"
     return str(entry.get("origin", "?"))
@@ -102,36 +109,47 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
             for row in rows]
 
 
-def _free(gpus: list[dict[str, Any]]) -> list[str]:
-    """What is left on each GPU: time (a gemini-run --share) and slices (a pod's request)."""
+def _free(gpus: list[dict[str, Any]], host: bool = False) -> list[str]:
+    """What is left on each GPU: time (a gemini-run --share) and slices (a pod's request); on
+    a host daemon's machine, memory instead of slices (no pods there)."""
     if not gpus:
         return ["no GPU found by the daemon (NVML found none; a daemon started with "
                 "--simulate-gpus N shows simulated ones)"]
-    rows: list[tuple[str, ...]] = [FREE_COLUMNS]
+    rows: list[tuple[str, ...]] = [HOST_FREE_COLUMNS if host else FREE_COLUMNS]
     for gpu in gpus:
         total = gpu.get("memory_total")
         health = "healthy" if gpu.get("healthy", True) else f"unhealthy: {gpu.get('reason', '')}"
+        if host:
+            left = "?" if total is None else format_size(
+                max(0, total - gpu.get("memory_allocated", 0)))
+        else:
+            left = f"{max(0, gpu['slices'] - gpu['slices_allocated'])} of {gpu['slices']}"
         rows.append((
             str(gpu.get("index", "?")), gpu["uuid"], gpu.get("model") or "?",
             "?" if total is None else format_size(total),
-            f"{max(0.0, 1 - gpu.get('share_allocated', 0.0)):.2f}",
-            f"{max(0, gpu['slices'] - gpu['slices_allocated'])} of {gpu['slices']}", health))
+            f"{max(0.0, 1 - gpu.get('share_allocated', 0.0)):.2f}", left, health))
     return _table(rows)
 
 
 def render(status: dict[str, Any]) -> str:
     daemon = status["daemon"]
     settings = daemon.get("token_settings", {})
-    lines = [f"gemini-scheduler pid {daemon['pid']} (version {daemon['version']}), state "
-             f"{daemon['state_dir']}, limit policy {daemon.get('limit_policy', '?')}, "
-             f"share window {settings.get('window', '?')} s"]
+    viewer = status.get("viewer") or {}
+    host = bool(viewer.get("host"))
+    lines = [f"{'host daemon' if host else 'gemini-scheduler'} pid {daemon['pid']} (version "
+             f"{daemon['version']}), state {daemon['state_dir']}, limit policy "
+             f"{daemon.get('limit_policy', '?')}, share window {settings.get('window', '?')} s"]
+    if host and not viewer.get("everyone"):
+        lines.append(f"it serves every user of this machine; shown to uid {viewer['uid']}: "
+                     "your allocations, and what is free")
     if daemon.get("idle_exit"):   # started on demand (gemini-run)
         lines.append(f"exits after {daemon['idle_exit']:g} s without allocations; stop it now "
                      f"with: gemini-vgpu stop --state-dir {daemon['state_dir']}")
     lines.append("")
-    lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, FREE SLICES for "
-                 "pods' gemini.ai/vgpu requests):")
-    lines.extend(_free(status.get("node", {}).get("gpus", [])))
+    lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, " + (
+        "FREE MEMORY for its --memory):" if host else
+        "FREE SLICES for pods' gemini.ai/vgpu requests):"))
+    lines.extend(_free(status.get("node", {}).get("gpus", []), host))
     allocations = {a["id"]: a for a in status.get("allocations", [])}
     gpus = status.get("gpus", [])
     if not gpus:
@@ -144,8 +162,13 @@ def render(status: dict[str, Any]) -> str:
         gate = "open (one container owns it whole)" if gpu["gate"] == "open" else "token"
         lines.append("")
         lines.append(f"GPU {gpu['uuid']}  gate: {gate}  holder now: {holder}")
+        others = gpu.get("others") or {}
+        if others.get("allocations"):   # the host daemon's: other users', counted, not shown
+            lines.append(f"  other users: {others['allocations']} allocation(s), request "
+                         f"{others['request']:.2f}, memory limits "
+                         f"{format_size(others['memory_limit'])}")
         if not gpu["tenants"]:   # its last allocation ended
-            lines.append("  no containers now")
+            lines.append("  none of yours now" if others else "  no containers now")
             continue
         rows: list[tuple[str, ...]] = [COLUMNS]
         for t in gpu["tenants"]:
@@ -159,6 +182,19 @@ def render(status: dict[str, Any]) -> str:
     for bad in status.get("corrupt_records", []):
         lines.append(f"corrupt record {bad['path']}: {bad['error']}")
     return "\n".join(lines)
+
+
+def host_command(command: str, host: Path, as_json: bool) -> int:
+    """status and stop on a machine whose host daemon serves every user."""
+    if command == "stop":
+        raise StatusError(f"the host daemon serves every user of this machine ({host}); it is "
+                          f"stopped through its unit: sudo systemctl stop {hoststate.HOST_UNIT}")
+    try:
+        answer = host_client.request(host, "status")
+    except host_client.HostError as err:
+        raise StatusError(str(err)) from None
+    print(json.dumps(answer, indent=1) if as_json else render(answer))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -182,8 +218,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--timeout", type=float, default=STOP_TIMEOUT, metavar="SECONDS",
                       help=f"how long to wait for it to exit (default {STOP_TIMEOUT:g})")
     args = parser.parse_args(argv)
-    state_dir = args.state_dir or os.environ.get(paths.ENV_STATE_DIR) or paths.default_state_dir()
+    named = args.state_dir or os.environ.get(paths.ENV_STATE_DIR)
+    state_dir = named or paths.default_state_dir()
+    host = hoststate.find_host(named)   # the machine's daemon for every user, if installed
     try:
+        if host is not None:
+            return host_command(args.command, host, args.json)
         if args.command == "stop":
             pid = stop_daemon(state_dir, args.force, args.timeout)
             print(f"gemini-scheduler pid {pid} of {state_dir} stopped")
