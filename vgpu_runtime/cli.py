@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = hoststate.find_host(named)   # the machine's daemon for every user, if installed
     try:
         if host is not None:
-            return host_command(args.command, host, args.json)
+            return host_command(args.command, host, getattr(args, "json", False))
         if args.command == "stop":
             pid = stop_daemon(state_dir, args.force, args.timeout)
             print(f"gemini-scheduler pid {pid} of {state_dir} stopped")

@@ -249,10 +249,12 @@ def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: 
         known = ", ".join(f"{g.index} ({g.uuid})" for g in gpus)
         raise RunError(f"no GPU {wanted!r} on this machine; known: {known}")
     free = [gpu for gpu in gpus if gpu.uuid not in held]
+    if len(gpus) == 1 and not free:
+        raise RunError(gpulock.refusal(held[gpus[0].uuid], os.geteuid()))
     if not free:
         holders = "; ".join(f"GPU {g.index}: {held[g.uuid].describe()}" for g in gpus)
-        raise RunError(f"every GPU of this machine is held by another user's daemon ({holders})"
-                       f": {gpulock.advice(held[gpus[0].uuid], os.geteuid())}")
+        raise RunError(f"every GPU of this machine is held by another daemon ({holders}): "
+                       f"{gpulock.advice(held[gpus[0].uuid], os.geteuid())}")
     for gpu in free:
         if sum(s for _, s in shares_in_use(state_dir, gpu.uuid)) + share <= 1 + SHARE_EPSILON:
             return gpu
