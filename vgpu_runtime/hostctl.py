@@ -106,9 +106,10 @@ def _untrusted(path: Path) -> str | None:
     return None
 
 
-def untrusted_code() -> list[str]:
-    """What another user could change of the code the unit would run as root: this Python and
-    its directories, the package's files and directories, every import path's directories."""
+def untrusted_code(python: str) -> list[str]:
+    """What another user could change of the code the unit would run as root: its Python (and
+    this one) and their directories, the package's files and directories, every import path's
+    directories."""
     problems: list[str] = []
     seen: set[Path] = set()
 
@@ -120,8 +121,9 @@ def untrusted_code() -> list[str]:
                 if problem:
                     problems.append(problem)
 
-    check(Path(sys.executable))
-    check(Path(os.path.realpath(sys.executable)))
+    for executable in (python, sys.executable):
+        check(Path(os.path.abspath(executable)))
+        check(Path(os.path.realpath(executable)))
     for entry in sys.path:
         if entry and os.path.isdir(entry):
             check(Path(entry).resolve())
@@ -152,7 +154,7 @@ def ensure_group(name: str) -> str:
 def install(args: argparse.Namespace) -> list[str]:
     if os.geteuid() != 0:
         raise HostCtlError("install as root: sudo gemini-host install")
-    problems = untrusted_code()
+    problems = untrusted_code(args.python)
     if problems:
         raise HostCtlError(
             "the unit would run, as root, code that another user can change: "
