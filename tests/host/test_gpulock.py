@@ -113,10 +113,10 @@ def test_a_lock_directory_someone_else_could_replace_locks_in_is_refused(
     directory.mkdir()
     os.chmod(directory, mode)
     os.chown(directory, owner, -1)
-    for attempt in (lambda: gpulock.holder(directory, UUID, 0),
-                    lambda: gpulock.GpuClaims(directory, 0).claim(UUID)):
-        with pytest.raises(gpulock.GpuLockError, match=message):
-            attempt()
+    with pytest.raises(gpulock.GpuLockError, match=message):
+        gpulock.holder(directory, UUID, 0)
+    with pytest.raises(gpulock.GpuLockError, match=message):
+        gpulock.GpuClaims(directory, 0).claim(UUID)
 
 
 def test_no_lock_directory_is_refused_with_the_fix(tmp_path: Path) -> None:
