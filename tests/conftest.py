@@ -4,13 +4,25 @@ extra which is not installed (hypothesis) is skipped, saying which, instead of f
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# Host-wide GPU locks (vgpu_runtime/gpulock.py) in a directory of this run's own, inherited by
+# every process the tests start: runs beside each other (and real users' daemons) hold the same
+# simulated GPUs' UUIDs, and must not refuse each other; nor need the machine have /run/lock.
+_LOCKS = tempfile.mkdtemp(prefix="gm-locks-")
+os.chmod(_LOCKS, 0o1777)   # the shape of /run/lock: tests' other users lock here too
+os.environ.setdefault("GEMINI_GPU_LOCK_DIR", _LOCKS)
+atexit.register(shutil.rmtree, _LOCKS, True)
 
 # Test extras that whole modules import at their top.
 OPTIONAL_MODULES = ("hypothesis",)
