@@ -1,5 +1,5 @@
 """Two real Unix users on one machine, over the real daemons, the real interposer and the fake
-libcuda (issue 30, "Shared hosts").
+libcuda.
 
 With the host daemon: both users' gemini-run go through it; shares and memory hold across them;
 neither can stop, read or change the other's allocation; `gemini-vgpu status` shows each their
