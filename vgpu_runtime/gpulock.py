@@ -22,8 +22,10 @@ Linux flock and POSIX locks are independent), so two users' claims cannot interl
 drops a holder's locks when it exits however it exits, and F_GETLK names a holder's byte and
 pid: a refusal names the holder from the kernel, never from a file someone wrote.
 
-What it does not do: keep out a user who means harm. The owner of a lock file may remove it, and
-any user may use the GPU without gemini-run at all. The lock keeps honest users apart; the host
+What it does not do: keep out a user who means harm. The owner of a lock file may remove it (the
+host daemon replaces a lock file a user made with one of root's before it holds it, and a claim
+always checks, under the gate, that its file is still the one in place), and any user may use the
+GPU without gemini-run at all. The lock keeps honest users apart; the host
 daemon, which serves every user from one ledger, is what a shared machine should run.
 """
 
@@ -46,6 +48,7 @@ from vgpu_runtime import paths
 HOST_BYTE = 1 << 32          # the host daemon's byte: beyond every uid (uids are 32 bits)
 LOCK_FILE_MODE = 0o444
 GATE_WAIT = 2.0              # seconds a claim waits for another claim's check to end
+CLAIM_TRIES = 5              # a claim starts again this often on a lock file replaced under it
 _FLOCK = struct.Struct("hhqqi4x")   # struct flock: type, whence, start, len, pid (Linux)
 
 
@@ -167,6 +170,28 @@ def _other_holder(fd: int, uuid: str, byte: int) -> Holder | None:
     return None
 
 
+def _is_current(fd: int, path: Path) -> bool:
+    """Whether `fd` is still the file at `path` (a claim checks it under the gate: whoever
+    replaces a lock file does so under the old one's gate, and claims go to the new one)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _replace_with_roots(path: Path) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 LOCK_FILE_MODE)
+    try:
+        os.fchmod(fd, LOCK_FILE_MODE)
+    finally:
+        os.close(fd)
+    os.rename(temporary, path)
+
+
 def _set(fd: int, kind: int, byte: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
 
@@ -226,21 +251,40 @@ class GpuClaims:
             return
         check_dir(self.directory)
         path = lock_file(self.directory, uuid)
-        fd = _open(path, create=True)
-        assert fd is not None
-        try:
-            self._gate(fd, path)
+        for _ in range(CLAIM_TRIES):
+            fd = _open(path, create=True)
+            assert fd is not None
             try:
-                other = _other_holder(fd, uuid, self.byte)
-                if other is not None:
-                    raise GpuHeld(refusal(other, self.uid), other)
-                _set(fd, fcntl.F_RDLCK, self.byte)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        except BaseException:
+                claimed = self._try(fd, path, uuid)
+            except BaseException:
+                os.close(fd)
+                raise
+            if claimed:
+                self._held[uuid] = fd
+                return
             os.close(fd)
-            raise
-        self._held[uuid] = fd
+        raise GpuLockError(f"{path} was replaced {CLAIM_TRIES} times while this daemon claimed "
+                           "it; some process keeps replacing it")
+
+    def _try(self, fd: int, path: Path, uuid: str) -> bool:
+        """Claim through `fd`; False where the file was replaced meanwhile (try again on the
+        one in its place)."""
+        self._gate(fd, path)
+        try:
+            if not _is_current(fd, path):
+                return False
+            other = _other_holder(fd, uuid, self.byte)
+            if other is not None:
+                raise GpuHeld(refusal(other, self.uid), other)
+            if self.uid is None and os.fstat(fd).st_uid != 0 and os.geteuid() == 0:
+                # The host daemon's lock must be a file no user can remove: a user who made it
+                # could otherwise unlink it and lock a new one beside the host daemon.
+                _replace_with_roots(path)
+                return False
+            _set(fd, fcntl.F_RDLCK, self.byte)
+            return True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     @staticmethod
     def _gate(fd: int, path: Path) -> None:

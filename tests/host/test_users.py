@@ -470,3 +470,24 @@ def test_concurrent_claims_of_two_users_leave_one_holder(members: Members,
     winners = {name for name, said in results if said == "won"}
     assert len(winners) == 1, results   # one user's daemons hold it, the other's are refused
     assert all(said == ("won" if name in winners else "held") for name, said in results)
+
+
+def test_the_host_daemon_makes_a_users_lock_file_roots(members: Members,
+                                                       root_dir: Path) -> None:
+    # Alice's daemon made GPU 0's lock file before the host daemon was installed: she could
+    # remove it and lock a new one beside the host daemon, so the host daemon replaces it.
+    made = python_as(members.alice, f"""
+        from vgpu_runtime import gpulock
+        gpulock.GpuClaims({str(root_dir / "locks")!r}, {members.alice.uid}).claim({UUID!r})
+    """)
+    assert made.returncode == 0, made.stderr
+    lock = gpulock.lock_file(root_dir / "locks", UUID)
+    assert mode_of(lock)[0] == members.alice.uid
+    daemon = HostDaemon(root_dir, members.group, "--simulate-gpus", "1").wait_ready()
+    try:
+        assert mode_of(lock) == (0, 0, 0o444)
+        assert members.alice.bare(["rm", "-f", str(lock)]).returncode != 0
+        found = gpulock.holder(root_dir / "locks", UUID, members.alice.uid)
+        assert found is not None and found.is_host and found.pid == daemon.proc.pid
+    finally:
+        daemon.stop()
