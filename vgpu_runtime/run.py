@@ -492,8 +492,10 @@ def run_on_host(request: Request, host: Path, library: Path) -> int:
                                       limit=request.limit, memory=request.memory,
                                       overcommit=request.overcommit,
                                       hook_library=library.name)
-        except host_client.HostError as err:
+        except host_client.HostRefused as err:
             raise RunError(f"the host daemon refused: {err}") from None
+        except host_client.HostError as err:
+            raise RunError(str(err)) from None
         try:
             return supervise(request.command, child_environment(lease.record, library))
         finally:

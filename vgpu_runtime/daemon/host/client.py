@@ -21,6 +21,10 @@ class HostError(Exception):
     """The host daemon could not be asked, or refused; the message says why and what to do."""
 
 
+class HostRefused(HostError):
+    """The host daemon answered with a refusal (its message)."""
+
+
 class HostConnection:
     """One connection to the host daemon; requests answered in turn. An allocation asked for on
     it lasts as long as the connection (its lease)."""
@@ -57,7 +61,7 @@ class HostConnection:
         if not isinstance(answer, dict):
             raise HostError(f"the host daemon gave no valid answer to {op}: {answer!r}")
         if "error" in answer:
-            raise HostError(str(answer["error"]))
+            raise HostRefused(str(answer["error"]))
         return answer
 
     def fileno(self) -> int:
@@ -103,9 +107,12 @@ class Lease:
         try:
             answer = self.connection.ask("allocate", **ask)
             self.record = AllocationRecord.from_json(answer["allocation"])
-        except (HostError, KeyError, RecordError) as err:
+        except HostError:
             self.connection.close()
-            raise HostError(str(err)) from None
+            raise
+        except (KeyError, RecordError) as err:
+            self.connection.close()
+            raise HostError(f"the host daemon gave no valid allocation: {err}") from None
 
     def end(self) -> None:
         """Release the allocation now: on the lease's own connection, or, where a restart of
