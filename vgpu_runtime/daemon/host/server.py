@@ -175,6 +175,17 @@ class HostServer:
             return {"error": f"request is not JSON: {err}"}
         if not isinstance(request, dict) or not isinstance(request.get("op"), str):
             return {"error": 'request must be an object like {"op": "status"}'}
+        try:
+            return await self._op(request, peer, held)
+        except (OSError, RecordError) as err:
+            # Out of descriptors or space, a read-only state directory: this answer fails, the
+            # daemon and every other allocation go on.
+            log.error("host request failed", extra={"op": request["op"], "uid": peer.uid,
+                                                     "error": str(err)})
+            return {"error": f"the host daemon cannot {request['op']} now: {err}"}
+
+    async def _op(self, request: dict[str, Any], peer: PeerCred,
+                  held: set[str]) -> dict[str, Any]:
         op = request["op"]
         if op == "allocate":
             return await self.allocate(request, peer, held)
