@@ -286,18 +286,12 @@ def owner_alive(record: AllocationRecord) -> bool:
     return started is None or started <= record.created_at + 1
 
 
-def remove_allocation(state_dir: Path, record: AllocationRecord) -> None:
-    allocation.remove_record(state_dir, record.id)
-    # Only <state-dir>/channels/<id>, a real directory of this user; never anything else.
-    allocation.remove_channel_dir(state_dir, record)
-
-
 def clean_stale(state_dir: Path) -> list[str]:
     removed = []
     for _path, record in allocation.scan_records(state_dir):
         if (isinstance(record, AllocationRecord) and record.origin == "gemini-run"
                 and not owner_alive(record)):
-            remove_allocation(state_dir, record)
+            allocation.end_allocation(state_dir, record.id, record)
             removed.append(record.id)
     return removed
 
@@ -484,7 +478,7 @@ def run(request: Request) -> int:
         return 128 + stop.signo
     finally:
         if record is not None:
-            remove_allocation(request.state_dir, record)
+            allocation.end_allocation(request.state_dir, record.id, record)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
 
 

@@ -145,18 +145,20 @@ class Allocations:
         return True
 
     async def collect(self, allocation_id: str, reason: str) -> None:
-        """The allocation's pod is gone: record removed, channel closed, directory removed."""
+        """The allocation's pod is gone: its channel closed and its binding dropped, then its
+        record and directory removed (end_allocation, the records' one deleter), so that what
+        outlives the record is nothing and the directory is the last to go. A record that
+        cannot be removed is served again at the next poll, and collected again later."""
         async with self._lock:
             channel = self.channels.pop(allocation_id, None)
             record = channel.record if channel else allocation.load_record(self.state_dir,
                                                                            allocation_id)
-            allocation.remove_record(self.state_dir, allocation_id)
             if channel is not None:
                 await channel.close(reason)
             binding = self.bindings.get(allocation_id)
             self.bindings.drop(allocation_id)
+            allocation.end_allocation(self.state_dir, allocation_id, record)
             if record is not None:
-                allocation.remove_channel_dir(self.state_dir, record)
                 self.notify("collected", record, {"reason": reason}, binding)
             log.info("allocation collected", extra={"allocation": allocation_id,
                                                     "reason": reason})
