@@ -135,7 +135,7 @@ class Daemon:
         asyncio.get_running_loop().set_exception_handler(AcceptFailureLog())
         await self.control.start()
         self._start_optional()
-        log.info("gemini-scheduler started", extra={"state_dir": str(self.state_dir),
+        log.info("gemini-daemon started", extra={"state_dir": str(self.state_dir),
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name,
                                                     "event_loop": event_loop_name()})
@@ -255,9 +255,9 @@ class Daemon:
         if self.kube is not None:
             self.kube.close()
         await self.control.close()
-        await self.allocations.close("gemini-scheduler stopping")
+        await self.allocations.close("gemini-daemon stopping")
         self.tokens.close()
-        log.info("gemini-scheduler stopped")
+        log.info("gemini-daemon stopped")
 
     # ---- status: `gemini-vgpu status`, /metrics and MQTT read the same answer ----
 
