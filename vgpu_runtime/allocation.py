@@ -12,7 +12,8 @@ fails. Once write_record returns, the record survives a crash of the writer. The
 that makes it survive a power loss is done before write_record returns, or just after it by a
 DirectorySyncer when the caller passes one (the device plugin, to answer Allocate sooner); until
 then a power loss can only bring back the old record, or none. Temporary files a dead writer
-left behind are removed by sweep_temp_files.
+left behind are removed by sweep_temp_files. A record is deleted by end_allocation alone, which
+every program that ends an allocation asks (its docstring says who and why).
 
 Record (JSON, `version` 2):
     id            "k-<16 hex>" from kubelet slice IDs, "r-<16 hex>" for gemini-run
@@ -391,7 +392,34 @@ def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord
             yield path, err
 
 
+# ---- ending an allocation: the one place records are deleted ----
+
+def end_allocation(state_dir: str | Path, allocation_id: str,
+                   record: AllocationRecord | None = None) -> bool:
+    """End an allocation on disk: its record (durably), then its channel directory. Records
+    are deleted here alone; the programs that end allocations ask it: the device plugin (the
+    records of an Allocate that failed part-way), gemini-run (its command's, as it exits, and
+    those of dead owners), the daemon (a pod's that ended; on the host daemon, an allocation
+    whose lease closed, whose owner died or that it could not serve, through the same
+    collection) and gemini-host uninstall (the users' allocations). So one order and one rule
+    hold for all: the record goes first, so the daemon stops serving it before its directory
+    goes, and only a directory of this state directory's layout and of this user goes
+    (remove_channel_dir). `record` names the directory; without it, the layout's
+    <state-dir>/channels/<id> or <state-dir>/host-channels/<id>. Returns whether there was a
+    record; OSError if it cannot be removed (the directory is then left: the allocation has
+    not ended)."""
+    removed = remove_record(state_dir, allocation_id)
+    if record is not None:
+        _remove_channel_dir(state_dir, allocation_id, record.channel_dir)
+    else:
+        for parent in _channel_parents(state_dir):
+            _remove_channel_dir(state_dir, allocation_id, str(parent / allocation_id))
+    return removed
+
+
 def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
+    """The record file alone; the product ends allocations with end_allocation (tests check
+    that it is the only caller)."""
     try:
         record_path(state_dir, allocation_id).unlink()
     except FileNotFoundError:
@@ -402,16 +430,29 @@ def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
 
 def remove_channel_dir(state_dir: str | Path, record: AllocationRecord) -> bool:
     """Remove the record's channel directory, only where this state directory's layout puts it
-    (<state-dir>/channels/<id>) and only if it is a real directory of this process's user:
-    nothing removes what it did not create. Returns whether it was removed."""
-    channels = paths.channels_dir(state_dir)
-    directory = Path(record.channel_dir)
-    if directory.name != record.id or directory.parent.resolve() != channels.resolve():
+    (<state-dir>/channels/<id>, or the host daemon's <state-dir>/host-channels/<id>) and only if
+    it is a real directory of this process's user: nothing removes what it did not create.
+    Returns whether it was removed."""
+    return _remove_channel_dir(state_dir, record.id, record.channel_dir)
+
+
+def _channel_parents(state_dir: str | Path) -> tuple[Path, Path]:
+    # A per-user daemon's or a node's channels, and the host daemon's (paths.py).
+    return paths.channels_dir(state_dir), paths.host_channels_dir(state_dir)
+
+
+def _remove_channel_dir(state_dir: str | Path, allocation_id: str, channel_dir: str) -> bool:
+    directory = Path(channel_dir)
+    if directory.name != allocation_id:
         return False
-    try:
-        return remove_tree_in(channels, record.id, os.geteuid())
-    except OSError:
-        return False
+    for parent in _channel_parents(state_dir):
+        if directory.parent.resolve() != parent.resolve():
+            continue
+        try:
+            return remove_tree_in(parent, allocation_id, os.geteuid())
+        except OSError:
+            return False
+    return False
 
 
 def sweep_temp_files(state_dir: str | Path, older_than: float = STALE_TEMP_AGE) -> list[Path]:

@@ -78,7 +78,7 @@ class Holder:
         pid = f"pid {self.pid}" if self.pid else "pid unknown"
         if self.uid is None:
             return f"the host daemon ({pid})"
-        return f"uid {self.uid}{_user_name(self.uid)}'s gemini-scheduler ({pid})"
+        return f"uid {self.uid}{_user_name(self.uid)}'s gemini-daemon ({pid})"
 
 
 def _user_name(uid: int) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 import vgpu_runtime
 from vgpu_runtime import allocation, hoststate, paths
 from vgpu_runtime.common import cli, securedir
-from vgpu_runtime.daemon import lock as scheduler_lock
+from vgpu_runtime.daemon import lock as daemon_lock
 
 PROG = "gemini-host"
 UNIT_NAME = f"{hoststate.HOST_UNIT}.service"
@@ -203,9 +203,9 @@ def uninstall(args: argparse.Namespace) -> list[str]:
     if systemd_runs() and unit.exists():
         _run(["systemctl", "disable", "--now", UNIT_NAME])
         done.append(f"stopped and disabled {UNIT_NAME}")
-    if scheduler_lock.is_held(state):
+    if daemon_lock.is_held(state):
         raise HostCtlError(f"a daemon still serves {state} (pid "
-                           f"{scheduler_lock.holder_pid(state) or 'unknown'}): stop it first")
+                           f"{daemon_lock.holder_pid(state) or 'unknown'}): stop it first")
     if unit.exists():
         unit.unlink()
         if systemd_runs():
@@ -214,7 +214,7 @@ def uninstall(args: argparse.Namespace) -> list[str]:
     ended = []
     for path, record in allocation.scan_records(state):
         if isinstance(record, allocation.AllocationRecord) and record.owner_uid is not None:
-            allocation.remove_record(state, record.id)
+            allocation.end_allocation(state, record.id, record)   # record, then its directory
             ended.append(path.stem)
     if ended:
         done.append(f"removed {len(ended)} allocation(s) of users ({', '.join(ended[:5])}); "

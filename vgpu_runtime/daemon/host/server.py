@@ -10,7 +10,8 @@ connection's peer credentials (SO_PEERCRED), never anything it says.
       nothing under the state directory) naming the asker's uid and pid, makes the channel
       directory (root's, 0711) and answers once the channel serves: its socket is the asker's
       alone (0600). The connection is then the allocation's lease: when it closes, however its
-      gemini-run ended, the allocation ends (record removed, channel closed and removed).
+      gemini-run ended, the allocation ends (channel closed, then record and directory
+      removed: the daemon's collection, Allocations.collect, which asks end_allocation).
   {"op": "release", "id": "<id>"} -> {"released": "<id>"}: the asker's own allocations only.
   {"op": "status"} -> what this user may see (view.py); root sees everything.
   {"op": "stop"} -> refused: the machine's daemon is stopped through its unit.
@@ -39,6 +40,7 @@ from typing import Any
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common import procs, securedir
+from vgpu_runtime.daemon.allocations import Allocations
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
 from vgpu_runtime.daemon.daemon import Daemon
 from vgpu_runtime.daemon.host import admission, view
@@ -59,6 +61,7 @@ class HostServer:
     def __init__(self, daemon: Daemon, config: HostConfig, gpus: list[GpuInfo],
                  gid: int) -> None:
         self.daemon = daemon
+        self.allocations: Allocations = daemon.allocations   # the records served, one ledger
         self.config = config
         self.state_dir = Path(config.state_dir)
         self.path = paths.host_socket(self.state_dir)
@@ -75,7 +78,7 @@ class HostServer:
 
     async def start(self) -> None:
         securedir.make_dir(self.channels, paths.HOST_CHANNELS_DIR_MODE)
-        self._sweep_channel_dirs()
+        await self._sweep_channel_dirs()
         self._server = await asyncio.start_unix_server(self._serve, sock=self._listen(),
                                                        limit=MAX_REQUEST)
         log.info("host socket serving", extra={"socket": str(self.path), "group": self.gid})
@@ -118,7 +121,7 @@ class HostServer:
 
     async def sweep(self) -> list[str]:
         ended = []
-        for record in self.daemon.records():
+        for record in self.allocations.records():
             if record.id in self.leases or record.origin != "gemini-run" or not record.owner_pid:
                 continue
             if not procs.alive_since(record.owner_pid, record.created_at):
@@ -208,8 +211,8 @@ class HostServer:
         except (admission.Refused, ValueError, TypeError) as err:
             return {"error": str(err)}
         async with self._admit:
-            await self.daemon.sync()   # the records as they are now
-            records = self.daemon.records()
+            await self.allocations.sync()   # the records as they are now
+            records = self.allocations.records()
             if peer.uid != 0 and sum(r.owner_uid == peer.uid for r in records) >= (
                     MAX_ALLOCATIONS_PER_USER):
                 return {"error": f"uid {peer.uid} holds {MAX_ALLOCATIONS_PER_USER} allocations "
@@ -225,14 +228,14 @@ class HostServer:
                 os.chmod(record.channel_dir, paths.HOST_CHANNELS_DIR_MODE)
                 allocation.write_record(self.state_dir, record)
             except (OSError, RecordError) as err:
-                self._remove_channel_dir(record)
+                await self.end(record, "its record cannot be written")
                 return {"error": f"the host daemon cannot write the allocation: {err}"}
             held.add(record.id)
             self.leases[record.id] = peer.uid
-            await self.daemon.sync()
-        if record.id not in self.daemon.channels:
+            await self.allocations.sync()
+        if record.id not in self.allocations.channels:
             path = str(allocation.record_path(self.state_dir, record.id))
-            why = self.daemon.corrupt.get(path, "its channel is not served")
+            why = self.allocations.corrupt.get(path, "its channel is not served")
             held.discard(record.id)
             await self.end(record, "it cannot be served")
             return {"error": f"the host daemon cannot serve the allocation: {why}"}
@@ -256,8 +259,8 @@ class HostServer:
     async def release(self, request: dict[str, Any], peer: PeerCred,
                       held: set[str]) -> dict[str, Any]:
         allocation_id = request.get("id")
-        channel = self.daemon.channels.get(allocation_id) if isinstance(allocation_id, str) \
-            else None
+        channel = self.allocations.channels.get(allocation_id) \
+            if isinstance(allocation_id, str) else None
         # Another user's allocation is answered as one that does not exist: nothing is told.
         if channel is None or (peer.uid != 0 and channel.record.owner_uid != peer.uid):
             return {"error": f"no allocation {allocation_id!r} of yours"}
@@ -266,42 +269,45 @@ class HostServer:
         return {"released": channel.record.id}
 
     async def end_id(self, allocation_id: str, reason: str) -> None:
-        channel = self.daemon.channels.get(allocation_id)
+        channel = self.allocations.channels.get(allocation_id)
         if channel is not None:
             await self.end(channel.record, reason)
-        else:
-            self.leases.pop(allocation_id, None)
-            with contextlib.suppress(OSError, RecordError):
-                allocation.remove_record(self.state_dir, allocation_id)
-            with contextlib.suppress(OSError):
-                securedir.remove_tree_in(self.channels, allocation_id, 0)
+        else:   # not served (yet): its record and directory, if any, all the same
+            await self._collect(allocation_id, None, reason)
 
     async def end(self, record: AllocationRecord, reason: str) -> None:
-        """Remove the record, close the channel (the daemon's sync), remove its directory."""
-        self.leases.pop(record.id, None)
-        with contextlib.suppress(OSError, RecordError):
-            allocation.remove_record(self.state_dir, record.id)
-        with contextlib.suppress(OSError):
-            await self.daemon.sync()
-        self._remove_channel_dir(record)
-        log.info("allocation ended", extra={"allocation": record.id, "uid": record.owner_uid,
+        """End an allocation: its channel closed, then its record and directory removed."""
+        await self._collect(record.id, record.owner_uid, reason)
+
+    async def _collect(self, allocation_id: str, uid: int | None, reason: str) -> None:
+        # The daemon's collection (Allocations.collect): the one order in which allocations
+        # end, and end_allocation, the records' one deleter. A record that cannot be removed
+        # lives on, and the sweep ends it once its owner process is gone.
+        self.leases.pop(allocation_id, None)
+        try:
+            await self.allocations.collect(allocation_id, reason)
+        except (OSError, RecordError) as err:
+            log.error("cannot end allocation; tried again once its process is gone", extra={
+                "allocation": allocation_id, "uid": uid, "reason": reason, "error": str(err)})
+            return
+        log.info("allocation ended", extra={"allocation": allocation_id, "uid": uid,
                                             "reason": reason})
 
-    def _remove_channel_dir(self, record: AllocationRecord) -> None:
-        with contextlib.suppress(OSError):
-            if Path(record.channel_dir).parent == self.channels:
-                securedir.remove_tree_in(self.channels, record.id, 0)
-            else:   # a record gemini-run wrote here before the host daemon was installed
-                allocation.remove_channel_dir(self.state_dir, record)
-
-    def _sweep_channel_dirs(self) -> None:
+    async def _sweep_channel_dirs(self) -> None:
         """Channel directories no record names: left by a daemon that died between the two."""
         live = {path.stem for path, _ in allocation.scan_records(self.state_dir)}
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.channels):
-                if entry.name not in live:
-                    with contextlib.suppress(OSError):
-                        securedir.remove_tree_in(self.channels, entry.name, 0)
+                if entry.name not in live and _is_id(entry.name):   # nothing else is ours
+                    await self._collect(entry.name, None, "no record names its directory")
+
+
+def _is_id(name: str) -> bool:
+    try:
+        allocation.check_id(name)
+    except RecordError:
+        return False
+    return True
 
 
 def _ask(request: dict[str, Any], uid: int) -> admission.Ask:
