@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -13,7 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.childenv import REPO, child_env
 from tests.daemon.helpers import UUID_A, MiB, make_record
+from tests.host.test_gpulock import Holder
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.common import config as cfg
@@ -30,8 +34,8 @@ POD = PodRef("ml", "train", "main", "uid-1")
 class Served:
     """An Allocations on a state directory, with the events it announces kept in order."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.config = cfg.load_all(DaemonConfig, ["--state-dir", str(state_dir)]).config
+    def __init__(self, state_dir: Path, *flags: str) -> None:
+        self.config = cfg.load_all(DaemonConfig, ["--state-dir", str(state_dir), *flags]).config
         paths.allocations_dir(state_dir).mkdir(parents=True, exist_ok=True)
         self.state_dir = state_dir
         self.tokens = TokenService(self.config)
@@ -142,3 +146,48 @@ async def test_close_leaves_records_and_directories(served: Served) -> None:
     assert allocation.load_record(served.state_dir, record.id) == record
     assert os.path.isdir(record.channel_dir)
     assert served.allocations.records() == []
+
+
+def holder_uid(locks: Path) -> int | None:
+    """Who holds UUID_A, as another user's process sees it (a process never sees its own
+    POSIX locks)."""
+    seen = subprocess.run(
+        [sys.executable, "-c", "import sys; from vgpu_runtime import gpulock; "
+         "h = gpulock.holder(sys.argv[1], sys.argv[2], 4242); print(h and h.uid)",
+         str(locks), UUID_A], capture_output=True, text=True, cwd=REPO, env=child_env(),
+        timeout=30, check=True)
+    return None if seen.stdout.strip() == "None" else int(seen.stdout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a lock directory like /run/lock is root's")
+async def test_with_gpu_locks_each_gpu_served_is_held_host_wide_until_none_is_on_it(
+        state_dir: Path) -> None:
+    """gemini-run's daemons (gpu_lock_dir, daemon/gpuclaims.py): a GPU is claimed before its
+    first allocation is served, let go once none is left on it, and one another user's daemon
+    holds is refused, naming that user."""
+    locks = state_dir.parent / "locks"
+    locks.mkdir(mode=0o1777)
+    os.chmod(locks, 0o1777)
+    served = Served(state_dir, "--gpu-lock-dir", str(locks))
+    try:
+        record = make_record(state_dir)
+        await served.allocations.sync()
+        assert served.allocations.records() == [record]
+        assert holder_uid(locks) == os.geteuid()
+
+        allocation.remove_record(state_dir, record.id)
+        await served.allocations.sync()
+        assert holder_uid(locks) is None
+
+        other = Holder(locks, 4242, UUID_A)
+        try:
+            refused = make_record(state_dir)
+            await served.allocations.sync()
+        finally:
+            other.end()
+        assert served.allocations.records() == []
+        why = served.allocations.corrupt[str(allocation.record_path(state_dir, refused.id))]
+        assert "uid 4242" in why, why
+    finally:
+        await served.allocations.close("test over")
+        served.tokens.close()
