@@ -26,6 +26,7 @@ from vgpu_runtime import __version__, allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
 from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
+from vgpu_runtime.daemon.channel.pages import log_token_page_kind, token_page_kind
 from vgpu_runtime.daemon.channel.terms import terms_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
@@ -148,6 +149,7 @@ class Daemon:
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name,
                                                     "event_loop": event_loop_name()})
+        log_token_page_kind()
         if self.config.token_path != "auto":
             log.warning("token_path is deprecated and ignored: the token code is Python alone "
                         "(the C path was removed; BENCHMARKS.md, \"One token implementation\"); "
@@ -553,6 +555,7 @@ class Daemon:
                        "default_limit": self.config.default_limit,
                        "limit_policy": self.config.limit_policy,
                        "idle_exit": self.config.idle_exit,
+                       "token_pages": token_page_kind(),
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
                        "ready": self.ready},
