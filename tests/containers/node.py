@@ -50,6 +50,7 @@ SLICES = 10
 GPU_MEMORY = 16 * GiB
 DRIVER_IN_CONTAINER = "/opt/nvidia/lib64"   # outside the read-only host /usr
 PROGRAM = Path(__file__).resolve().parent / "launch_loop.py"
+FORGERY = Path(__file__).resolve().parents[1] / "security" / "forgery.py"   # its forge step
 # The daemon reports shares over this many seconds: the tests' launch loops last as long, so
 # a share sampled as a loop ends is the loop's.
 SHARE_WINDOW_S = 3.0
@@ -244,7 +245,8 @@ def start_node(api: Any = None, simulate_gpus: int = GPUS,
     else:
         write_cdi_spec(root / "cdi", build_fake_driver(root / "driver"))
     (root / "app").mkdir()
-    shutil.copy2(PROGRAM, root / "app" / PROGRAM.name)
+    for program in (PROGRAM, FORGERY):
+        shutil.copy2(program, root / "app" / program.name)
     loop = LoopThread()
     kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
     args = ["--log-format", "text"]

@@ -54,6 +54,7 @@ every launch instead of trusting a page nobody writes any more.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import logging
@@ -76,8 +77,9 @@ PAGES_DIR_MODE = paths.PAGES_DIR_MODE
 GATE_OPEN, GATE_TOKEN = C("GM_GATE_OPEN"), C("GM_GATE_TOKEN")
 
 
-# linux/fcntl.h; Python's fcntl names F_SEAL_FUTURE_WRITE only from 3.12 on.
+# linux/fcntl.h and linux/memfd.h; Python names them only in later versions.
 F_SEAL_FUTURE_WRITE = 0x0010
+MFD_NOEXEC_SEAL = 0x0008
 TOKEN_PAGE_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
                     | fcntl.F_SEAL_SEAL)
 SEALED, FILE = "sealed", "file"
@@ -88,7 +90,12 @@ pages_dir = paths.pages_dir
 def _sealed_memfd(name: str) -> tuple[int, mmap.mmap]:
     """A page-sized memfd mapped writable, then sealed (see the module's doc): its descriptor
     and the daemon's mapping. Raises OSError (EINVAL where the kernel lacks a seal)."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:   # not executable either, where the kernel knows the flag (6.3; vm.memfd_noexec=2)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, PAGE_BYTES)
         page_map = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
