@@ -30,6 +30,8 @@
  * [start, end) goes into a ring in the file (struct fake_engine below), from which
  * devkit/fakecuda/engine.py computes the device's utilisation as NVML samples it.
  * fake_cuda_calls(name) says how often an entry point was called.
+ * What each process holds, for the fake NVML's running-process list of another process
+ * (FAKE_CUDA_PROCESSES=<dir>): fake_processes.h.
  *
  * Built with -Bsymbolic so the pointers it hands out are its own, whatever is preloaded.
  */
@@ -42,10 +44,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cuda_types.h"
+#include "fake_processes.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
@@ -83,7 +87,8 @@ EXPORT unsigned long fake_cuda_calls(const char *name) {
 static int device_count = -1;
 static CUuuid uuids[MAX_DEVICES];
 static uint64_t total_mem, context_bytes;
-static uint64_t used_mem[MAX_DEVICES];
+static uint64_t own_used[MAX_DEVICES];
+static uint64_t *used_mem = own_used;   /* or the shared file's (publish_usage) */
 static int current_device = -1;   /* one context per process is enough for the tests */
 static int initialised;
 
@@ -91,8 +96,29 @@ static int hex(char c) {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
+/* FAKE_CUDA_PROCESSES: this copy's use lives in a shared file the fake NVML reads. */
+static void publish_usage(void) {
+    const char *dir = getenv("FAKE_CUDA_PROCESSES");
+    struct stat ns;
+    if (dir == NULL || stat("/proc/self/ns/pid", &ns) != 0) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%d-%lu-%lx", dir, (int)getpid(), (unsigned long)ns.st_ino,
+             (unsigned long)(uintptr_t)own_used);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) return;
+    struct fake_process *shared = NULL;
+    if (ftruncate(fd, sizeof *shared) == 0)
+        shared = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (shared == NULL || shared == MAP_FAILED) return;
+    shared->magic = FAKE_PROCESS_MAGIC;
+    used_mem = shared->used;
+}
+
 static void load_devices(void) {
     if (device_count >= 0) return;
+    _Static_assert(MAX_DEVICES == FAKE_PROCESS_DEVICES, "one slot per device");
+    publish_usage();
     const char *env = getenv("FAKE_CUDA_UUIDS");
     const char *list = env ? env : "GPU-00000000-0000-4000-8000-000000000000";
     device_count = 0;
