@@ -27,6 +27,7 @@ from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
 from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
 from vgpu_runtime.daemon.channel.pages import log_token_page_kind, token_page_kind
+from vgpu_runtime.daemon.channel.process_memory import charger_for
 from vgpu_runtime.daemon.channel.terms import terms_of
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
@@ -563,4 +564,5 @@ class Daemon:
             "allocations": [c.snapshot() for _, c in sorted(self.channels.items())],
             "gpus": self.tokens.snapshot(),
             "corrupt_records": [{"path": p, "error": e} for p, e in sorted(self.corrupt.items())],
+            "unattributed": charger_for(self.tokens, self.config).reconciler.unattributed,
         }
