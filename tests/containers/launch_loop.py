@@ -15,6 +15,8 @@ interposer only through LD_PRELOAD as Allocate set it. One JSON line answers eac
     forge HELLO_HEX          a hello of its own (the bytes given), then every way of writing
                              the token page it brings (forgery.py, copied next to this file)
     connect PATH             connect to a Unix socket: "ok" or the errno's name
+    bypass BYTES             allocate through libcuda loaded with dlmopen, where the interposer
+                             is not (bypass.py, copied next to this file): its status
     stats                    the interposer's counters (gemini_hook_stats), names from argv[1]
     quit                     exit (the hook then writes GEMINI_HOOK_STATS)
 """
@@ -203,6 +205,9 @@ def main() -> None:
             out = write_attempts()
         elif op == "forge":
             out = forge(args[0])
+        elif op == "bypass":
+            import bypass  # tests/security/bypass.py, in /app beside this program
+            out = {"rc": bypass.allocate(int(args[0]))}
         elif op == "connect":
             out = {"result": connect(args[0])}
         elif op == "stats":

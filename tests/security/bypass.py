@@ -5,7 +5,8 @@ process never connects to the node daemon; only NVML's running-process list show
     python bypass.py BYTES    prints {"pid", "rc"} once allocated, then waits for a line on
                               stdin (or its end) and exits
 
-Standard library only (it also runs on the GPU machine against the real driver).
+`allocate(BYTES)` does the same in the calling process (tests/containers' program). Standard
+library only (it also runs on the GPU machine against the real driver, and in containers).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def entry(handle: int, name: str, *args: object) -> Callable[..., int]:
     return function
 
 
-def main() -> None:
-    size = int(sys.argv[1])
+def allocate(size: int) -> int:
+    """cuInit, a context and cuMemAlloc of `size` through a copy of the driver of its own;
+    the allocation's status (the memory stays held while the process lives)."""
     driver = load_driver()
     assert entry(driver, "cuInit", ctypes.c_uint)(0) == 0
     context = ctypes.c_void_p()
@@ -51,8 +53,12 @@ def main() -> None:
         ctypes.byref(context), 0, 0)
     assert rc == 0, rc
     pointer = ctypes.c_uint64()
-    rc = entry(driver, "cuMemAlloc_v2", ctypes.c_void_p, ctypes.c_size_t)(
+    return entry(driver, "cuMemAlloc_v2", ctypes.c_void_p, ctypes.c_size_t)(
         ctypes.byref(pointer), size)
+
+
+def main() -> None:
+    rc = allocate(int(sys.argv[1]))
     print(json.dumps({"pid": os.getpid(), "rc": rc}), flush=True)
     sys.stdin.readline()
 
