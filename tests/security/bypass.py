@@ -27,7 +27,8 @@ def load_driver() -> int:
     libc.dlmopen.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.c_int]
     handle = libc.dlmopen(LM_ID_NEWLM, b"libcuda.so.1", RTLD_NOW)
     if not handle:
-        raise SystemExit("dlmopen(libcuda.so.1) failed")
+        libc.dlerror.restype = ctypes.c_char_p
+        raise SystemExit(f"dlmopen(libcuda.so.1) failed: {libc.dlerror()!r}")
     return int(handle)
 
 

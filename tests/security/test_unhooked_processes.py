@@ -207,6 +207,9 @@ def test_kill_takes_the_process_that_bypasses_the_hook_and_spares_the_rest(
         assert unattributed == [{"gpu": UUID, "pid": stray_pid,
                                  "process_bytes": 2 * GiB + 64 * MiB}], unattributed
         assert "a process of no allocation" in node.daemon.logs()
+        killed = [json.loads(line) for line in node.daemon.logs().splitlines()
+                  if "killed the process past the memory limit" in line]
+        assert [entry["pid"] for entry in killed] == [pid], killed   # tests/gpu reads it so
         print(f"killed {took:.2f} s after the allocation")
     finally:
         end(stray)
