@@ -30,6 +30,8 @@
  * [start, end) goes into a ring in the file (struct fake_engine below), from which
  * devkit/fakecuda/engine.py computes the device's utilisation as NVML samples it.
  * fake_cuda_calls(name) says how often an entry point was called.
+ * Libraries loaded under CUDA_MODULE_LOADING=LAZY (the real driver's default since 12.2) take
+ * their memory at the first launch after their load, in the context current then (load_pending).
  * What each process holds, for the fake NVML's running-process list of another process
  * (FAKE_CUDA_PROCESSES=<dir>): fake_processes.h.
  *
@@ -467,7 +469,11 @@ static void queue_for(CUstream s, int per_thread, int64_t duration) {
     pthread_mutex_unlock(&lock);
 }
 
+static void load_pending(void);
+static _Atomic int pending_libraries;   /* lazily loaded, not yet in a context */
+
 static void queue_work(CUstream s, int per_thread) {
+    load_pending();
     queue_for(s, per_thread, atomic_load(&kernel_ns));
 }
 
@@ -797,7 +803,7 @@ EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
 
 /* ---- modules and libraries ---- */
 #define MAX_MODULES 256
-static struct { uintptr_t handle; uint64_t bytes; int dev; } modules[MAX_MODULES];
+static struct { uintptr_t handle; uint64_t bytes; int dev; int pending; } modules[MAX_MODULES];
 static uintptr_t next_module = 0x30000;
 
 static uint64_t ptx_type_bytes(const char *t) {
@@ -848,12 +854,20 @@ static char *read_file(const char *path) {
     return text;
 }
 
+/* CUDA_MODULE_LOADING=LAZY (the real driver's default since 12.2): a library takes its memory
+ * in a context at the first launch there, not at its load (load_pending). */
+static int lazy_libraries(void) {
+    const char *mode = getenv("CUDA_MODULE_LOADING");
+    return mode != NULL && strcmp(mode, "LAZY") == 0;
+}
+
 static CUresult load_image(uintptr_t *handle, const char *image, int need_context) {
     if (image == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (current_device < 0 && need_context) return CUDA_ERROR_INVALID_CONTEXT;
-    uint64_t bytes = current_device < 0 ? 0 : image_bytes(image);
+    int lazy = !need_context && lazy_libraries();
+    uint64_t bytes = current_device < 0 && !lazy ? 0 : image_bytes(image);
     pthread_mutex_lock(&lock);
-    CUresult result = bytes ? take_memory(current_device, bytes) : CUDA_SUCCESS;
+    CUresult result = bytes && !lazy ? take_memory(current_device, bytes) : CUDA_SUCCESS;
     int i = 0;
     while (result == CUDA_SUCCESS && i < MAX_MODULES && modules[i].handle != 0) i++;
     if (result == CUDA_SUCCESS && i == MAX_MODULES) {
@@ -864,6 +878,8 @@ static CUresult load_image(uintptr_t *handle, const char *image, int need_contex
         modules[i].handle = *handle = next_module++;
         modules[i].bytes = bytes;
         modules[i].dev = current_device;
+        modules[i].pending = lazy;
+        if (lazy) atomic_fetch_add(&pending_libraries, 1);
     }
     pthread_mutex_unlock(&lock);
     return result;
@@ -883,13 +899,30 @@ static CUresult unload_image(uintptr_t handle) {
     CUresult result = CUDA_ERROR_INVALID_VALUE;
     for (int i = 0; i < MAX_MODULES; i++) {
         if (modules[i].handle != handle || handle == 0) continue;
-        if (modules[i].bytes) used_mem[modules[i].dev] -= modules[i].bytes;
+        if (modules[i].pending) atomic_fetch_sub(&pending_libraries, 1);
+        else if (modules[i].bytes) used_mem[modules[i].dev] -= modules[i].bytes;
         modules[i].handle = 0;
         result = CUDA_SUCCESS;
         break;
     }
     pthread_mutex_unlock(&lock);
     return result;
+}
+
+/* A launch: lazily loaded libraries take their memory in the current context now (a library
+ * that does not fit stays pending, as if its kernels failed to load). */
+static void load_pending(void) {
+    if (atomic_load_explicit(&pending_libraries, memory_order_relaxed) == 0) return;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; current_device >= 0 && i < MAX_MODULES; i++) {
+        if (modules[i].handle == 0 || !modules[i].pending) continue;
+        if (take_memory(current_device, modules[i].bytes) == CUDA_SUCCESS) {
+            modules[i].pending = 0;
+            modules[i].dev = current_device;
+            atomic_fetch_sub(&pending_libraries, 1);
+        }
+    }
+    pthread_mutex_unlock(&lock);
 }
 
 EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {
