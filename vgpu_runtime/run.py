@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import importlib
 import os
@@ -71,6 +72,7 @@ REFUSAL_POLL = 0.25        # seconds between asking a starting daemon whether it
 DAEMON_IDLE_EXIT = 600.0   # seconds the daemon started here outlives the last allocation
 SHARE_EPSILON = 1e-9
 CHILD_POLL_INTERVAL = 1.0
+PR_SET_CHILD_SUBREAPER = 36
 SI_KERNEL = 0x80  # si_code of a signal the kernel raised itself (e.g. Ctrl-C at a terminal)
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = {*FORWARDED, signal.SIGCHLD}
@@ -435,8 +437,30 @@ def child_environment(record: AllocationRecord, library: Path) -> dict[str, str]
     return env
 
 
+def become_subreaper() -> None:
+    """COMMAND's orphans (a double fork, a daemonised worker) are re-parented here, not to
+    init: the node daemon attributes a process that never connects to this allocation by its
+    parents leading to owner_pid (attribution.py), for as long as this runs."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def reap_orphans(child: int) -> None:
+    """Reap the exited orphans re-parented here; COMMAND itself (`child`) is Popen's to reap."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == child:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, 0)
+
+
 def supervise(command: list[str], env: dict[str, str]) -> int:
     """Run COMMAND, forwarding signals (they are blocked here and read with sigwaitinfo)."""
+    become_subreaper()
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=_unblock_signals)
     except OSError as err:
@@ -447,6 +471,7 @@ def supervise(command: list[str], env: dict[str, str]) -> int:
         # interval, not a hang.
         info = signal.sigtimedwait(WATCHED, CHILD_POLL_INTERVAL)
         if info is None or info.si_signo == signal.SIGCHLD:
+            reap_orphans(child.pid)
             continue
         from_terminal = info.si_signo == signal.SIGINT and info.si_code == SI_KERNEL
         if not from_terminal:

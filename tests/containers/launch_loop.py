@@ -12,7 +12,11 @@ interposer only through LD_PRELOAD as Allocate set it. One JSON line answers eac
                              launch/sync until START + DURATION (wall clock); counts the kernels
                              completed inside [START, START + DURATION)
     write-attempts           every way of writing under /run/gemini, and what each gave
+    forge HELLO_HEX          a hello of its own (the bytes given), then every way of writing
+                             the token page it brings (forgery.py, copied next to this file)
     connect PATH             connect to a Unix socket: "ok" or the errno's name
+    bypass BYTES             allocate through libcuda loaded with dlmopen, where the interposer
+                             is not (bypass.py, copied next to this file): its status
     stats                    the interposer's counters (gemini_hook_stats), names from argv[1]
     quit                     exit (the hook then writes GEMINI_HOOK_STATS)
 """
@@ -100,6 +104,22 @@ def write_attempts() -> dict[str, str]:
     return results
 
 
+def forge(hello_hex: str) -> dict[str, object]:
+    import forgery  # tests/security/forgery.py, in /app beside this program
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(os.path.join(CHANNEL, "sched.sock"))
+        sock.sendall(bytes.fromhex(hello_hex))
+        _reply, fds, _flags, _addr = socket.recv_fds(sock, 4096, 16)
+        try:
+            results = forgery.attempts(f"/proc/self/fd/{fds[0]}", fds[0])
+            return {"attempts": results, "forged": forgery.forged(fds[0]),
+                    "valid_until": forgery.read_valid_until(fds[0])}
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 def connect(path: str) -> str:
     with socket.socket(socket.AF_UNIX) as sock:
         return attempt(lambda: sock.connect(path))
@@ -183,6 +203,11 @@ def main() -> None:
             out: dict[str, object] = facts()
         elif op == "write-attempts":
             out = write_attempts()
+        elif op == "forge":
+            out = forge(args[0])
+        elif op == "bypass":
+            import bypass  # tests/security/bypass.py, in /app beside this program
+            out = {"rc": bypass.allocate(int(args[0]))}
         elif op == "connect":
             out = {"result": connect(args[0])}
         elif op == "stats":

@@ -50,27 +50,36 @@ SLICES = 10
 GPU_MEMORY = 16 * GiB
 DRIVER_IN_CONTAINER = "/opt/nvidia/lib64"   # outside the read-only host /usr
 PROGRAM = Path(__file__).resolve().parent / "launch_loop.py"
+SECURITY = Path(__file__).resolve().parents[1] / "security"
+PROGRAMS = (PROGRAM, SECURITY / "forgery.py", SECURITY / "bypass.py")   # its forge, bypass steps
+PROCESSES_IN_CONTAINER = "/opt/nvidia/processes"   # the fake NVML's list (FAKE_CUDA_PROCESSES)
 # The daemon reports shares over this many seconds: the tests' launch loops last as long, so
 # a share sampled as a loop ends is the loop's.
 SHARE_WINDOW_S = 3.0
 POD_RESOURCES_FAST = ("--pod-resources-interval", "0.1", "--pod-resources-min-interval", "0.05")
 
 
-def write_cdi_spec(cdi_dir: Path, driver_dir: Path) -> Path:
-    """nvidia.com/gpu devices for the simulated GPUs, named by UUID as the plugin names them."""
+def write_cdi_spec(cdi_dir: Path, driver_dir: Path, processes: Path | None = None) -> Path:
+    """nvidia.com/gpu devices for the simulated GPUs, named by UUID as the plugin names them;
+    with `processes`, every container's fake driver lists what it holds there, for the
+    daemon's fake NVML (FAKE_CUDA_PROCESSES)."""
     cdi_dir.mkdir(parents=True, exist_ok=True)
     libraries = ("libcuda.so.1", "libnvidia-ml.so.1")
+    env = [f"LD_LIBRARY_PATH={DRIVER_IN_CONTAINER}", f"FAKE_CUDA_TOTAL_MEM={GPU_MEMORY}"]
+    mounts = [{"hostPath": str(driver_dir / name), "containerPath": f"{DRIVER_IN_CONTAINER}/{name}",
+               "options": ["ro", "nosuid", "nodev", "bind"]} for name in libraries]
+    if processes is not None:
+        env.append(f"FAKE_CUDA_PROCESSES={PROCESSES_IN_CONTAINER}")
+        mounts.append({"hostPath": str(processes), "containerPath": PROCESSES_IN_CONTAINER,
+                       "options": ["nosuid", "nodev", "bind"]})
     spec = {
         "cdiVersion": "0.6.0",
         "kind": "nvidia.com/gpu",
         "containerEdits": {
-            "env": [f"LD_LIBRARY_PATH={DRIVER_IN_CONTAINER}",
-                    f"FAKE_CUDA_TOTAL_MEM={GPU_MEMORY}"],
+            "env": env,
             "deviceNodes": [{"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255,
                              "permissions": "rw"}],
-            "mounts": [{"hostPath": str(driver_dir / name),
-                        "containerPath": f"{DRIVER_IN_CONTAINER}/{name}",
-                        "options": ["ro", "nosuid", "nodev", "bind"]} for name in libraries],
+            "mounts": mounts,
         },
         "devices": [{"name": simulated_uuid(i), "containerEdits": {
             "env": [f"FAKE_CUDA_UUIDS={simulated_uuid(i)}"],
@@ -136,6 +145,7 @@ class ContainerNode:
     api: Any = None
     bound: bool = True   # the daemon binds allocations to pods through PodResources
     tenants: list[Tenant] = field(default_factory=list)
+    daemon_wrap: tuple[str, ...] = ()   # the daemon's environment (the fake NVML's)
 
     @property
     def state_dir(self) -> Path:
@@ -200,7 +210,8 @@ class ContainerNode:
 
     def restart_daemon(self) -> None:
         assert self.daemon.stop() == 0, self.daemon.logs()[-3000:]
-        self.daemon = DaemonProcess(self.state_dir, *self.daemon_args).wait_ready(15)
+        self.daemon = DaemonProcess(self.state_dir, *self.daemon_args,
+                                    wrap=self.daemon_wrap).wait_ready(15)
 
     def charged(self, record: AllocationRecord) -> float:
         """The share of its GPU the daemon charged the allocation over the last window."""
@@ -232,19 +243,31 @@ def install_hook(root: Path, state_dir: Path, library: Path | None = None) -> No
 
 def start_node(api: Any = None, simulate_gpus: int = GPUS,
                write_cdi: Callable[[Path], Path] | None = None,
-               library: Path | None = None) -> ContainerNode:
+               library: Path | None = None, daemon_extra: tuple[str, ...] = (),
+               fake_nvml: bool = False) -> ContainerNode:
     """The node; `simulate_gpus` 0 takes the machine's real GPUs (NVML), whose CDI spec
-    `write_cdi` then writes (the simulated GPUs' spec mounts the fake driver)."""
+    `write_cdi` then writes (the simulated GPUs' spec mounts the fake driver). `fake_nvml`:
+    the daemon reads per-process figures (process_memory nvml) from the fake NVML, which lists
+    what the containers' fake drivers hold."""
     root = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))   # socket paths <= 107 bytes
     root.chmod(0o755)
     state_dir = root / "state"
     install_hook(root, state_dir, library)
+    processes = root / "processes" if fake_nvml else None
+    wrap: tuple[str, ...] = ()
     if write_cdi is not None:
         write_cdi(root / "cdi")
     else:
-        write_cdi_spec(root / "cdi", build_fake_driver(root / "driver"))
+        driver = build_fake_driver(root / "driver")
+        if processes is not None:
+            processes.mkdir()
+            processes.chmod(0o777)
+            wrap = ("env", f"LD_LIBRARY_PATH={driver}", f"FAKE_CUDA_PROCESSES={processes}",
+                    f"FAKE_CUDA_UUIDS={','.join(simulated_uuid(i) for i in range(GPUS))}")
+        write_cdi_spec(root / "cdi", driver, processes)
     (root / "app").mkdir()
-    shutil.copy2(PROGRAM, root / "app" / PROGRAM.name)
+    for program in PROGRAMS:
+        shutil.copy2(program, root / "app" / program.name)
     loop = LoopThread()
     kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
     args = ["--log-format", "text"]
@@ -260,9 +283,12 @@ def start_node(api: Any = None, simulate_gpus: int = GPUS,
         "--metrics-port", "0", "--window", str(SHARE_WINDOW_S), *POD_RESOURCES_FAST)
     if api is not None:
         daemon_args += ("--kubernetes", "true", "--kube-api-url", api.url)
-    daemon = DaemonProcess(state_dir, *daemon_args).wait_ready(15)
+    if processes is not None:
+        daemon_args += ("--process-memory", "nvml", "--process-memory-interval", "1")
+    daemon_args += daemon_extra
+    daemon = DaemonProcess(state_dir, *daemon_args, wrap=wrap).wait_ready(15)
     return ContainerNode(root, kubelet, plugin, daemon, daemon_args,
-                         ContainerRuntime(root, root / "cdi"), loop, api)
+                         ContainerRuntime(root, root / "cdi"), loop, api, daemon_wrap=wrap)
 
 
 def stop_node(node: ContainerNode) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.containers.node import SHARE_WINDOW_S, ContainerNode, Tenant
 from tests.daemon.helpers import wait_for
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, paths, wire
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.kubelet_emulator import Pod
@@ -151,6 +151,32 @@ def test_a_container_reaches_only_its_own_channel_cannot_write_it_and_works(
         (tenant.container.pid(), 1000)], connections
     stats = quit_and_read_stats(tenant)
     assert stats["daemon_connects"] == 1 and stats["ungated_launches"] == 0, stats
+
+
+def test_a_container_cannot_write_the_sealed_token_page_its_hello_brings(
+        container_node: ContainerNode, pods: list[Pod]) -> None:
+    """A6 under runc (as the pod's non-root uid: the runtime runs no root container): the
+    container's own hello brings a descriptor of its token page; reopened through
+    /proc/self/fd for writing (a memfd's mode lets anyone), nothing written reaches the page.
+    Its hooked launches then go gated, on the page the daemon still writes."""
+    node = container_node
+    pod = admit(node, pods, "forger", 2)
+    admit(node, pods, "neighbour", 2)   # launches need the token
+    tenant = node.start(pod)
+    hello = wire.new(wire.const("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)
+    hello.h.seq = 1
+    forged = tenant.step(f"forge {wire.encode(hello).hex()}")
+    attempts = forged["attempts"]
+    assert attempts.pop("reopen O_RDWR") == "ok", forged
+    assert attempts and all(v in ("EPERM", "EACCES", "EBADF") for v in attempts.values()), forged
+    assert forged["forged"] is False, forged
+    assert tenant.step("init") == {"rc": 0, "rc_ctx": 0}, tenant.container.errors()
+    (loop,) = loop_together([tenant], seconds=0.5, lead=0.2)
+    assert loop["failures"] == 0 and int(loop["kernels"]) > 0  # type: ignore[call-overload]
+    stats = quit_and_read_stats(tenant)
+    # Gated, and on the fast path: the grants the daemon wrote to the page were read there.
+    assert stats["ungated_launches"] == 0 and stats["token_requests"] > 0, stats
+    assert stats["token_requests"] * FAST_PATH_LAUNCHES <= stats["kernel_launches"], stats
 
 
 def test_pod_annotations_hold_from_the_first_cuda_call_in_the_container(

@@ -4,6 +4,8 @@ wiring of it is every other daemon test's."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -189,5 +191,33 @@ async def test_with_gpu_locks_each_gpu_served_is_held_host_wide_until_none_is_on
         why = served.allocations.corrupt[str(allocation.record_path(state_dir, refused.id))]
         assert "uid 4242" in why, why
     finally:
+        await served.allocations.close("test over")
+        served.tokens.close()
+
+
+async def test_a_process_of_no_allocation_on_a_served_gpu_is_listed_never_charged(
+        state_dir: Path) -> None:
+    """NVML reconciliation through the served allocations: a process on the GPU of a served
+    allocation that belongs to none is what status shows as unattributed."""
+    figures = state_dir.parent / "figures.json"
+    served = Served(state_dir, "--process-memory", "simulated", "--process-memory-file",
+                    str(figures), "--process-memory-interval", "0.05")
+    stray = subprocess.Popen(["sleep", "60"])   # no mount, no pod, no gemini-run: no allocation
+    try:
+        figures.write_text(json.dumps({UUID_A: {str(stray.pid): 300 * MiB}}))
+        assert served.allocations.unattributed() == []
+        make_record(served.state_dir)
+        await served.allocations.sync()
+        want = [{"gpu": UUID_A, "pid": stray.pid, "process_bytes": 300 * MiB}]
+        for _ in range(100):
+            if served.allocations.unattributed() == want:
+                break
+            await asyncio.sleep(0.05)
+        assert served.allocations.unattributed() == want
+        (snapshot,) = served.allocations.snapshot()
+        assert snapshot["gpus"][0]["memory_used"] == 0   # nobody charged for it
+    finally:
+        stray.kill()
+        stray.wait()
         await served.allocations.close("test over")
         served.tokens.close()

@@ -342,8 +342,8 @@ def test_a_process_past_the_limit_by_undeclared_memory_is_reported_once(
         time.sleep(SEVERAL_READINGS)                    # several readings: still one report
         gpu = charged.allocation(record.id)["gpus"][0]
         assert gpu["over_limit"] == {"pid": me, "process_bytes": 1500 * MiB,
-                                     "declared_bytes": 300 * MiB, "used": 1500 * MiB,
-                                     "limit": 1000 * MiB}
+                                     "declared_bytes": 300 * MiB, "connected": True,
+                                     "used": 1500 * MiB, "limit": 1000 * MiB}
         assert gpu["over_limit_reports"] == 1
         assert charged.logs().count("the hook did not declare") == 1
         exposition = render(charged.status()).decode()

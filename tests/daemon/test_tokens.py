@@ -33,6 +33,7 @@ from tests.daemon.helpers import (
 from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.channel import pages
 from vgpu_runtime.daemon.channel.client import (
     ChannelClient,
     TokenGrant,
@@ -112,13 +113,13 @@ def test_whole_gpu_alone_is_open_and_a_second_tenant_closes_the_gate(
     wait_served(whole)
     page = TokenPageReader.of_allocation(state_dir, whole.id, 0)
     try:
-        # The pages live in the state directory, for the daemon's user only; hooks get them
-        # with their hello. The channel directory holds none.
+        # The activity page lives in the state directory, for the daemon's user only; the
+        # token page is a sealed memfd (no file). Hooks get both with their hello. The
+        # channel directory holds none.
         pages = state_dir / "pages"
         assert stat.S_IMODE(pages.stat().st_mode) == 0o700
-        assert stat.S_IMODE((pages / f"{whole.id}.token.0").stat().st_mode) == 0o600
         assert stat.S_IMODE((pages / f"{whole.id}.activity.0").stat().st_mode) == 0o600
-        assert (pages / f"{whole.id}.token.0").stat().st_size == C("GM_PAGE_BYTES")
+        assert not (pages / f"{whole.id}.token.0").exists()
         assert not any(Path(whole.channel_dir).glob("token.*"))
         assert page.page.magic == C("GM_TOKEN_PAGE_MAGIC") and page.gate == OPEN
         other = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.2),), origin="gemini-run")
@@ -130,7 +131,7 @@ def test_whole_gpu_alone_is_open_and_a_second_tenant_closes_the_gate(
         from vgpu_runtime.allocation import remove_record
         remove_record(state_dir, other.id)
         wait_for(lambda: page.gate == OPEN, 5, "gate opens when alone again")
-        wait_for(lambda: not (pages / f"{other.id}.token.0").exists(), 5, "pages removed")
+        wait_for(lambda: not (pages / f"{other.id}.activity.0").exists(), 5, "pages removed")
     finally:
         page.close()
 
@@ -499,11 +500,54 @@ def test_wrong_length_token_frame_is_refused_before_its_body(long_daemon: Daemon
     assert long_daemon.running()
 
 
-def test_pages_survive_a_daemon_restart_with_the_same_inode(state_dir: Path) -> None:
+def test_a_restarted_daemon_hands_out_new_sealed_token_pages_and_keeps_activity_pages(
+        state_dir: Path) -> None:
+    """A sealed token page dies with its daemon (nobody else can ever write it): the old
+    mapping is voided by the stopping daemon and never written again; a hello to the new daemon
+    brings a new token page, which it writes. The activity page is a file and keeps its inode,
+    so hooks' launches stay visible to the new daemon."""
     state_dir.mkdir(parents=True)
     record = make_record(state_dir)
     first = InProcessDaemon(state_dir).wait_ready()
     wait_served(record)
+    activity_path = state_dir / "pages" / f"{record.id}.activity.0"
+    activity_inode = activity_path.stat().st_ino
+    tenant = Tenant(record)
+    old_inode = os.fstat(tenant.client.page_fds[0]).st_ino
+    tenant.client.request_token(0)
+    assert tenant.page.valid()
+    tenant.client.close()
+    assert first.stop() == 0
+    assert tenant.page.valid_until_ns == 0   # a stopping daemon voids its grants
+    second = InProcessDaemon(state_dir).wait_ready()
+    try:
+        wait_served(record)
+        assert activity_path.stat().st_ino == activity_inode
+        with ChannelClient(wait_served(record)) as again:
+            again.hello()
+            assert os.fstat(again.page_fds[0]).st_ino != old_inode
+            new_page = again.token_page(0)
+            grant = again.request_token(0)
+            # Read while `again` is still connected: its close hands the token back.
+            assert new_page.valid_until_ns == grant.valid_until_ns
+            assert tenant.page.valid_until_ns == 0    # the dead daemon's page stays void
+            new_page.close()
+    finally:
+        tenant.page.close()
+        tenant.activity.close()
+        assert second.stop() == 0
+
+
+def test_without_sealing_pages_survive_a_daemon_restart_with_the_same_inode(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without F_SEAL_FUTURE_WRITE: token pages are files, as before sealing, and a
+    new daemon writes the page an old hook still maps."""
+    monkeypatch.setattr(pages, "sealing_unavailable", lambda: "a kernel without the seal")
+    state_dir.mkdir(parents=True)
+    record = make_record(state_dir)
+    first = InProcessDaemon(state_dir).wait_ready()
+    wait_served(record)
+    assert first.status()["daemon"]["token_pages"] == "file"
     page_path = state_dir / "pages" / f"{record.id}.token.0"
     inode = page_path.stat().st_ino
     tenant = Tenant(record)

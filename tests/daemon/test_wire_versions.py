@@ -208,7 +208,7 @@ def test_pages_a_version_1_daemon_left_in_a_channel_are_closed_for_good_and_remo
     record = make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),))
     channel = Path(record.channel_dir)
     channel.mkdir(parents=True, exist_ok=True)
-    legacy = TokenPage(channel / "token.0", GATE_OPEN)
+    legacy = TokenPage(channel / "token.0", GATE_OPEN, sealed=False)   # version 1's: a file
     legacy.grant(7, time.monotonic_ns() + 3600 * 1_000_000_000)
     legacy.close(remove=False)
     (channel / "activity.0").write_bytes(b"\0" * 4096)

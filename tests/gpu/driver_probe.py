@@ -16,6 +16,7 @@ import ctypes
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -24,6 +25,7 @@ from tests.hook.cudaprobe import STAT_NAMES, HookStats
 
 GiB, MiB = 1 << 30, 1 << 20
 STACK, PRINTF_FIFO, MALLOC_HEAP = 0, 1, 2
+JIT_INPUT_PTX = 1   # CUjitInputType
 
 KERNEL_PTX = b""".version 7.0
 .target sm_70
@@ -110,6 +112,12 @@ def main(files: list[str]) -> int:
     report("stack_4k", rc, now=limit(STACK))
     rc = cuda.cuCtxSetLimit(STACK, ctypes.c_size_t(1 << 10))    # back to the default
     report("stack_1k", rc, now=limit(STACK))
+    # A3: a heap that fits is charged its value, and uncharged when set back.
+    old_heap = limit(MALLOC_HEAP)
+    rc = cuda.cuCtxSetLimit(MALLOC_HEAP, ctypes.c_size_t(1 * GiB))
+    report("heap_1g", rc, old=old_heap, now=limit(MALLOC_HEAP))
+    rc = cuda.cuCtxSetLimit(MALLOC_HEAP, ctypes.c_size_t(old_heap))
+    report("heap_back", rc, now=limit(MALLOC_HEAP))
 
     module = ctypes.c_void_p()
     rc = cuda.cuModuleLoadData(ctypes.byref(module), global_ptx(4 * GiB))
@@ -123,6 +131,27 @@ def main(files: list[str]) -> int:
     rc = cuda.cuLibraryLoadData(ctypes.byref(library), global_ptx(4 * GiB), None, None, 0, None,
                                 None, 0)
     report("library_ptx_global_4g", rc)
+    with tempfile.NamedTemporaryFile(suffix=".ptx") as ptx_file:
+        ptx_file.write(global_ptx(4 * GiB)[:-1])   # a PTX file as nvcc writes it: no NUL
+        ptx_file.flush()
+        rc = cuda.cuLibraryLoadFromFile(ctypes.byref(library), ptx_file.name.encode(), None,
+                                        None, 0, None, None, 0)
+    report("library_file_ptx_global_4g", rc)
+
+    # A3: the JIT linker's cubin (host memory) loaded with cuModuleLoadData.
+    state = ctypes.c_void_p()
+    linked = cuda.cuLinkCreate_v2(0, None, None, ctypes.byref(state))
+    source = global_ptx(4 * GiB)
+    if linked == 0:
+        linked = cuda.cuLinkAddData_v2(state, JIT_INPUT_PTX, source, ctypes.c_size_t(len(source)),
+                                       b"big.ptx", 0, None, None)
+    cubin, cubin_size = ctypes.c_void_p(), ctypes.c_size_t()
+    if linked == 0:
+        linked = cuda.cuLinkComplete(state, ctypes.byref(cubin), ctypes.byref(cubin_size))
+    rc = cuda.cuModuleLoadData(ctypes.byref(module), cubin) if linked == 0 else -1
+    report("link_global_4g", rc, link=linked, cubin_bytes=cubin_size.value)
+    if state.value:
+        cuda.cuLinkDestroy(state)
 
     pointer = ctypes.c_uint64()
     rc = cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(3 * GiB))
@@ -184,6 +213,21 @@ def main(files: list[str]) -> int:
     sync = cuda.cuCtxSynchronize()
     report("legacy_launches", max(results), results=results, sync=sync,
            gated=stats()["kernel_launches"] - before)
+
+    # The multi-device cooperative launch (deprecated since 11.3), on this one device.
+    class LaunchParams(ctypes.Structure):   # CUDA_LAUNCH_PARAMS
+        _fields_ = [("function", ctypes.c_void_p), ("dims", ctypes.c_uint * 7),
+                    ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p)]
+
+    stream = ctypes.c_void_p()
+    assert cuda.cuStreamCreate(ctypes.byref(stream), 0) == 0
+    launches = (LaunchParams * 1)(LaunchParams(function=function.value,
+                                               dims=(ctypes.c_uint * 7)(1, 1, 1, 1, 1, 1, 0),
+                                               stream=stream.value))
+    before = stats()["kernel_launches"]
+    rc = cuda.cuLaunchCooperativeKernelMultiDevice(launches, 1, 0)
+    sync = cuda.cuCtxSynchronize()
+    report("cooperative_multi_device", rc, sync=sync, gated=stats()["kernel_launches"] - before)
 
     # The 32-bit original cuMemAlloc (v1 ABI): does today's driver still allocate through it?
     v1_pointer = ctypes.c_uint()

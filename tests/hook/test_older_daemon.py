@@ -54,7 +54,8 @@ class OlderDaemon:
         self.version = version
         self.grant_reserved = grant_reserved   # version 3: what its grant's reserved field says
         self.pages = channel if version == 1 else Path(tempfile.mkdtemp(prefix="gmp-"))
-        self.page = TokenPage(self.pages / "token.0", GATE_TOKEN)
+        # Version 1's pages are files in the channel, opened there by path.
+        self.page = TokenPage(self.pages / "token.0", GATE_TOKEN, sealed=version > 1)
         self.activity = ActivityPage(self.pages / "activity.0")
         self.seen: Counter[str] = Counter()
         self.generation = 0

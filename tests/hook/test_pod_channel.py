@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
-from tests.hook.conftest import PRELUDE, DaemonNode, Hooked
+from tests.hook.conftest import PRELUDE, DaemonNode, Hooked, start_node, stop_node
 from tests.hook.tokenkit import Loop, in_pod
 from vgpu_runtime.allocation import AllocationRecord
 
@@ -258,3 +259,31 @@ def test_gemini_run_style_writable_channel_needs_no_page_files_in_it(
     assert result["token_requests"] <= 5 and result["ungated_launches"] == 0, result
     assert sorted(p.name for p in (node.state_dir / "channels" / node.record.id).iterdir()) == [
         "sched.sock"]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_an_open_gate_dies_with_its_daemon_and_the_next_daemon_gates_the_pod(
+        hooked: Hooked, stop: int) -> None:
+    """A whole GPU alone: the page says "open" and the hook launches without asking. A token
+    page is sealed and dies with its daemon, so no later daemon can close that gate: the hook
+    notices the daemon hung up (every few thousand open-gate launches), reconnects without
+    waiting and takes the new daemon's page, whose gate closes when a second tenant comes.
+    Without that the pod ran ungated beside the second tenant for as long as it lived."""
+    node = start_node(1.0)
+    try:
+        loop = Loop(hooked, pod_env(node), 6.0, pod_channel=node.record.channel_dir)
+        loop.go()
+        time.sleep(1.0)
+        assert node.daemon.stop(stop) in (0, -signal.SIGKILL), node.daemon.logs()
+        node.daemon = DaemonProcess(node.state_dir, *node.daemon_args).wait_ready()
+        wait_served(node.record)
+        wait_for(lambda: len(node.daemon.allocation(node.record.id)["connections"]) == 1, 3,
+                 "the pod reconnects to the new daemon while its gate is open")
+        node.allocate(0.5)
+        wait_for(lambda: int(gpu_status(node)["grants"]) > 0, 3,  # type: ignore[call-overload]
+                 "the pod asks the new daemon for the token once a second tenant comes")
+        stats = loop.result()["stats"]
+        assert stats["daemon_connects"] == 2, stats
+        assert stats["ungated_launches"] == 0, stats
+    finally:
+        stop_node(node)

@@ -3,7 +3,9 @@ and hooked programs that launch in loops and record when each launch returned.""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shlex
 import socket
 import struct
@@ -18,6 +20,7 @@ from typing import Any
 from tests.hook.conftest import PRELUDE, Hooked
 from vgpu_runtime import paths, wire
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.daemon.channel.client import request
 
 C = wire.const
 
@@ -28,9 +31,26 @@ def page_path(record: AllocationRecord, name: str, gpu: int = 0) -> Path:
     return Path(record.channel_dir).parents[1] / "pages" / f"{record.id}.{name}.{gpu}"
 
 
+def token_page_bytes(record: AllocationRecord, gpu: int = 0) -> bytes:
+    """The allocation's token page as its daemon holds it: a sealed memfd, read through the
+    daemon's own descriptor (/proc/<pid>/fd, as root or the daemon's user may), so reading
+    opens no session; or the page file, where the kernel cannot seal."""
+    file = page_path(record, "token", gpu)
+    if file.exists():
+        return file.read_bytes()
+    pid = int(request(file.parents[1])["daemon"]["pid"])
+    name = f"/memfd:gemini.{record.id}.token.{gpu} "
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(name):
+                with open(f"/proc/{pid}/fd/{fd}", "rb") as page:
+                    return page.read()
+    raise FileNotFoundError(f"daemon {pid} holds no token page {gpu} of {record.id}")
+
+
 def read_token_page(record: AllocationRecord, gpu: int = 0) -> tuple[int, int, int]:
     """(gate, generation, valid_until_ns) of the allocation's token page."""
-    data = page_path(record, "token", gpu).read_bytes()[:32]
+    data = token_page_bytes(record, gpu)[:32]
     _magic, _version, gate, _reserved, generation, valid_until = struct.unpack("<IIIIQq", data)
     return gate, generation, valid_until
 

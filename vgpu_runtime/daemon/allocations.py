@@ -6,6 +6,10 @@ that cannot be served yet (no descriptors, no space, a read-only state directory
 terms cannot be met) is listed as corrupt and tried again when it changes or at the next poll.
 A daemon of gemini-run's (gpu_lock_dir set) claims each GPU host-wide before it serves an
 allocation on it, and lets it go once none is left on it (gpuclaims.py).
+
+Each channel joins NVML reconciliation itself (channel/process_memory.py's charger, one per
+daemon); the processes it finds on the served GPUs that belong to no allocation are read here
+(`unattributed`), for status and the metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef, RecordError
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
+from vgpu_runtime.daemon.channel.process_memory import charger_for
 from vgpu_runtime.daemon.channel.terms import terms_of
 from vgpu_runtime.daemon.gpuclaims import ServedGpus
 from vgpu_runtime.daemon.records import RecordWatcher
@@ -182,3 +187,8 @@ class Allocations:
 
     def corrupt_records(self) -> list[dict[str, str]]:
         return [{"path": p, "error": e} for p, e in sorted(self.corrupt.items())]
+
+    def unattributed(self) -> list[dict[str, Any]]:
+        """What NVML reconciliation (channel/reconcile.py) last found on the served
+        allocations' GPUs held by processes of no allocation: reported, never charged."""
+        return list(charger_for(self.tokens, self.config).reconciler.unattributed)

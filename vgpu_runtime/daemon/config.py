@@ -176,6 +176,11 @@ class DaemonConfig:
         64 << 20, "bytes an allocation may hold past its memory limit, by the per-process "
         "figures, before the daemon reports the process that holds more than the hook declared",
         cfg.size, "SIZE")
+    over_limit_action: str = cfg.setting(
+        "report", "what the daemon does to the process it names when per-process figures find "
+        "its allocation past the memory limit: report (a log line, the metric, an Event on the "
+        "pod) or kill (the same, then SIGKILL; needs CAP_KILL for another uid's process)",
+        cfg.choice("report", "kill"), "ACTION")
     # ---- the device's utilisation (co-scheduling's busy fractions) ----
     gpu_busy: str = cfg.setting(
         "auto", "device utilisation for co-scheduling: auto (NVML when it loads), nvml, "

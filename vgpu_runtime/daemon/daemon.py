@@ -30,6 +30,7 @@ from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon import nodeview
 from vgpu_runtime.daemon.allocations import Allocations
 from vgpu_runtime.daemon.bindings import PodBindings
+from vgpu_runtime.daemon.channel.pages import log_token_page_kind, token_page_kind
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
@@ -139,6 +140,7 @@ class Daemon:
                                                     "pid": os.getpid(),
                                                     "node": self.config.node_name,
                                                     "event_loop": event_loop_name()})
+        log_token_page_kind()
         if self.config.token_path != "auto":
             log.warning("token_path is deprecated and ignored: the token code is Python alone "
                         "(the C path was removed; BENCHMARKS.md, \"One token implementation\"); "
@@ -287,6 +289,7 @@ class Daemon:
                        "default_limit": self.config.default_limit,
                        "limit_policy": self.config.limit_policy,
                        "idle_exit": self.config.idle_exit,
+                       "token_pages": token_page_kind(),
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
                        "ready": self.ready},
@@ -294,4 +297,5 @@ class Daemon:
             "allocations": self.allocations.snapshot(),
             "gpus": self.tokens.snapshot(),
             "corrupt_records": self.allocations.corrupt_records(),
+            "unattributed": self.allocations.unattributed(),
         }

@@ -43,6 +43,8 @@ from vgpu_runtime.daemon.channel.pages import (
     token_page_path,
 )
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
+from vgpu_runtime.daemon.channel.process_memory import ContextCharger, charger_for
+from vgpu_runtime.daemon.channel.reconcile import ProcessMemory
 from vgpu_runtime.daemon.channel.reconnects import WINDOW_SECONDS, ConnectMeter
 from vgpu_runtime.daemon.channel.session import Session, TokenFastPath
 from vgpu_runtime.daemon.channel.terms import GpuTerms
@@ -87,9 +89,14 @@ class AllocationChannel:
         self.owner_uid: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.memory_refusals = [0] * len(terms)
-        # Per GPU: the process reported past the limit (over_limit_observed), and how often.
+        # Per GPU: the process reported past the limit (reconcile), how often, how many killed;
+        # the processes without a connection charged at the last reading.
         self.over_limit: dict[int, dict[str, Any]] = {}
         self.over_limit_reports = [0] * len(terms)
+        self.over_limit_kills = [0] * len(terms)
+        self.unhooked: list[list[ProcessMemory]] = [[] for _ in terms]
+        self._kill_failures: set[tuple[int, int, str]] = set()
+        self._charger: ContextCharger | None = None
         self.pod_event = pod_event   # (pod, reason, message): a Warning Event on the pod
         self._connect_meter: ConnectMeter | None = None   # made at the first accept
         self._summary_timer: asyncio.TimerHandle | None = None
@@ -135,6 +142,8 @@ class AllocationChannel:
             # Pages are right (gate, tenant registered) before the socket appears: a client
             # that can connect finds them current.
             self._join_token_schedulers()
+            self._charger = charger_for(self.tokens, self.tokens.config)
+            self._charger.add_channel(self)
             if self.record.owner_uid is not None:
                 # The host daemon's: the user it admitted, known by that user's connection.
                 self.owner_uid = self.record.owner_uid
@@ -146,6 +155,7 @@ class AllocationChannel:
                 lambda: TokenFastPath(asyncio.StreamReader(loop=loop), self._accept),
                 sock=self._listening_socket())
         except OSError as err:
+            self._leave_reconciliation()
             self._leave_token_schedulers()
             self._close_pages(remove=True)
             raise ChannelUnavailable(f"cannot serve channel {self.socket_path}: {err}") from None
@@ -236,35 +246,92 @@ class AllocationChannel:
         if self.token_gpus:
             self.token_gpus[gpu].observe_burst(self.record.id, start, end)
 
-    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None:
-        """After a per-process reading charged `session`'s process: where the allocation now
-        holds more than its limit plus over_limit_tolerance, the memory went past the hook (a
-        path it does not see: another API, an old ABI, a static driver). Reported once when it
-        goes over, naming the process, what it holds, what it declared and the limit; once
-        more when it is back within."""
+    # ---- NVML reconciliation (reconcile.Reconciled) ----
+
+    def _leave_reconciliation(self) -> None:
+        if self._charger is not None:
+            self._charger.remove_channel(self)
+            self._charger = None
+
+    def peer_pids(self) -> set[int]:
+        """The processes connected now (a hello answered or not): they speak for themselves."""
+        return {s.peer.pid for s in self.sessions if s.peer.pid > 0}
+
+    def _connected_memory(self, gpu: int) -> list[ProcessMemory]:
+        processes = []
+        for session in self.sessions:
+            total = session.process_memory.get(gpu)
+            if total is not None:
+                declared = sum(amount for (g, kind), amount in
+                               self.ledger.holdings(session).items()
+                               if g == gpu and kind != wire.const("GM_MEM_CONTEXT"))
+                processes.append(ProcessMemory(session.peer.pid, total, declared, True))
+        return processes
+
+    def reconcile(self, gpu: int, unhooked: list[ProcessMemory]) -> ProcessMemory | None:
+        """After a per-process reading charged this allocation (its connections' contexts and
+        its processes without a connection, `unhooked`): past its limit plus
+        over_limit_tolerance, the memory went past the hook (another API, an old ABI, a static
+        driver, a process that never connected). Returns the process to blame: the unconnected
+        one holding most, else the connected one holding most it did not declare. Reported
+        once when it goes over, naming the process, what it holds, what it declared and the
+        limit; once more when it is back within."""
+        self.unhooked[gpu] = unhooked
         used, limit = self.ledger.used(gpu), self.ledger.limit(gpu)
         over = used > limit + self.tokens.config.over_limit_tolerance
-        if over and gpu not in self.over_limit:
-            declared = sum(amount for (g, kind), amount in self.ledger.holdings(session).items()
-                           if g == gpu and kind != wire.const("GM_MEM_CONTEXT"))
-            report = {"pid": session.peer.pid, "process_bytes": process_bytes,
-                      "declared_bytes": declared, "used": used, "limit": limit}
+        if not over:
+            if used <= limit and gpu in self.over_limit:
+                report = self.over_limit.pop(gpu)
+                log.info("the allocation is within its memory limit again", extra={
+                    "allocation": self.record.id, "gpu": gpu, "pid": report["pid"],
+                    "used": used, "limit": limit})
+            return None
+        candidates = unhooked or self._connected_memory(gpu)
+        if not candidates:
+            return None
+        blamed = max(candidates, key=lambda p: (p.undeclared, -p.pid))
+        if gpu not in self.over_limit:
+            report = {"pid": blamed.pid, "process_bytes": blamed.process_bytes,
+                      "declared_bytes": blamed.declared_bytes, "connected": blamed.connected,
+                      "used": used, "limit": limit}
             self.over_limit[gpu] = report
             self.over_limit_reports[gpu] += 1
             log.warning("a process holds GPU memory the hook did not declare: the allocation is "
                         "past its memory limit", extra={"allocation": self.record.id, "gpu": gpu,
                                                         **report})
-            if self.binding is not None:
-                self.pod_event(self.binding.pod, OVER_LIMIT_REASON, (
-                    f"process {report['pid']} holds {process_bytes >> 20} MiB on GPU "
-                    f"{self.terms[gpu].uuid}, {declared >> 20} MiB of it declared to the "
-                    f"interposer; the container uses {used >> 20} MiB against its limit of "
-                    f"{limit >> 20} MiB"))
-        elif not over and used <= limit and gpu in self.over_limit:
-            report = self.over_limit.pop(gpu)
-            log.info("the allocation is within its memory limit again", extra={
-                "allocation": self.record.id, "gpu": gpu, "pid": report["pid"], "used": used,
-                "limit": limit})
+            how = ("of it declared to the interposer" if blamed.connected else
+                   "with no connection to the interposer (none of it declared)")
+            self._pod_event(f"process {blamed.pid} holds {blamed.process_bytes >> 20} MiB on "
+                            f"GPU {self.terms[gpu].uuid}, {blamed.declared_bytes >> 20} MiB {how}"
+                            f"; the container uses {used >> 20} MiB against its limit of "
+                            f"{limit >> 20} MiB")
+        return blamed
+
+    def killed(self, gpu: int, blamed: ProcessMemory, failure: str | None) -> None:
+        """over_limit_action=kill acted on the process `reconcile` blamed (`failure`: why the
+        signal was not sent, or None)."""
+        fields = {"allocation": self.record.id, "gpu": gpu, "pid": blamed.pid,
+                  "process_bytes": blamed.process_bytes, "connected": blamed.connected}
+        if failure is not None:
+            if (gpu, blamed.pid, failure) not in self._kill_failures:
+                self._kill_failures.add((gpu, blamed.pid, failure))
+                log.error("cannot kill the process past the memory limit (over_limit_action "
+                          "kill; another uid's process needs CAP_KILL)",
+                          extra={**fields, "error": failure})
+            return
+        self.over_limit_kills[gpu] += 1
+        if gpu in self.over_limit:
+            self.over_limit[gpu]["killed"] = blamed.pid
+        log.warning("killed the process past the memory limit (over_limit_action kill)",
+                    extra=fields)
+        self._pod_event(f"killed process {blamed.pid} (over_limit_action kill): it held "
+                        f"{blamed.process_bytes >> 20} MiB on GPU {self.terms[gpu].uuid}, "
+                        f"{blamed.declared_bytes >> 20} MiB of it declared, and the container "
+                        "was past its memory limit")
+
+    def _pod_event(self, message: str) -> None:
+        if self.binding is not None:
+            self.pod_event(self.binding.pod, OVER_LIMIT_REASON, message)
 
     def connection_closed(self, session: Session) -> None:
         last = not (self.sessions - {session})
@@ -392,6 +459,7 @@ class AllocationChannel:
         if timer is not None:
             timer.cancel()
             self._summarise_connections()
+        self._leave_reconciliation()
         self._leave_token_schedulers()
         status = wire.const("GM_ERR_NO_ALLOCATION")
         await asyncio.gather(*(s.close(status, reason) for s in list(self.sessions)),
@@ -422,7 +490,10 @@ class AllocationChannel:
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
                       "memory_refusals": self.memory_refusals[i],
                       "over_limit": self.over_limit.get(i),
-                      "over_limit_reports": self.over_limit_reports[i]}
+                      "over_limit_reports": self.over_limit_reports[i],
+                      "over_limit_kills": self.over_limit_kills[i],
+                      "unhooked": [{"pid": p.pid, "process_bytes": p.process_bytes}
+                                   for p in self.unhooked[i]]}
                      for i, (g, e) in enumerate(zip(record.gpus, self.terms, strict=True))],
             "connections": [s.snapshot() for s in self.sessions],
             "connects_refused": (0 if self._connect_meter is None

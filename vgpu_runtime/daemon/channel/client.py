@@ -2,9 +2,10 @@
 
 `ChannelClient` speaks the hook's protocol on an allocation's channel socket (what the C hook
 does, in Python), tokens included; its hello receives the allocation's page descriptors, which
-`token_page` and `activity_page` map the way a hook does (`TokenPageReader.of_allocation` opens
-one by path, for an observer with access to the state directory); `request` asks the control
-socket one JSON question.
+`token_page` and `activity_page` map the way a hook does (`TokenPageReader.of_allocation` takes
+an allocation's token page with a hello of its own, `ActivityPageWriter.of_allocation` opens an
+activity page by path, for an observer with access to the state directory); `request` asks the
+control socket one JSON question.
 """
 
 from __future__ import annotations
@@ -19,13 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu_runtime import wire
-from vgpu_runtime.daemon.channel.pages import (
-    PAGE_BYTES,
-    activity_page_path,
-    pages_dir,
-    token_page_path,
-)
+from vgpu_runtime import paths, wire
+from vgpu_runtime.allocation import load_record
+from vgpu_runtime.daemon.channel.pages import PAGE_BYTES, activity_page_path, pages_dir
 from vgpu_runtime.daemon.control import control_socket
 
 C = wire.const
@@ -308,7 +305,14 @@ class TokenPageReader(_PageMap):
     @classmethod
     def of_allocation(cls, state_dir: str | Path, allocation_id: str,
                       gpu: int) -> TokenPageReader:
-        return cls._opened(token_page_path(pages_dir(state_dir), allocation_id, gpu))
+        """Taken as a hook takes it, with a hello on the allocation's channel (a sealed page
+        has no path); the connection closes, the mapping stays."""
+        record = load_record(state_dir, allocation_id)
+        if record is None:
+            raise FileNotFoundError(f"no allocation {allocation_id} in {state_dir}")
+        with ChannelClient(paths.channel_socket(record.channel_dir)) as client:
+            client.hello()
+            return client.token_page(gpu)
 
     @property
     def gate(self) -> int:

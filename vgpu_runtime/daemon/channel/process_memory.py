@@ -31,6 +31,10 @@ The rule, per connection and GPU of its allocation:
 
 The figures come from a `ProcessMemorySource`: NVML (pynvml) or simulated (a JSON file the
 tests write, {GPU UUID: {pid: bytes}}), chosen by the `process_memory` setting.
+
+Readings go on while any allocation is served, connected or not: after the connections are
+charged, reconcile.py charges the processes no connection speaks for and judges each allocation
+against its limit (NVML reconciliation).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Protocol
 
+from vgpu_runtime.daemon.channel.reconcile import UNHOOKED_GRACE, Reconciled, Reconciler
 from vgpu_runtime.daemon.config import DaemonConfig
 
 log = logging.getLogger(__name__)
@@ -193,7 +198,8 @@ class Charged(Protocol):
 
 
 class ContextCharger:
-    """Reads the figures every interval while a connection is live, and charges each one."""
+    """Reads the figures every interval while an allocation is served or a connection is live,
+    charges each connection, then reconciles (reconcile.py)."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -201,6 +207,7 @@ class ContextCharger:
         self.opened = False
         self.error: str | None = None
         self.readings = 0
+        self.reconciler = Reconciler(config.over_limit_action)
         self._connections: set[Charged] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -209,6 +216,18 @@ class ContextCharger:
         """From hello: charge it from the next reading, which comes at once."""
         self._connections.add(connection)
         self._wake.set()
+        self._start()
+
+    def add_channel(self, channel: Reconciled) -> None:
+        """A served allocation: reconciled from the next reading on."""
+        self.reconciler.add(channel)
+        self._wake.set()
+        self._start()
+
+    def remove_channel(self, channel: Reconciled) -> None:
+        self.reconciler.remove(channel)
+
+    def _start(self) -> None:
         if self._task is None and (self.source is not None or not self.opened):
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -223,16 +242,30 @@ class ContextCharger:
             if not self.opened:
                 self.source = await asyncio.to_thread(open_source, self.config)
                 self.opened = True
-            while self._connections and self.source is not None:
+                if self.source is not None:
+                    self._check_attribution(self.source)
+            while (self._connections or self.reconciler.channels) and self.source is not None:
                 self._wake.clear()
-                await self._reading(self.source)
+                soon = await self._reading(self.source)
+                interval = self.config.process_memory_interval
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.process_memory_interval)
+                    await asyncio.wait_for(self._wake.wait(),
+                                           min(interval, UNHOOKED_GRACE) if soon else interval)
         finally:
             self._task = None
 
-    async def _reading(self, source: ProcessMemorySource) -> None:
+    def _check_attribution(self, source: ProcessMemorySource) -> None:
+        """Processes without a connection are found by their host pid in /proc: only where
+        this daemon's pids are NVML's (simulated figures are the tests', on their host)."""
+        self.reconciler.attribute = source.name == "simulated" or in_initial_pid_namespace()
+        if not self.reconciler.attribute:
+            log.warning("not in the host's pid namespace: processes that never connect are not "
+                        "found (hostPID)", extra={"source": source.name})
+
+    async def _reading(self, source: ProcessMemorySource) -> bool:
+        """One reading, charged and reconciled; True when the next should come soon."""
         uuids = {uuid for connection in self._connections for uuid in connection.gpu_uuids()}
+        uuids |= self.reconciler.uuids()
         try:
             figures = await asyncio.to_thread(source.read, uuids)
             if self.error is not None:
@@ -255,6 +288,7 @@ class ContextCharger:
             totals = [figures.get(uuid, {}).get(pid) if pid > 0 and newest[(pid, uuid)] is
                       connection else None for uuid in connection.gpu_uuids()]
             connection.charge_process_memory(source.name, totals)
+        return self.reconciler.reconcile(figures)
 
 
 _chargers: weakref.WeakKeyDictionary[object, ContextCharger] = weakref.WeakKeyDictionary()

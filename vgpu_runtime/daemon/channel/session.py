@@ -81,8 +81,6 @@ class AllocationChannel(Protocol):
 
     def connection_closed(self, session: Session) -> None: ...
 
-    def over_limit_observed(self, session: Session, gpu: int, process_bytes: int) -> None: ...
-
 log = logging.getLogger(__name__)
 
 C = wire.const
@@ -443,8 +441,6 @@ class Session(Waiter):
                 log.debug("context charge", extra=self._log_fields(
                     gpu=gpu, source=source if after is not None else "hook", charge=after,
                     process_total=total, used=ledger.used(gpu)))
-            if total is not None:
-                self.channel.over_limit_observed(self, gpu, total)
         self.process_memory_source = source if self.process_memory else "hook"
 
     async def _memory(self, frame: Any) -> None:

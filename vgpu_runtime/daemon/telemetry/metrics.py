@@ -5,6 +5,7 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
     gemini_vgpu_gpu_slices{gpu,model}                    slices the GPU is advertised as
     gemini_vgpu_gpu_slices_allocated{gpu,model}          slices held by allocations
     gemini_vgpu_gpu_healthy{gpu,model}                   1 healthy, 0 not (the plugin's view)
+    gemini_vgpu_gpu_unattributed_memory_bytes{gpu,model} held by processes of no allocation
     per container, labels pod, namespace, container, allocation, gpu:
     gemini_vgpu_container_request_ratio                  guaranteed share of the GPU's time
     gemini_vgpu_container_limit_ratio                    cap on that share
@@ -13,6 +14,10 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
     gemini_vgpu_token_wait_seconds (histogram)           waits for the GPU-time token
     gemini_vgpu_memory_refusals_total (counter)          allocations refused over the limit
     gemini_vgpu_memory_over_limit_reports_total (counter) found past the limit by NVML
+    gemini_vgpu_memory_over_limit_kills_total (counter)  processes killed for it
+                                                         (over_limit_action kill)
+    gemini_vgpu_memory_unhooked_bytes                    charged for processes with no
+                                                         connection to the interposer
     gemini_vgpu_build_info{version,interposer}           1: what runs (the package and the
                                                          interposer library it hands pods)
 
@@ -64,12 +69,16 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
     healthy = GaugeMetricFamily("gemini_vgpu_gpu_healthy",
                                 "1 if the device plugin reports the GPU healthy, else 0",
                                 labels=gpu_labels)
+    unattributed = GaugeMetricFamily(
+        "gemini_vgpu_gpu_unattributed_memory_bytes", "GPU memory NVML says processes of no "
+        "allocation hold on a GPU that allocations share", labels=gpu_labels)
     for gpu in gpu_rows(status):
         values = [gpu.uuid, gpu.model]
         slices.add_metric(values, gpu.slices)
         allocated.add_metric(values, gpu.slices_allocated)
         healthy.add_metric(values, 1.0 if gpu.healthy else 0.0)
-    yield from (slices, allocated, healthy)
+        unattributed.add_metric(values, gpu.unattributed_bytes)
+    yield from (slices, allocated, healthy, unattributed)
 
     def gauge(name: str, text: str) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, text, labels=CONTAINER_LABELS)
@@ -91,9 +100,18 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
         "gemini_vgpu_memory_over_limit_reports",
         "Times per-process figures found the container past its memory limit (memory the hook "
         "did not see)", labels=CONTAINER_LABELS)
+    kills = CounterMetricFamily(
+        "gemini_vgpu_memory_over_limit_kills",
+        "Processes killed for holding memory past the container's limit (over_limit_action "
+        "kill)", labels=CONTAINER_LABELS)
+    unhooked = gauge("gemini_vgpu_memory_unhooked_bytes",
+                     "GPU memory charged to the container for its processes with no connection "
+                     "to the interposer (NVML's figures)")
     for row in container_rows(status):
         values = [row.pod, row.namespace, row.container, row.allocation, row.gpu]
         over_limit.add_metric(values, row.over_limit_reports)
+        kills.add_metric(values, row.over_limit_kills)
+        unhooked.add_metric(values, row.unhooked_bytes)
         request.add_metric(values, row.share)
         limit.add_metric(values, row.limit)
         achieved.add_metric(values, row.achieved)
@@ -106,7 +124,8 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         waits.add_metric(values, buckets, row.waits["sum"])
-    yield from (request, limit, achieved, used, memory_limit, waits, refusals, over_limit)
+    yield from (request, limit, achieved, used, memory_limit, waits, refusals, over_limit,
+                kills, unhooked)
 
 
 class _Snapshot:

@@ -28,6 +28,8 @@ class ContainerRow:
     waits: dict[str, Any]           # WaitHistogram.snapshot()
     holder: bool
     over_limit_reports: int = 0     # processes found past the limit by per-process figures
+    over_limit_kills: int = 0       # processes killed for it (over_limit_action kill)
+    unhooked_bytes: int = 0         # charged for processes with no connection (NVML's figure)
 
     def usage(self) -> dict[str, Any]:
         """The MQTT usage document."""
@@ -47,6 +49,7 @@ class GpuRow:
     slices_allocated: int
     healthy: bool
     reason: str
+    unattributed_bytes: int = 0     # held by processes of no allocation (NVML's figures)
 
 
 def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
@@ -60,7 +63,8 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
             pod = entry.get("pod") or {}
             index = tenant["gpu_index"]
             refusals = entry["gpus"][index].get("memory_refusals", 0)
-            over_limit = entry["gpus"][index].get("over_limit_reports", 0)
+            shown = entry["gpus"][index]
+            over_limit = shown.get("over_limit_reports", 0)
             rows.append(ContainerRow(
                 pod=pod.get("name", ""), namespace=pod.get("namespace", ""),
                 container=pod.get("container", "") or _unbound_name(entry),
@@ -68,7 +72,8 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
                 limit=tenant["limit"], achieved=tenant["achieved"],
                 memory_used=tenant["memory_used"], memory_limit=tenant["memory_limit"],
                 memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"],
-                over_limit_reports=over_limit))
+                over_limit_reports=over_limit, over_limit_kills=shown.get("over_limit_kills", 0),
+                unhooked_bytes=sum(p["process_bytes"] for p in shown.get("unhooked", []))))
     return rows
 
 
@@ -81,5 +86,10 @@ def _unbound_name(entry: dict[str, Any]) -> str:
 
 def gpu_rows(status: dict[str, Any]) -> list[GpuRow]:
     node = status.get("node", {})
+    unattributed: dict[str, int] = {}
+    for process in status.get("unattributed", []):
+        unattributed[process["gpu"]] = unattributed.get(process["gpu"], 0) + process[
+            "process_bytes"]
     return [GpuRow(g["uuid"], g.get("model", ""), g["slices"], g["slices_allocated"],
-                   g["healthy"], g.get("reason", "")) for g in node.get("gpus", [])]
+                   g["healthy"], g.get("reason", ""), unattributed.get(g["uuid"], 0))
+            for g in node.get("gpus", [])]

@@ -30,6 +30,10 @@
  * [start, end) goes into a ring in the file (struct fake_engine below), from which
  * devkit/fakecuda/engine.py computes the device's utilisation as NVML samples it.
  * fake_cuda_calls(name) says how often an entry point was called.
+ * Libraries loaded under CUDA_MODULE_LOADING=LAZY (the real driver's default since 12.2) take
+ * their memory at the first launch after their load, in the context current then (load_pending).
+ * What each process holds, for the fake NVML's running-process list of another process
+ * (FAKE_CUDA_PROCESSES=<dir>): fake_processes.h.
  *
  * Built with -Bsymbolic so the pointers it hands out are its own, whatever is preloaded.
  */
@@ -42,10 +46,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "cuda_types.h"
+#include "fake_processes.h"
 
 #define EXPORT __attribute__((visibility("default")))
 #define MAX_DEVICES 8
@@ -83,7 +89,8 @@ EXPORT unsigned long fake_cuda_calls(const char *name) {
 static int device_count = -1;
 static CUuuid uuids[MAX_DEVICES];
 static uint64_t total_mem, context_bytes;
-static uint64_t used_mem[MAX_DEVICES];
+static uint64_t own_used[MAX_DEVICES];
+static uint64_t *used_mem = own_used;   /* or the shared file's (publish_usage) */
 static int current_device = -1;   /* one context per process is enough for the tests */
 static int initialised;
 
@@ -91,8 +98,29 @@ static int hex(char c) {
     return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
 }
 
+/* FAKE_CUDA_PROCESSES: this copy's use lives in a shared file the fake NVML reads. */
+static void publish_usage(void) {
+    const char *dir = getenv("FAKE_CUDA_PROCESSES");
+    struct stat ns;
+    if (dir == NULL || stat("/proc/self/ns/pid", &ns) != 0) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%d-%lu-%lx", dir, (int)getpid(), (unsigned long)ns.st_ino,
+             (unsigned long)(uintptr_t)own_used);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) return;
+    struct fake_process *shared = NULL;
+    if (ftruncate(fd, sizeof *shared) == 0)
+        shared = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (shared == NULL || shared == MAP_FAILED) return;
+    shared->magic = FAKE_PROCESS_MAGIC;
+    used_mem = shared->used;
+}
+
 static void load_devices(void) {
     if (device_count >= 0) return;
+    _Static_assert(MAX_DEVICES == FAKE_PROCESS_DEVICES, "one slot per device");
+    publish_usage();
     const char *env = getenv("FAKE_CUDA_UUIDS");
     const char *list = env ? env : "GPU-00000000-0000-4000-8000-000000000000";
     device_count = 0;
@@ -441,7 +469,11 @@ static void queue_for(CUstream s, int per_thread, int64_t duration) {
     pthread_mutex_unlock(&lock);
 }
 
+static void load_pending(void);
+static _Atomic int pending_libraries;   /* lazily loaded, not yet in a context */
+
 static void queue_work(CUstream s, int per_thread) {
+    load_pending();
     queue_for(s, per_thread, atomic_load(&kernel_ns));
 }
 
@@ -771,7 +803,7 @@ EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
 
 /* ---- modules and libraries ---- */
 #define MAX_MODULES 256
-static struct { uintptr_t handle; uint64_t bytes; int dev; } modules[MAX_MODULES];
+static struct { uintptr_t handle; uint64_t bytes; int dev; int pending; } modules[MAX_MODULES];
 static uintptr_t next_module = 0x30000;
 
 static uint64_t ptx_type_bytes(const char *t) {
@@ -822,12 +854,20 @@ static char *read_file(const char *path) {
     return text;
 }
 
+/* CUDA_MODULE_LOADING=LAZY (the real driver's default since 12.2): a library takes its memory
+ * in a context at the first launch there, not at its load (load_pending). */
+static int lazy_libraries(void) {
+    const char *mode = getenv("CUDA_MODULE_LOADING");
+    return mode != NULL && strcmp(mode, "LAZY") == 0;
+}
+
 static CUresult load_image(uintptr_t *handle, const char *image, int need_context) {
     if (image == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (current_device < 0 && need_context) return CUDA_ERROR_INVALID_CONTEXT;
-    uint64_t bytes = current_device < 0 ? 0 : image_bytes(image);
+    int lazy = !need_context && lazy_libraries();
+    uint64_t bytes = current_device < 0 && !lazy ? 0 : image_bytes(image);
     pthread_mutex_lock(&lock);
-    CUresult result = bytes ? take_memory(current_device, bytes) : CUDA_SUCCESS;
+    CUresult result = bytes && !lazy ? take_memory(current_device, bytes) : CUDA_SUCCESS;
     int i = 0;
     while (result == CUDA_SUCCESS && i < MAX_MODULES && modules[i].handle != 0) i++;
     if (result == CUDA_SUCCESS && i == MAX_MODULES) {
@@ -838,6 +878,8 @@ static CUresult load_image(uintptr_t *handle, const char *image, int need_contex
         modules[i].handle = *handle = next_module++;
         modules[i].bytes = bytes;
         modules[i].dev = current_device;
+        modules[i].pending = lazy;
+        if (lazy) atomic_fetch_add(&pending_libraries, 1);
     }
     pthread_mutex_unlock(&lock);
     return result;
@@ -857,13 +899,30 @@ static CUresult unload_image(uintptr_t handle) {
     CUresult result = CUDA_ERROR_INVALID_VALUE;
     for (int i = 0; i < MAX_MODULES; i++) {
         if (modules[i].handle != handle || handle == 0) continue;
-        if (modules[i].bytes) used_mem[modules[i].dev] -= modules[i].bytes;
+        if (modules[i].pending) atomic_fetch_sub(&pending_libraries, 1);
+        else if (modules[i].bytes) used_mem[modules[i].dev] -= modules[i].bytes;
         modules[i].handle = 0;
         result = CUDA_SUCCESS;
         break;
     }
     pthread_mutex_unlock(&lock);
     return result;
+}
+
+/* A launch: lazily loaded libraries take their memory in the current context now (a library
+ * that does not fit stays pending, as if its kernels failed to load). */
+static void load_pending(void) {
+    if (atomic_load_explicit(&pending_libraries, memory_order_relaxed) == 0) return;
+    pthread_mutex_lock(&lock);
+    for (int i = 0; current_device >= 0 && i < MAX_MODULES; i++) {
+        if (modules[i].handle == 0 || !modules[i].pending) continue;
+        if (take_memory(current_device, modules[i].bytes) == CUDA_SUCCESS) {
+            modules[i].pending = 0;
+            modules[i].dev = current_device;
+            atomic_fetch_sub(&pending_libraries, 1);
+        }
+    }
+    pthread_mutex_unlock(&lock);
 }
 
 EXPORT CUresult cuModuleLoadData(CUmodule *module, const void *image) {

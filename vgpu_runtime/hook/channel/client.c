@@ -529,6 +529,18 @@ int gm_channel_token(uint32_t gpu, uint32_t flags, int64_t burst_ns, int64_t wor
     return rc;
 }
 
+void gm_channel_revive(void) {
+    if (pthread_mutex_trylock(&lock) != 0) return;   /* another thread talks to the daemon */
+    if (fd >= 0 && owner == getpid()) {
+        struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+        if (poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)))
+            drop_connection();   /* the daemon went away: its pages are written no more */
+    }
+    int fresh = 0;
+    if (fd < 0 && grant_count >= 0) ensure_connected(0, &fresh);   /* no wait: one try */
+    pthread_mutex_unlock(&lock);
+}
+
 int gm_channel_notify(void *frame) {
     if (pthread_mutex_trylock(&lock) != 0) return -1;
     int rc = -1;

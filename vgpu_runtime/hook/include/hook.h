@@ -109,6 +109,9 @@ GM_HIDDEN int64_t gm_setting_token_timeout_ns(void);
 GM_HIDDEN int64_t gm_setting_fallback_retry_ns(void);
 GM_HIDDEN uint64_t gm_setting_context_bytes(void);
 GM_HIDDEN uint64_t gm_setting_context_max_bytes(void);
+/* A connection the daemon hung up is dropped and, without waiting, made again (a new daemon's
+ * hello brings its pages); nothing while another thread talks to the daemon. */
+GM_HIDDEN void gm_channel_revive(void);
 /* A frame without reply (header type and length set), sent only if that costs no wait. */
 GM_HIDDEN int gm_channel_notify(void *frame);
 

@@ -3,10 +3,12 @@
  * settling the last grant's work, bursts and the bounded fallback. The contract is in
  * gemini_wire.h (above struct gm_token_page), the design in README.md ("The launch gate").
  *
- * Rules: the fast path costs no system call and no lock; a token page is mapped read-only, so
- * the container cannot forge a grant; a grant's work is charged up to its end, never the idle
- * time after it; without a daemon the hook gates itself at its last known share, which no
- * environment setting can widen; the gate never deadlocks the application.
+ * Rules: the fast path costs no system call and no lock; a token page is mapped read-only (and
+ * sealed by the daemon), so the container cannot forge a grant; a grant's work is charged up to
+ * its end, never the idle time after it; without a daemon the hook gates itself at its last
+ * known share, which no environment setting can widen; the gate never deadlocks the
+ * application; an open gate is believed only while its daemon lives (checked every
+ * REVIVE_EVERY launches: a daemon's page dies with it, a new daemon's comes with a hello).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +28,7 @@
 #define MAX_REPORTS 16
 #define FALLBACK_AHEAD_NS 100000000LL       /* how far the self-gating clock may run ahead */
 #define UNKNOWN_SHARE_PPM 40000               /* before any hello: below the 0.05 bound */
+#define REVIVE_EVERY 4096                     /* open-gate launches per check of the daemon */
 
 struct gpu_token {
     const struct gm_token_page *page;      /* NULL until mapped (atomic pointer loads) */
@@ -65,6 +68,14 @@ static _Atomic int gpu_count = -1;
 static _Atomic int64_t no_daemon_until;   /* no hello at all: self-gated until then */
 static _Atomic int warned;
 static __thread int fallback_launch;      /* this thread's launch is self-gated */
+static __thread unsigned open_launches;   /* this thread's launches through an open gate */
+
+/* An open gate holds until the daemon that opened it goes; nobody writes its page after
+ * that (a sealed page is the dead daemon's alone), so now and then its connection is checked
+ * and, hung up, made again: the next daemon's hello brings the page it writes. */
+static void open_gate_launch(void) {
+    if ((++open_launches & (REVIVE_EVERY - 1)) == 0) gm_channel_revive();
+}
 
 static int drain_by_sync(void) {
     static int mode = -1;
@@ -493,7 +504,10 @@ int gm_token_gate(int64_t *at) {
         const struct gm_token_page *page = __atomic_load_n(&g->page, __ATOMIC_ACQUIRE);
         int64_t until = atomic_load_explicit(&g->fallback_until, memory_order_relaxed);
         if (page != NULL) {
-            if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) return -1;
+            if (__atomic_load_n(&page->gate, __ATOMIC_RELAXED) == GM_GATE_OPEN) {
+                open_gate_launch();
+                return -1;
+            }
             int64_t now = gm_now_ns();
             if (now < __atomic_load_n(&page->valid_until_ns, __ATOMIC_ACQUIRE)) {
                 *at = now;
