@@ -1,7 +1,8 @@
 """Builds the interposer (C, gcc only) as part of `pip install .`.
 
-The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>
-(see vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules);
+The library lands in the package as vgpu_runtime/lib/libgemini-hook.so.<version>-<digest>,
+with vgpu_runtime/lib/hook-library-name naming it (read by vgpu_runtime/hooklib.py; see
+vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version rules);
 build.py loads vgpu_runtime/common/cbuild.py, which names it and installs it by rename.
 The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
 it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
@@ -47,7 +48,7 @@ class BuildWithHook(build_py):
     def run(self):
         super().run()
         out_dir = Path(self.build_lib) / "vgpu_runtime" / "lib"
-        _hook_builder().build_library(out_dir)
+        _hook_builder().build_into_package(out_dir)
 
 
 class WithNativeLibrary(Distribution):

@@ -34,7 +34,7 @@ import grpc
 
 from device_plugin.health import HealthTracker
 from device_plugin.slices import Slice, SliceTable, brief_ids
-from vgpu_runtime import allocation, containerenv, paths
+from vgpu_runtime import allocation, containerenv, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
 from vgpu_runtime.gpus import GpuInfo
@@ -44,7 +44,7 @@ from vgpu_runtime.pluginconfig import PluginConfig
 log = logging.getLogger(__name__)
 
 ALLOCATION_ANNOTATION = "gemini.ai/allocation-id"
-CONTAINER_HOOK = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+CONTAINER_HOOK = f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}"
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 # Answers kept for replays (a node holds a few hundred allocations; this only bounds memory).
 KEPT_ANSWERS = 4096
@@ -220,7 +220,7 @@ class Allocator:
         return AllocationRecord(
             id=allocation_id, origin="kubelet", device_ids=device_ids, gpus=shares,
             channel_dir=self._layout().channel(allocation_id),
-            hook_library=paths.HOOK_LIBRARY_NAME, created_at=created_at,
+            hook_library=hooklib.library_name(), created_at=created_at,
         )
 
     def response(self, record: AllocationRecord,
@@ -322,7 +322,7 @@ class Allocator:
     def _check_interposer(self) -> None:
         """The library the answer names in LD_PRELOAD or the preload file must be in the hook
         directory: without it the loader skips it and the pod runs ungated."""
-        library = os.path.join(self.config.host_hook_dir, paths.HOOK_LIBRARY_NAME)
+        library = os.path.join(self.config.host_hook_dir, hooklib.library_name())
         try:
             mode = os.lstat(library).st_mode
         except FileNotFoundError:
@@ -337,7 +337,7 @@ class Allocator:
             f"the interposer library {library} {problem}, so the pod would run without GPU "
             "sharing enforcement; run gemini-install-hook (the node DaemonSet's install-hook "
             "step) with this plugin's state dir, or point --hook-dir at where it installed "
-            f"{paths.HOOK_LIBRARY_NAME}, then delete the pod to retry")
+            f"{hooklib.library_name()}, then delete the pod to retry")
 
     def _layout(self) -> _Layout:
         if self._layout_cache.state_dir != self.config.state_dir:    # config replaced

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A unit of vgpu_runtime (its first two name parts) may import units of its own layer or lower.
 LAYERS: dict[str, int] = {
-    # The base: the package's version, paths, shared helpers and the interposer's build recipe.
+    # The base: the package's version, paths, shared helpers, the interposer's build recipe and
+    # its name (hooklib: every program's --version says it).
     "vgpu_runtime": 0,
     "vgpu_runtime.common": 0,
     "vgpu_runtime.paths": 0,
     "vgpu_runtime.hook": 0,
+    "vgpu_runtime.hooklib": 0,
     # What the node has and the contracts between its programs.
     "vgpu_runtime.gpus": 1,
     "vgpu_runtime.kubeletapi": 1,
@@ -32,7 +35,6 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.allocation": 1,
     "vgpu_runtime.nodefiles": 1,
     "vgpu_runtime.containerenv": 1,
-    "vgpu_runtime.hooklib": 1,
     # Whose a machine is (the host daemon's mark) and whose daemon serves each GPU.
     "vgpu_runtime.hoststate": 1,
     "vgpu_runtime.gpulock": 1,
@@ -51,6 +53,11 @@ LAYERS: dict[str, int] = {
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,
 }
+# Rule: the contracts name what the build made and never build it (the build writes the
+# interposer's name beside the library; hooklib reads it), so they import neither.
+CONTRACTS = ("vgpu_runtime.paths", "vgpu_runtime.nodefiles", "vgpu_runtime.wire",
+             "vgpu_runtime.allocation", "vgpu_runtime.containerenv")
+CONTRACTS_NEVER_IMPORT = ("vgpu_runtime.hook", "vgpu_runtime.hooklib")
 # The plugin sits beside the daemon, joined to it only by the allocation record: it may import
 # the base and the contracts, nothing above them.
 PLUGIN_MAY_IMPORT_UP_TO = 1
@@ -112,6 +119,9 @@ def violations(rel: Path, source: str) -> Iterator[str]:
             yield f"{rel} imports {module}: scripts use the kit (vgpu_runtime/devkit), not tests/"
         elif target == "device_plugin" and top == "vgpu_runtime":
             yield f"{rel} imports {module}: vgpu_runtime never imports the device plugin"
+        elif unit(own) in CONTRACTS and unit(module) in CONTRACTS_NEVER_IMPORT:
+            yield (f"{rel} imports {module}: a contract never imports the hook's build "
+                   "(the interposer's name is hooklib.library_name())")
         elif target == "vgpu_runtime" and top == "vgpu_runtime":
             mine, theirs = layer(own), layer(module)
             if mine is not None and theirs is not None and theirs > mine:
@@ -144,6 +154,8 @@ def test_the_check_sees_a_planted_bad_import() -> None:
     """The checker itself: each kind of bad import, planted in a real module's text."""
     planted = {
         "vgpu_runtime/allocation.py": "from vgpu_runtime.daemon import daemon\n",
+        "vgpu_runtime/paths.py": "from vgpu_runtime.hook import build\n",
+        "vgpu_runtime/wire.py": "def f():\n    from vgpu_runtime import hooklib\n",
         "vgpu_runtime/timeshare/window.py": "import device_plugin.server\n",
         "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
         "device_plugin/slices.py": ("import importlib\n"
@@ -156,6 +168,17 @@ def test_the_check_sees_a_planted_bad_import() -> None:
         assert not list(violations(Path(rel), source)), rel
         assert list(violations(Path(rel), source + "\n" + line)), (
             f"a planted {line.strip()!r} in {rel} went unseen")
+
+
+def test_the_contracts_load_without_the_hooks_build() -> None:
+    """What they import in turn counts too: loading every contract leaves the build unloaded,
+    so no program hashes the hook's sources for a name it could read."""
+    probe = ("import sys\n" + "".join(f"import {name}\n" for name in CONTRACTS)
+             + "print(sorted(m for m in sys.modules if m.startswith(('vgpu_runtime.hook', "
+             "'vgpu_runtime.hooklib'))))")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_shell_scripts_run_no_test_module() -> None:

@@ -1,19 +1,44 @@
-"""Where the interposer library is: the installed copy, or one built on demand.
+"""The interposer library's name, and where it is: the installed copy, or one built on demand.
 
-`pip install .` puts the library in vgpu_runtime/lib/. In a source tree or an editable
-install there is none, so library_path() builds it into a per-user cache keyed by a hash
-of the hook's sources (a changed source builds a new file; an unchanged one is reused).
+`pip install .` puts the library in vgpu_runtime/lib/, with the build's file naming it beside
+(hook/build.py, NAME_FILE). In a source tree or an editable install there is neither: the name
+is what the sources build to, and library_path() builds the library into a per-user cache keyed
+by a hash of the hook's sources (a changed source builds a new file; an unchanged one is reused).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
-from vgpu_runtime import paths
 from vgpu_runtime.hook import build
 
 PACKAGE_LIB_DIR = Path(__file__).resolve().parent / "lib"
+# Every version's file starts with this (gemini-install-hook retires old versions by it).
+LIBRARY_PREFIX = build.LIBRARY_PREFIX
+
+
+class LibraryNameError(RuntimeError):
+    """The package's record of its interposer's name is unreadable or names no version."""
+
+
+@functools.cache
+def library_name() -> str:
+    """`libgemini-hook.so.<version>-<digest>`: the name every program gives the interposer (in
+    LD_PRELOAD, records, the installed file). A file of that name is never rewritten: running
+    pods keep the library they started with across upgrades."""
+    # Rule: the build writes the name once, beside the library; the installed package reads it,
+    # and only a source tree (no such file) asks the build. The contracts never import the build.
+    record = PACKAGE_LIB_DIR / build.NAME_FILE
+    try:
+        name = record.read_text().strip()
+    except FileNotFoundError:
+        return build.library_name()
+    if not name.startswith(LIBRARY_PREFIX) or "/" in name:
+        raise LibraryNameError(f"{record} names {name!r}, not an interposer "
+                               f"({LIBRARY_PREFIX}<version>-<digest>); reinstall the package")
+    return name
 
 
 def cache_root() -> Path:
@@ -22,7 +47,7 @@ def cache_root() -> Path:
 
 
 def installed_library() -> Path | None:
-    candidate = PACKAGE_LIB_DIR / paths.HOOK_LIBRARY_NAME
+    candidate = PACKAGE_LIB_DIR / library_name()
     return candidate if candidate.is_file() else None
 
 
@@ -32,7 +57,7 @@ def library_path(rebuild: bool = False) -> Path:
     if installed is not None and not rebuild:
         return installed
     out_dir = cache_root() / build.sources_digest()
-    target = out_dir / paths.HOOK_LIBRARY_NAME
+    target = out_dir / build.library_name()
     if target.is_file() and not rebuild:
         return target
     return build.build_library(out_dir)

@@ -3,7 +3,7 @@
 The DaemonSet runs this as an init container before the device plugin starts. The rule:
 
 1. The packaged interposer is installed as `<hook-dir>/libgemini-hook.so.<version>-<digest>`
-   (`paths.HOOK_LIBRARY_NAME`: the digest is of the hook's sources, so every change to them is a
+   (`hooklib.library_name()`: the digest is of the hook's sources, so every change to them is a
    new name; hook-dir defaults to `<state-dir>/lib`). It is written to a
    temporary file in that directory, synced, then hard-linked to its name, which fails if the
    name exists: a reader sees no file or the whole file, and two installers racing cannot
@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vgpu_runtime import __version__, allocation, paths
+from vgpu_runtime import __version__, allocation, hooklib, paths
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import fsync_dir
@@ -51,7 +51,7 @@ log = logging.getLogger("gemini-install-hook")
 PROG = "gemini-install-hook"
 
 # Every version's file starts with this; temporary files start with "." and are never versions.
-LIBRARY_PREFIX = paths.HOOK_LIBRARY_PREFIX
+LIBRARY_PREFIX = hooklib.LIBRARY_PREFIX
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_AGE = 3600.0  # seconds; a temporary file this old was left by an installer that died
 LIBRARY_MODE = 0o755     # readable by every container user; the directory is mounted read-only
@@ -108,14 +108,14 @@ def _check_existing(source: Path, target: Path) -> bool:
 
 
 def install_library(source: Path, hook_dir: Path) -> tuple[Path, bool]:
-    """Install source as hook_dir/HOOK_LIBRARY_NAME; returns (path, newly written)."""
+    """Install source as hook_dir/hooklib.library_name(); returns (path, newly written)."""
     if not source.is_file():
         raise InstallError(f"interposer {source} not found or not a regular file")
     try:
         hook_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     except OSError as err:
         raise InstallError(f"cannot create hook directory {hook_dir}: {err.strerror}") from None
-    target = hook_dir / paths.HOOK_LIBRARY_NAME
+    target = hook_dir / hooklib.library_name()
     if os.path.lexists(target):
         return target, not _check_existing(source, target)
     try:
@@ -159,7 +159,7 @@ def versions_in_use(state_dir: Path) -> tuple[set[str], list[str]]:
 
 def retire_old_versions(hook_dir: Path, state_dir: Path, outcome: Outcome) -> None:
     old = sorted(p for p in hook_dir.glob(LIBRARY_PREFIX + "*")
-                 if p.name != paths.HOOK_LIBRARY_NAME)
+                 if p.name != hooklib.library_name())
     if not old:
         return
     used, unreadable = versions_in_use(state_dir)
@@ -200,7 +200,6 @@ def remove_stale_temporaries(hook_dir: Path, now: float | None = None) -> list[s
 
 def packaged_library() -> Path:
     """The interposer shipped in the package; in a source tree, built on demand (gcc)."""
-    from vgpu_runtime import hooklib
     from vgpu_runtime.hook import build
 
     installed = hooklib.installed_library()

@@ -13,8 +13,6 @@ import os
 import re
 from pathlib import Path
 
-from vgpu_runtime.hook import build
-
 RESOURCE_NAME = "gemini.ai/vgpu"
 
 DEFAULT_KUBELET_DIR = "/var/lib/kubelet/device-plugins"
@@ -56,12 +54,8 @@ HOST_METRICS_PORT = 9402
 DEFAULT_GPU_LOCK_DIR = "/run/lock"
 ENV_GPU_LOCK_DIR = "GEMINI_GPU_LOCK_DIR"
 
-# The interposer is installed under a name that changes with its sources
-# (libgemini-hook.so.<version>-<digest>, see hook/build.py) and a file of that name is never
-# rewritten: running pods keep the library they started with across upgrades.
-HOOK_LIBRARY_PREFIX = build.LIBRARY_PREFIX
-HOOK_LIBRARY_NAME = build.library_name()
-
+# The interposer's file name changes with its sources: hooklib.library_name(), which the build
+# writes beside the library (the contracts never import the build).
 
 
 def _wire_string(name: str) -> str:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.readonly import read_only_call
 from vgpu_runtime import allocation as alloc
-from vgpu_runtime import paths
+from vgpu_runtime import hooklib, paths
 from vgpu_runtime.common import atomicfile
 
 
@@ -23,7 +23,7 @@ def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> all
     fields: dict[str, object] = dict(
         id=alloc.id_for_devices(ids), origin="kubelet", device_ids=ids,
         gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30),), channel_dir="/var/lib/gemini/channels/x",
-        hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time(),
+        hook_library=hooklib.library_name(), created_at=time.time(),
     )
     fields.update(kw)
     return alloc.AllocationRecord(**fields)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__, hooklib
 
 PROGRAMS = ("gemini-device-plugin", "gemini-daemon", "gemini-run", "gemini-vgpu",
             "gemini-install-hook", "gemini-config-manager", "gemini-demo")
@@ -30,7 +30,7 @@ def run(program: str, *args: str, **env: str) -> subprocess.CompletedProcess[str
 def test_version_names_the_package_and_the_interposer(program: str) -> None:
     result = run(program, "--version")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"{program} {__version__} (interposer {paths.HOOK_LIBRARY_NAME})\n"
+    assert result.stdout == f"{program} {__version__} (interposer {hooklib.library_name()})\n"
 
 
 @pytest.mark.parametrize("program, args", [

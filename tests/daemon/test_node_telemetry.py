@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__, hooklib, paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.devkit.podnode import PodNode, until
 
@@ -153,7 +153,7 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
             assert len(samples["gemini_vgpu_gpu_slices"]) == 2
             from vgpu_runtime import __version__
             assert value("gemini_vgpu_build_info", {"version": __version__,
-                                                    "interposer": paths.HOOK_LIBRARY_NAME}) == 1
+                                                    "interposer": hooklib.library_name()}) == 1
             # gemini-vgpu status reads the same figures from the same snapshot.
             from vgpu_runtime.daemon.channel import client
             answer = client.request(pods.state_dir)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.daemon.helpers import UUID_A, MiB, wait_for, wait_served
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.daemon.channel.client import ChannelClient
@@ -48,7 +48,7 @@ def kubelet_record(state_dir: Path, device_ids: tuple[str, ...] = SLICES,
         id=allocation_id, origin="kubelet", device_ids=device_ids,
         gpus=(GpuShare(UUID_A, 0, share, DEFAULT_MEMORY, 10),),
         channel_dir=str(paths.channel_dir(state_dir, allocation_id)),
-        hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time())
+        hook_library=hooklib.library_name(), created_at=time.time())
     allocation.write_record(state_dir, record)
     return record
 

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime", "vgpu_runtime.pluginconfig"]):
-    from vgpu_runtime import allocation, paths
+    from vgpu_runtime import allocation, hooklib, paths
     from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
     from vgpu_runtime.common.sizes import parse_size
     from vgpu_runtime.daemon.config import DaemonConfig
@@ -47,7 +47,7 @@ RECORD = AllocationRecord(
     id=allocation.id_for_devices(("GPU-a::0",)), origin="kubelet", device_ids=("GPU-a::0",),
     gpus=(GpuShare("GPU-a", 0, 0.3, 3 * GiB),),
     channel_dir=str(paths.channel_dir(ROOT, allocation.id_for_devices(("GPU-a::0",)))),
-    hook_library=paths.HOOK_LIBRARY_NAME, created_at=1.0e9)
+    hook_library=hooklib.library_name(), created_at=1.0e9)
 RECORD_PATH = allocation.record_path(ROOT, RECORD.id)
 CONFIG_PATH = ROOT / "config.yaml"
 SEPARATOR = b"\n--\n"   # splits the annotation target's input into its two values

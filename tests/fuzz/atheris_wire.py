@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime"]):
-    from vgpu_runtime import allocation, paths, wire
+    from vgpu_runtime import allocation, hooklib, paths, wire
     from vgpu_runtime.daemon.channel.channel import AllocationChannel
     from vgpu_runtime.daemon.channel.peer import PeerCred
     from vgpu_runtime.daemon.channel.session import Session
@@ -72,7 +72,7 @@ class Harness:
             gpus=tuple(allocation.GpuShare(uuid, i, 0.5, 100 * MiB)
                        for i, uuid in enumerate(UUIDS)),
             channel_dir=str(paths.channel_dir(state, rid)),
-            hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time())
+            hook_library=hooklib.library_name(), created_at=time.time())
         config = DaemonConfig(state_dir=str(state))
         self.channel = AllocationChannel(record, terms_of(record, None, config.limit_for),
                                          TokenService(config))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.promises import check_accepted_record, check_config_file
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.sizes import parse_size
@@ -51,7 +51,7 @@ def _record(state_dir: Path, n: int = 0) -> AllocationRecord:
     rid = allocation.id_for_devices(ids)
     return AllocationRecord(
         id=rid, origin="kubelet", device_ids=ids, gpus=(GpuShare("GPU-a", 0, 0.3, 3 * GiB),),
-        channel_dir=str(paths.channel_dir(state_dir, rid)), hook_library=paths.HOOK_LIBRARY_NAME,
+        channel_dir=str(paths.channel_dir(state_dir, rid)), hook_library=hooklib.library_name(),
         created_at=1.0e9)
 
 

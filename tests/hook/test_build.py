@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.librarybuild import build_in, copy_build_base
-from vgpu_runtime import __version__, hooklib, paths
+from vgpu_runtime import __version__, hooklib
 from vgpu_runtime.hook import build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,11 +20,11 @@ OLDEST_GLIBC = (2, 17)
 
 
 def test_library_has_the_versioned_name(hook_lib: Path) -> None:
-    assert hook_lib.name == paths.HOOK_LIBRARY_NAME
-    assert build.library_name() == paths.HOOK_LIBRARY_NAME
+    assert hook_lib.name == hooklib.library_name()
+    assert build.library_name() == hooklib.library_name()
     digest = build.sources_digest()
-    assert f"libgemini-hook.so.{__version__}-{digest}" == paths.HOOK_LIBRARY_NAME
-    assert paths.HOOK_LIBRARY_NAME.startswith(paths.HOOK_LIBRARY_PREFIX)
+    assert f"libgemini-hook.so.{__version__}-{digest}" == hooklib.library_name()
+    assert hooklib.library_name().startswith(hooklib.LIBRARY_PREFIX)
 
 
 def checkout(root: Path) -> Path:
@@ -43,7 +43,7 @@ def test_two_checkouts_of_the_same_sources_build_identical_bytes(tmp_path: Path)
     first = build_in(checkout(tmp_path / "a"), tmp_path / "out-a", tmp_path)
     second = build_in(checkout(tmp_path / "a-much-longer-directory" / "b"), tmp_path / "out-b",
                       tmp_path / "a-much-longer-directory")
-    assert first.name == second.name == paths.HOOK_LIBRARY_NAME
+    assert first.name == second.name == hooklib.library_name()
     data = first.read_bytes()
     assert data == second.read_bytes()
     assert str(tmp_path).encode() not in data
@@ -57,17 +57,17 @@ def test_a_changed_source_gives_a_new_name(tmp_path: Path) -> None:
     gate = script.parent / "launch" / "gate.c"
     gate.write_text(gate.read_text() + "\n/* a change */\n")
     changed = build_in(script, tmp_path / "out", tmp_path)
-    assert changed.name != paths.HOOK_LIBRARY_NAME
-    assert changed.name.startswith(f"{paths.HOOK_LIBRARY_PREFIX}{__version__}-")
+    assert changed.name != hooklib.library_name()
+    assert changed.name.startswith(f"{hooklib.LIBRARY_PREFIX}{__version__}-")
     # Flags live in build.py, which the digest covers too.
     script.write_text(script.read_text().replace('"-O2"', '"-O1"'))
     flagged = build_in(script, tmp_path / "out", tmp_path)
-    assert flagged.name not in (changed.name, paths.HOOK_LIBRARY_NAME)
+    assert flagged.name not in (changed.name, hooklib.library_name())
     # And the build machinery it shares with the native scheduler's.
     recipe = script.parents[1] / "common" / "cbuild.py"
     recipe.write_text(recipe.read_text() + "\n# a change\n")
     assert build_in(script, tmp_path / "out", tmp_path).name not in (
-        flagged.name, changed.name, paths.HOOK_LIBRARY_NAME)
+        flagged.name, changed.name, hooklib.library_name())
 
 
 def required_glibc_versions(library: Path) -> set[tuple[int, ...]]:
@@ -114,7 +114,7 @@ def test_rebuild_with_same_sources_keeps_the_file(hook_lib: Path) -> None:
 
 
 def test_different_content_replaces_by_rename_never_in_place(tmp_path: Path) -> None:
-    target = tmp_path / paths.HOOK_LIBRARY_NAME
+    target = tmp_path / hooklib.library_name()
     target.write_bytes(b"an older build that a running program has mapped")
     with open(target, "rb") as mapped:
         built = build.build_library(tmp_path)
@@ -205,3 +205,31 @@ def test_the_families_depend_one_way(tmp_path: Path) -> None:
     unresolved = {name for obj in objects for name in symbols(obj, "--undefined-only")
                   if name not in defined_in}
     assert unresolved == set()                                 # every gm_ call was seen
+
+
+def test_the_package_step_writes_the_name_the_installed_code_reads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """setup.py's step writes the library and its name once; an installed package (a lib/ with
+    that file) reads the name there and never asks the build for a digest."""
+    library = build.build_into_package(tmp_path / "lib")
+    assert (tmp_path / "lib" / build.NAME_FILE).read_text() == f"{library.name}\n"
+    monkeypatch.setattr(hooklib, "PACKAGE_LIB_DIR", tmp_path / "lib")
+    monkeypatch.setattr(build, "sources_digest", lambda: pytest.fail("the build was asked"))
+    hooklib.library_name.cache_clear()
+    try:
+        assert hooklib.library_name() == library.name
+        assert hooklib.installed_library() == library
+    finally:
+        hooklib.library_name.cache_clear()
+
+
+def test_a_name_file_naming_no_interposer_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / build.NAME_FILE).write_text("../../etc/passwd\n")
+    monkeypatch.setattr(hooklib, "PACKAGE_LIB_DIR", tmp_path)
+    hooklib.library_name.cache_clear()
+    try:
+        with pytest.raises(hooklib.LibraryNameError, match="not an interposer"):
+            hooklib.library_name()
+    finally:
+        hooklib.library_name.cache_clear()

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from tests.integration.conftest import PluginNode
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.devkit.kubelet_emulator import Pod
 from vgpu_runtime.devkit.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
 from vgpu_runtime.gpus.simulated import simulated_uuid
@@ -126,7 +126,7 @@ async def test_records_hold_share_memory_and_channel(node: PluginNode) -> None:
     assert response.envs["CUDA_VISIBLE_DEVICES"] == gpu.uuid
     assert response.envs["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid
     assert response.envs[paths.ENV_MEMORY_LIMIT] == str(6 * GiB)
-    assert response.envs["LD_PRELOAD"].endswith(paths.HOOK_LIBRARY_NAME)
+    assert response.envs["LD_PRELOAD"].endswith(hooklib.library_name())
     mounts = {m.container_path: m for m in response.mounts}
     assert mounts[paths.CONTAINER_CHANNEL_DIR].host_path == record.channel_dir
     assert mounts[paths.CONTAINER_LIB_DIR].read_only

@@ -14,7 +14,7 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.readonly import read_only_call
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
@@ -106,7 +106,7 @@ def test_response_with_cdi(make: Make) -> None:
     assert [d.name for d in answer.cdi_devices] == [f"nvidia.com/gpu={uuid}"]
     assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
     assert answer.envs["CUDA_VISIBLE_DEVICES"] == uuid
-    assert answer.envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    assert answer.envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}"
     assert answer.envs[paths.ENV_CHANNEL_DIR] == paths.CONTAINER_CHANNEL_DIR
     assert answer.envs[paths.ENV_ALLOCATION_ID] == record_id
     assert answer.envs[paths.ENV_SHARE] == "0.3"
@@ -146,7 +146,7 @@ def test_response_with_device_nodes(make: Make) -> None:
 def test_each_injection_method(make: Make, injection: str, env: bool, file: bool) -> None:
     allocator, table, _ = make(injection=injection)
     answer = allocator.allocate(slice_ids(table, 0, 2))
-    hook = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    hook = f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}"
     assert (answer.envs.get("LD_PRELOAD") == hook) is env
     mounts = {m.container_path: m for m in answer.mounts}
     assert (paths.CONTAINER_PRELOAD_FILE in mounts) is file
@@ -172,7 +172,7 @@ def test_record_contents(make: Make) -> None:
     (gpu,) = record.gpus
     assert (gpu.uuid, gpu.index, gpu.share) == (table.gpus[1].uuid, 1, 0.4)
     assert gpu.memory_limit == 4 * ((100 * GIB - 2 * GIB) // 10)
-    assert record.hook_library == paths.HOOK_LIBRARY_NAME and record.created_at == 1000.0
+    assert record.hook_library == hooklib.library_name() and record.created_at == 1000.0
     assert record.channel_dir == str(paths.channel_dir(allocator.config.state_dir, record.id))
 
 
@@ -459,7 +459,7 @@ def test_refused_without_the_interposer_and_nothing_is_written(make: Make,
                                                                injection: str) -> None:
     """Without the library the answer names, the loader skips it and the pod runs ungated."""
     allocator, table, _ = make(injection=injection)
-    library = allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME
+    library = allocator.config.host_hook_dir / hooklib.library_name()
     library.unlink()
     ids = slice_ids(table, 0, 2)
     err = rejected(allocator, ids)
@@ -481,7 +481,7 @@ def test_replay_is_refused_once_the_interposer_is_gone(make: Make) -> None:
     allocator.allocate(ids)
     record_id = allocation.id_for_devices(ids)
     before = allocation.record_path(allocator.config.state_dir, record_id).read_bytes()
-    (allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME).unlink()
+    (allocator.config.host_hook_dir / hooklib.library_name()).unlink()
     err = rejected(allocator, ids)
     assert "does not exist" in err.message
     assert allocation.record_path(allocator.config.state_dir, record_id).read_bytes() == before
@@ -489,7 +489,7 @@ def test_replay_is_refused_once_the_interposer_is_gone(make: Make) -> None:
 
 def test_interposer_that_is_a_link_is_refused(make: Make, short_dir: Path) -> None:
     allocator, table, _ = make(hook_dir=str(short_dir / "hooks"))
-    library = allocator.config.host_hook_dir / paths.HOOK_LIBRARY_NAME
+    library = allocator.config.host_hook_dir / hooklib.library_name()
     real = short_dir / "elsewhere.so"
     library.rename(real)
     library.symlink_to(real)

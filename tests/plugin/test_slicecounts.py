@@ -8,7 +8,7 @@ from pathlib import Path
 
 from device_plugin.slicecounts import SliceCounts, counts_file
 from device_plugin.slices import SliceTable
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
@@ -24,7 +24,7 @@ def write_record(state_dir: Path, gpu: int, slices: int) -> AllocationRecord:
         id=record_id, origin="kubelet", device_ids=ids,
         gpus=(GpuShare(uuid, gpu, slices / 10, 1 << 30, 1 << 30),),
         channel_dir=str(paths.channel_dir(state_dir, record_id)),
-        hook_library=paths.HOOK_LIBRARY_NAME, created_at=time.time())
+        hook_library=hooklib.library_name(), created_at=time.time())
     allocation.write_record(state_dir, record)
     return record
 

@@ -367,7 +367,7 @@ def test_the_kustomize_build_the_readme_applies() -> None:
 
 
 def test_the_version_the_readme_prints_is_the_packages() -> None:
-    from vgpu_runtime import __version__, paths
+    from vgpu_runtime import __version__, hooklib
 
     shown = [span for span in md.INLINE.findall(README) if re.search(r"\(interposer ", span)]
     assert shown, "the README shows what --version prints"
@@ -375,7 +375,7 @@ def test_the_version_the_readme_prints_is_the_packages() -> None:
         program = span.split()[0]
         result = subprocess.run([str(BIN / program), "--version"], capture_output=True,
                                 text=True, timeout=TIMEOUT, env=program_env())
-        digest = paths.HOOK_LIBRARY_NAME.rsplit("-", 1)[1]
+        digest = hooklib.library_name().rsplit("-", 1)[1]
         assert result.stdout.strip() == span.replace("<digest>", digest), (span, __version__)
 
 

@@ -24,7 +24,7 @@ from tests.integration.conftest import PluginNode
 from tests.older_release import NoOlderRelease, OlderRelease, extract
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import allocation, install, paths, wire
+from vgpu_runtime import allocation, hooklib, install, paths, wire
 from vgpu_runtime.allocation import Binding, PodRef
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 from vgpu_runtime.devkit.daemon_process import wait_served
@@ -133,19 +133,19 @@ async def test_rolling_upgrade_keeps_the_running_containers_library_and_quota(
     state_dir.mkdir(parents=True)
     first = install_step(state_dir, hooked.hook)
     assert first.returncode == 0, first.stderr
-    installed = paths.default_hook_dir(state_dir) / paths.HOOK_LIBRARY_NAME
+    installed = paths.default_hook_dir(state_dir) / hooklib.library_name()
     original = installed.read_bytes()
     (installed.parent / RETIRED).write_bytes(b"an old interposer")
 
     await node.start_plugin(args=ONE_GIB_SLICES)
     (record,) = await admit_records(node, (3,))
-    assert record.hook_library == paths.HOOK_LIBRARY_NAME
+    assert record.hook_library == hooklib.library_name()
     daemon = DaemonProcess(state_dir).wait_ready()
     container = Container(Hooked(installed, hooked.fake), record)
     try:
         assert container.alloc(2 * GiB + 512 * MiB) == 0
         assert container.step("launch 0.2")["returns"]
-        mapped = mapped_library(container.proc.pid, paths.HOOK_LIBRARY_NAME)
+        mapped = mapped_library(container.proc.pid, hooklib.library_name())
         assert mapped == (str(installed), os.stat(installed).st_ino)
         share = share_ppm(daemon, record.id)
 
@@ -166,7 +166,7 @@ async def test_rolling_upgrade_keeps_the_running_containers_library_and_quota(
         after = container.step("launch 0.2")
         assert after["returns"] and after["stats"]["daemon_connects"] == 2
         assert share_ppm(daemon, record.id) == share
-        assert mapped_library(container.proc.pid, paths.HOOK_LIBRARY_NAME) == mapped
+        assert mapped_library(container.proc.pid, hooklib.library_name()) == mapped
         assert installed.read_bytes() == original
     finally:
         container.stop()
@@ -181,7 +181,7 @@ TODAYS_BOUND_RECORD = {
     "origin": "kubelet", "device_ids": [f"{simulated_uuid(0)}::{n}" for n in range(5)],
     "gpus": [{"uuid": simulated_uuid(0), "index": 0, "share": 0.5, "memory_limit": 3 * GiB,
               "default_memory": 5 * GiB}],
-    "limit": 0.6, "channel_dir": "", "hook_library": paths.HOOK_LIBRARY_NAME,
+    "limit": 0.6, "channel_dir": "", "hook_library": hooklib.library_name(),
     "created_at": 1.7e9, "owner_pid": None,
     "pod": {"namespace": "ml", "name": "train", "container": "main", "uid": "uid-1"}}
 TODAYS_RECORD = {
@@ -189,7 +189,7 @@ TODAYS_RECORD = {
     "origin": "kubelet", "device_ids": [f"{simulated_uuid(0)}::{n}" for n in (5, 6)],
     "gpus": [{"uuid": simulated_uuid(0), "index": 0, "share": 0.2, "memory_limit": 2 * GiB,
               "default_memory": 2 * GiB}],
-    "limit": None, "channel_dir": "", "hook_library": paths.HOOK_LIBRARY_NAME,
+    "limit": None, "channel_dir": "", "hook_library": hooklib.library_name(),
     "created_at": 1.7e9, "owner_pid": None, "pod": None}
 
 

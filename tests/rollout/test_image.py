@@ -31,7 +31,7 @@ from tests.hook.conftest import Hooked, fake_dir, hook_lib, hooked  # noqa: F401
 from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 from tests.reliability.clients import Container, GiB
 from tests.rollout import oci
-from vgpu_runtime import __version__, allocation, paths
+from vgpu_runtime import __version__, allocation, hooklib, paths
 from vgpu_runtime.hook import identity
 
 SCRIPT = REPO / "scripts" / "build-image"
@@ -185,12 +185,12 @@ def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
     """Built in the image's /src by its own gcc, in another directory than the host's build:
     the same name, and the same bytes wherever the two compilers are the same release."""
     lib = "opt/gemini/lib/python3*/site-packages/vgpu_runtime/lib"
-    (packaged,) = rootfs.glob(f"{lib}/{paths.HOOK_LIBRARY_PREFIX}*")
-    assert packaged.name == paths.HOOK_LIBRARY_NAME
+    (packaged,) = rootfs.glob(f"{lib}/{hooklib.LIBRARY_PREFIX}*")
+    assert packaged.name == hooklib.library_name()
     # The only C library in the package: the token scheduler is Python alone.
     assert not list(rootfs.glob(f"{lib}/libgemini-timeshare.so.*"))
     ours, theirs = identity.describe(hook_lib), identity.describe(packaged)
-    assert theirs["soname"] == paths.HOOK_LIBRARY_NAME
+    assert theirs["soname"] == hooklib.library_name()
     if ours["compiler"] != theirs["compiler"]:
         pytest.skip(f"this machine's gcc ({ours['compiler']}) is not the image's "
                     f"({theirs['compiler']}): bytes may differ")
@@ -211,7 +211,7 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
     try:
         code, out = runc.run("install-hook", install, [(state, True)])
         assert code == 0 and "interposer installed" in out, out
-        installed = state / "lib" / paths.HOOK_LIBRARY_NAME
+        installed = state / "lib" / hooklib.library_name()
         assert installed.read_bytes() == next(rootfs.glob(
             f"opt/gemini/lib/python3*/site-packages/vgpu_runtime/lib/{installed.name}"
         )).read_bytes()
@@ -235,14 +235,14 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
         pod = await node.kubelet.admit_pod("trainer", containers=[("main", 3)])
         assert pod.admitted, pod.message
         response = pod.containers["main"].response
-        preload = f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+        preload = f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}"
         assert response.envs["LD_PRELOAD"] == preload
         (lib_mount,) = [m for m in response.mounts
                         if m.container_path == paths.CONTAINER_LIB_DIR]
         assert lib_mount.read_only and Path(lib_mount.host_path) / installed.name == installed
         (record,) = [r for _, r in allocation.scan_records(state)]
         assert isinstance(record, allocation.AllocationRecord)
-        assert record.hook_library == paths.HOOK_LIBRARY_NAME
+        assert record.hook_library == hooklib.library_name()
 
         # A program of that pod, preloading the very file the init step installed.
         def use_the_gpu() -> dict[str, object]:

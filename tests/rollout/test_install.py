@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import REPO, child_env
-from vgpu_runtime import allocation, install, paths
+from vgpu_runtime import allocation, hooklib, install, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 
-CURRENT = paths.HOOK_LIBRARY_NAME
+CURRENT = hooklib.library_name()
 # The name every node held before the digest was added: records of running pods name it.
 OLD = install.LIBRARY_PREFIX + "0.1.0"
 OLDER = install.LIBRARY_PREFIX + "0.0.8"
@@ -242,7 +242,6 @@ def test_module_installs_the_packaged_interposer_by_default(node: Path) -> None:
     assert result.returncode == 0, result.stderr
     installed = (node / "lib" / CURRENT).read_bytes()
     assert installed.startswith(b"\x7fELF")
-    from vgpu_runtime import hooklib
     assert installed == hooklib.library_path().read_bytes()
 
 

@@ -1,5 +1,5 @@
 """The wheel: tagged for the machine its interposer is built for, and installed it names that
-interposer exactly as the source tree does (the name is computed from the shipped sources)."""
+interposer exactly as the source tree does (the name is the one the build wrote beside it)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import REPO
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__, hooklib
 
 OLDEST_GLIBC = (2, 17)
 
@@ -48,10 +48,10 @@ def test_the_wheel_is_tagged_for_the_machine_and_glibc_of_its_library(wheel: Pat
     assert wheel.name == f"gemini_vgpu-{__version__}-{tag}.whl"
     with zipfile.ZipFile(wheel) as archive:
         meta = archive.read(f"gemini_vgpu-{__version__}.dist-info/WHEEL").decode()
-        library = archive.read(f"vgpu_runtime/lib/{paths.HOOK_LIBRARY_NAME}")
+        library = archive.read(f"vgpu_runtime/lib/{hooklib.library_name()}")
     assert f"Tag: {tag}" in meta and "Root-Is-Purelib: false" in meta
     assert library.startswith(b"\x7fELF")
-    scratch = wheel.parent / paths.HOOK_LIBRARY_NAME
+    scratch = wheel.parent / hooklib.library_name()
     scratch.write_bytes(library)
     symbols = subprocess.run(["objdump", "-T", str(scratch)], capture_output=True, text=True,
                              check=True).stdout
@@ -71,22 +71,25 @@ def test_the_kit_ships_the_fake_driver_sources(wheel: Path) -> None:
 
 def test_installed_it_names_and_finds_the_library_it_carries(wheel: Path,
                                                             tmp_path: Path) -> None:
-    """The plugin puts paths.HOOK_LIBRARY_NAME in LD_PRELOAD and the installer copies the
-    packaged file: both must agree with the file the wheel holds, outside the source tree."""
+    """The plugin puts hooklib.library_name() in LD_PRELOAD and the installer copies the
+    packaged file: both must agree with the file the wheel holds, outside the source tree.
+    Installed, the name is read from the build's file: the build's digest is never asked."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "env")],
                    check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(tmp_path / "env/bin/python"),
                     "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
                    check=True, capture_output=True)
-    probe = ("from vgpu_runtime import paths, hooklib; import vgpu_runtime; "
-             "print(paths.HOOK_LIBRARY_NAME); print(hooklib.installed_library()); "
+    probe = ("from vgpu_runtime import hooklib; import vgpu_runtime; "
+             "from vgpu_runtime.hook import build; build.sources_digest = None; "
+             "print(hooklib.library_name()); print(hooklib.installed_library()); "
              "print(vgpu_runtime.__file__)")
     out = subprocess.run([str(tmp_path / "env/bin/python"), "-c", probe], cwd=tmp_path,
                          env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
                          capture_output=True, text=True, check=True).stdout.split()
     name, installed, package = out
     assert Path(package).is_relative_to(tmp_path / "env")
-    assert name == paths.HOOK_LIBRARY_NAME
+    assert name == hooklib.library_name()
     assert installed != "None" and Path(installed).name == name
     with zipfile.ZipFile(wheel) as archive:
         assert Path(installed).read_bytes() == archive.read(f"vgpu_runtime/lib/{name}")
+        assert archive.read("vgpu_runtime/lib/hook-library-name").decode() == f"{name}\n"

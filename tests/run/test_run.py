@@ -467,7 +467,7 @@ def test_default_interposer_comes_from_hooklib(state_dir: Path) -> None:
         stderr=subprocess.PIPE)
     seen = probe_started(proc)
     assert seen["env"]["LD_PRELOAD"] == str(library.resolve())
-    assert live_records(state_dir)[0].hook_library == library.name == paths.HOOK_LIBRARY_NAME
+    assert live_records(state_dir)[0].hook_library == library.name == hooklib.library_name()
     assert finish(proc)[0] == 0
 
 

@@ -26,7 +26,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
-from vgpu_runtime import paths
+from vgpu_runtime import hooklib, paths
 from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
@@ -136,7 +136,7 @@ def test_env_injection_is_replaced_by_a_pods_own_ld_preload(
     envs = dict(response.envs)  # type: ignore[attr-defined]
     # Inside a container the response names the library under CONTAINER_LIB_DIR; here it is
     # the host path of the same file.
-    assert envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}"
+    assert envs["LD_PRELOAD"] == f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}"
     envs["LD_PRELOAD"] = str(hook_lib)
     pod = {} if pod_preload is None else {"LD_PRELOAD": pod_preload}
     env = container_env(child_env(), envs, pod)
@@ -160,9 +160,9 @@ def test_ld_so_preload_injection_survives_a_pods_ld_preload(short_dir: Path,
     need_runtime()
     lib_dir = short_dir / "lib"
     lib_dir.mkdir()
-    shutil.copy2(hook_lib, lib_dir / paths.HOOK_LIBRARY_NAME)
+    shutil.copy2(hook_lib, lib_dir / hooklib.library_name())
     preload = short_dir / "ld.so.preload"
-    preload.write_text(f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}\n")
+    preload.write_text(f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}\n")
     response = api_pb2.ContainerAllocateResponse(mounts=[
         api_pb2.Mount(container_path=paths.CONTAINER_LIB_DIR, host_path=str(lib_dir),
                       read_only=True),
@@ -183,7 +183,7 @@ def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
     need_runtime()
     lib_dir = short_dir / "lib"
     lib_dir.mkdir()
-    shutil.copy2(hook_lib, lib_dir / paths.HOOK_LIBRARY_NAME)
+    shutil.copy2(hook_lib, lib_dir / hooklib.library_name())
     _, response = _allocate(short_dir, "envvar", injection="preload-file",
                             hook_dir=str(lib_dir))
     envs = dict(response.envs)  # type: ignore[attr-defined]
@@ -192,7 +192,7 @@ def test_the_plugins_preload_file_survives_a_pods_ld_preload(short_dir: Path,
     preload = mounts[paths.CONTAINER_PRELOAD_FILE]
     assert preload.read_only
     assert Path(preload.host_path).read_text() == \
-        f"{paths.CONTAINER_LIB_DIR}/{paths.HOOK_LIBRARY_NAME}\n"
+        f"{paths.CONTAINER_LIB_DIR}/{hooklib.library_name()}\n"
     host_preload = Path(paths.CONTAINER_PRELOAD_FILE)
     before = host_preload.read_bytes() if host_preload.exists() else None
     assert _probe_in_container(response, {"LD_PRELOAD": ""}) is True

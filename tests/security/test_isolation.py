@@ -27,7 +27,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
 from tests.daemon.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from tests.gpu.replay import need_runtime, replayed
-from vgpu_runtime import allocation, paths, wire
+from vgpu_runtime import allocation, hooklib, paths, wire
 from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
@@ -270,8 +270,8 @@ def test_a_container_sees_only_its_own_channel(node: Node, tmp_path: Path) -> No
     assert stat.S_IMODE(paths.channels_dir(node.state_dir).stat().st_mode) == 0o700
     lib = node.config.host_hook_dir
     lib.mkdir(parents=True, exist_ok=True)
-    (lib / paths.HOOK_LIBRARY_NAME).unlink()
-    (lib / paths.HOOK_LIBRARY_NAME).write_bytes(b"stand-in")
+    (lib / hooklib.library_name()).unlink()
+    (lib / hooklib.library_name()).write_bytes(b"stand-in")
     hello = wire.new(C("GM_MSG_HELLO"), proto_version=wire.VERSION, pid=1)
     hello.h.seq = 1
     # The stand-in library is no ELF file: the loader says so and the program runs on.
@@ -286,5 +286,5 @@ def test_a_container_sees_only_its_own_channel(node: Node, tmp_path: Path) -> No
     assert wire.frame_type(reply) == C("GM_MSG_HELLO_REPLY"), reply
     assert wire.text_field(reply.allocation_id) == node.a.record.id
     assert not seen["writable"], "the channel mount must be read-only"
-    assert seen["lib"] == [paths.HOOK_LIBRARY_NAME]
+    assert seen["lib"] == [hooklib.library_name()]
     assert not (Path(node.a.record.channel_dir) / "planted").exists()

@@ -10,12 +10,12 @@ import argparse
 import sys
 from typing import Any
 
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__, hooklib
 
 
 def version_text(prog: str) -> str:
     """`gemini-run 0.3.0 (interposer libgemini-hook.so.0.3.0-<digest>)`."""
-    return f"{prog} {__version__} (interposer {paths.HOOK_LIBRARY_NAME})"
+    return f"{prog} {__version__} (interposer {hooklib.library_name()})"
 
 
 class _PrintVersion(argparse.Action):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu_runtime import allocation, paths
+from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
@@ -42,7 +42,7 @@ def make_record(state_dir: Path, allocation_id: str | None = None,
         id=allocation_id, origin=origin, device_ids=(),
         gpus=tuple(GpuShare(uuid, i, share, mem) for i, (uuid, mem, share) in enumerate(gpus)),
         channel_dir=str(paths.channel_dir(state_dir, allocation_id)),
-        hook_library=paths.HOOK_LIBRARY_NAME, created_at=created_at or time.time(), limit=limit,
+        hook_library=hooklib.library_name(), created_at=created_at or time.time(), limit=limit,
         owner_pid=owner_pid)
     allocation.write_record(state_dir, record)
     return record

@@ -4,7 +4,7 @@ Pure standard library: setup.py loads this file by path during `pip install .`, 
 vgpu_runtime.hooklib imports it to build on demand from a source tree.
 
 The library's name is `libgemini-hook.so.<package version>-<sources digest>`
-(vgpu_runtime.paths.HOOK_LIBRARY_NAME): every change to a source, header, the hook table or
+(vgpu_runtime.hooklib.library_name()): every change to a source, header, the hook table or
 this script (its flags) gives a new name, so an upgraded node installs the new file beside the
 old one and running pods keep theirs. The build is reproducible: the same sources give the same
 bytes wherever they are checked out (no build paths, no timestamps, no debug info), so a rebuild
@@ -49,6 +49,9 @@ LDFLAGS = (
 # Every version's file starts with this (libraries installed before the digest was added are
 # named libgemini-hook.so.<version> and are retired by the same prefix).
 LIBRARY_PREFIX = "libgemini-hook.so."
+# Written by build_into_package beside the packaged library: the installed package reads its
+# interposer's name here (vgpu_runtime.hooklib) and never hashes the sources again.
+NAME_FILE = "hook-library-name"
 
 
 class HookBuildError(RuntimeError):
@@ -56,7 +59,7 @@ class HookBuildError(RuntimeError):
 
 
 def library_name() -> str:
-    """vgpu_runtime.paths.HOOK_LIBRARY_NAME: the package version and the sources' digest."""
+    """The name these sources build to: the package version and the sources' digest."""
     return f"{LIBRARY_PREFIX}{cbuild.package_version(HookBuildError)}-{sources_digest()}"
 
 
@@ -102,6 +105,14 @@ def build_library(out_dir: Path, compiler: str | None = None, strict: bool = Fal
     target = Path(out_dir) / (library_name() + (".profile" if profile else ""))
     return cbuild.install_built(
         target, lambda tmp: compile_command(tmp, compiler, strict, profile), HookBuildError)
+
+
+def build_into_package(lib_dir: Path, compiler: str | None = None) -> Path:
+    """setup.py's step: the library in the package's lib/ and, beside it, NAME_FILE naming it,
+    written once here so the installed code reads the name instead of computing it."""
+    library = build_library(lib_dir, compiler)
+    (Path(lib_dir) / NAME_FILE).write_text(library.name + "\n")
+    return library
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__, hooklib
 from vgpu_runtime.daemon.telemetry.rows import container_rows, gpu_rows
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
     build = GaugeMetricFamily("gemini_vgpu_build_info", "The package version and the "
                               "interposer library this daemon serves (always 1)",
                               labels=["version", "interposer"])
-    build.add_metric([__version__, paths.HOOK_LIBRARY_NAME], 1.0)
+    build.add_metric([__version__, hooklib.library_name()], 1.0)
     yield build
     gpu_labels = ["gpu", "model"]
     slices = GaugeMetricFamily("gemini_vgpu_gpu_slices", "Slices the GPU is advertised as",
