@@ -40,6 +40,7 @@ from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
 from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from vgpu_runtime.pluginconfig import PluginConfig
+from vgpu_runtime.share import WHOLE, Share
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class Allocator:
 
     def entitled_memory(self, gpu: GpuInfo, slices: int) -> int:
         return containerenv.entitled_memory(gpu.memory_total, self.config.memory_reserve,
-                                            slices / self.table.count_of(gpu.uuid))
+                                            Share.of_slices(slices, self.table.count_of(gpu.uuid)))
 
     # ---- validation ----
 
@@ -212,9 +213,10 @@ class Allocator:
             gpu = next(iter(gpus.values()))
             per_gpu = self.table.count_of(gpu.uuid)
             shares: tuple[GpuShare, ...] = (GpuShare(
-                gpu.uuid, gpu.index, k / per_gpu, self.entitled_memory(gpu, k), per_gpu),)
+                gpu.uuid, gpu.index, Share.of_slices(k, per_gpu), self.entitled_memory(gpu, k),
+                per_gpu),)
         else:
-            shares = tuple(GpuShare(g.uuid, g.index, 1.0, self.entitled_memory(g, n), n)
+            shares = tuple(GpuShare(g.uuid, g.index, WHOLE, self.entitled_memory(g, n), n)
                            for g in gpus.values()
                            for n in (self.table.count_of(g.uuid),))
         return AllocationRecord(

@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.gpus": 1,
     "vgpu_runtime.kubeletapi": 1,
     "vgpu_runtime.wire": 1,
+    "vgpu_runtime.share": 1,
     "vgpu_runtime.allocation": 1,
     "vgpu_runtime.nodefiles": 1,
     "vgpu_runtime.containerenv": 1,
@@ -56,7 +57,7 @@ LAYERS: dict[str, int] = {
 # Rule: the contracts name what the build made and never build it (the build writes the
 # interposer's name beside the library; hooklib reads it), so they import neither.
 CONTRACTS = ("vgpu_runtime.paths", "vgpu_runtime.nodefiles", "vgpu_runtime.wire",
-             "vgpu_runtime.allocation", "vgpu_runtime.containerenv")
+             "vgpu_runtime.share", "vgpu_runtime.allocation", "vgpu_runtime.containerenv")
 CONTRACTS_NEVER_IMPORT = ("vgpu_runtime.hook", "vgpu_runtime.hooklib")
 # The plugin sits beside the daemon, joined to it only by the allocation record: it may import
 # the base and the contracts, nothing above them.

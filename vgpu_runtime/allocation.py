@@ -69,6 +69,7 @@ from vgpu_runtime.common.securedir import (
     read_nofollow,
     remove_tree_in,
 )
+from vgpu_runtime.share import Share, ShareError, optional_json
 
 RECORD_VERSION = 2
 READABLE_RECORD_VERSIONS = (1, 2)
@@ -86,7 +87,7 @@ class RecordError(ValueError):
 class GpuShare:
     uuid: str
     index: int
-    share: float
+    share: Share
     memory_limit: int                   # the entitled memory limit, bytes
     slices_per_gpu: int | None = None   # how many slices the plugin cut this GPU into
 
@@ -104,12 +105,12 @@ class Binding:
     """The daemon's part of a kubelet allocation: its pod and the pod's overrides."""
     id: str
     pod: PodRef
-    limit: float | None = None          # overrides the record's time cap
+    limit: Share | None = None          # overrides the record's time cap
     memory_limit: int | None = None     # overrides every GPU's entitled memory limit
 
     def to_json(self) -> dict[str, Any]:
         return {"version": BINDING_VERSION, "id": self.id, "pod": dataclasses.asdict(self.pod),
-                "limit": self.limit, "memory_limit": self.memory_limit}
+                "limit": optional_json(self.limit), "memory_limit": self.memory_limit}
 
     @classmethod
     def from_json(cls, data: Any) -> Binding:
@@ -130,7 +131,7 @@ class AllocationRecord:
     channel_dir: str
     hook_library: str
     created_at: float
-    limit: float | None = None
+    limit: Share | None = None
     owner_pid: int | None = None
     owner_uid: int | None = None        # set by the host daemon alone
     # What a version-1 record's old daemon wrote into it (read only, never written back).
@@ -145,8 +146,11 @@ class AllocationRecord:
             del data["owner_uid"]   # only the host daemon's records carry it
         data["version"] = RECORD_VERSION
         data["device_ids"] = list(self.device_ids)
+        data["limit"] = optional_json(self.limit)
         data["gpus"] = [{f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
                         for g in self.gpus]
+        for gpu, share in zip(data["gpus"], self.gpus, strict=True):
+            gpu["share"] = share.share.to_json()
         return data
 
     @classmethod
@@ -183,10 +187,10 @@ def _parse(data: Any) -> AllocationRecord:
     for item in _need(data, "gpus", list):
         if not isinstance(item, dict):
             raise RecordError("each entry of 'gpus' must be an object")
-        share = float(_need(item, "share", (int, float)))
+        share = _share(item, "share")
         memory_limit = _need(item, "memory_limit", int)
-        if not (0 < share <= 1) or not 0 <= memory_limit <= MAX_MEMORY_LIMIT:
-            raise RecordError(f"GPU entry out of range: share {share}, memory {memory_limit}")
+        if not 0 <= memory_limit <= MAX_MEMORY_LIMIT:
+            raise RecordError(f"GPU entry out of range: memory {memory_limit}")
         slices = None
         if version == 1:
             entitled = _memory(item, "default_memory")
@@ -201,7 +205,7 @@ def _parse(data: Any) -> AllocationRecord:
                              memory_limit, slices))
     if not gpus:
         raise RecordError("an allocation record names no GPU")
-    limit = _fraction(data, "limit")
+    limit = None if data.get("limit") is None else _share(data, "limit")
     created_at = float(_need(data, "created_at", (int, float)))
     if not math.isfinite(created_at):
         raise RecordError(f"created_at is not a finite time: {created_at}")
@@ -248,14 +252,12 @@ def _memory(data: dict[str, Any], key: str) -> int | None:
     return int(value)
 
 
-def _fraction(data: dict[str, Any], key: str) -> float | None:
-    value = data.get(key)
-    if value is None:
-        return None
-    value = float(_need(data, key, (int, float)))
-    if not (0 < value <= 1) or math.isnan(value):
-        raise RecordError(f"{key} out of range: {value}")
-    return value
+def _share(data: dict[str, Any], key: str) -> Share:
+    _need(data, key, (int, float))
+    try:
+        return Share.from_json(data[key])
+    except ShareError as err:
+        raise RecordError(f"{key} out of range: {err}") from None
 
 
 def _pod(data: dict[str, Any]) -> PodRef:
@@ -272,8 +274,8 @@ def _parse_binding(data: Any) -> Binding:
     memory = _memory(data, "memory_limit")
     if memory == 0:
         raise RecordError("memory_limit out of range: 0")
-    return Binding(check_id(_need(data, "id", str)), _pod(pod), _fraction(data, "limit"),
-                   memory)
+    limit = None if data.get("limit") is None else _share(data, "limit")
+    return Binding(check_id(_need(data, "id", str)), _pod(pod), limit, memory)
 
 
 def check_id(allocation_id: str) -> str:

@@ -1,27 +1,25 @@
 """What a container is given, built once for both allocators (the plugin's Allocate and
 gemini-run): the memory its share entitles it to, and the environment of its processes.
 
-Memory: a share k/N of a GPU is entitled to floor((total - reserve) x k / N) bytes, computed
-exactly (the share read as the fraction k/N, N at most paths.MAX_SLICES_PER_GPU, so 2/10 and 1/5
-give the same bytes); whole GPUs to total - reserve each. The plugin passes its memory_reserve,
-gemini-run none, so the same share of the same GPU gives the same limit from either allocator.
+Memory: a share of a GPU is entitled to floor((total - reserve) x share) bytes, computed exactly
+(a Share is exact: 2/10 and 1/5 give the same bytes); whole GPUs to total - reserve each. The
+plugin passes its memory_reserve, gemini-run none, so the same share of the same GPU gives the
+same limit from either allocator.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from vgpu_runtime import paths
 from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.share import Share
 
 
-def entitled_memory(memory_total: int, reserve: int, share: float) -> int:
-    """The memory limit a share of a GPU gives: floor((total - reserve) x k / N) for share k/N."""
+def entitled_memory(memory_total: int, reserve: int, share: Share) -> int:
+    """The memory limit a share of a GPU gives: floor((total - reserve) x share)."""
     usable = memory_total - reserve
     if usable <= 0:
         raise ValueError(f"a reserve of {reserve} bytes leaves nothing of {memory_total} bytes")
-    fraction = Fraction(share).limit_denominator(paths.MAX_SLICES_PER_GPU)
-    return usable * fraction.numerator // fraction.denominator
+    return usable * share.value.numerator // share.value.denominator
 
 
 def container_environment(record: AllocationRecord, channel_dir: str) -> dict[str, str]:
@@ -34,6 +32,6 @@ def container_environment(record: AllocationRecord, channel_dir: str) -> dict[st
         "CUDA_VISIBLE_DEVICES": ",".join(g.uuid for g in record.gpus),
         paths.ENV_CHANNEL_DIR: channel_dir,
         paths.ENV_ALLOCATION_ID: record.id,
-        paths.ENV_SHARE: repr(first.share),
+        paths.ENV_SHARE: repr(first.share.to_float()),
         paths.ENV_MEMORY_LIMIT: str(first.memory_limit),
     }

@@ -36,7 +36,7 @@ HOST_CHANNELS_SUBDIR = "host-channels"   # the host daemon's channel directories
 BINDINGS_DIR_MODE = 0o700
 PAGES_DIR_MODE = 0o700
 # A GPU is cut into at most this many slices: "<uuid>::<n>" stays well under kubelet's
-# 63-character device IDs, and a share k/N is recovered exactly from its float.
+# 63-character device IDs, and a share k/N is recovered exactly from its float (share.py).
 MAX_SLICES_PER_GPU = 1000
 # channels/ is its owner's alone: a container reaches its own channel through the bind mount of
 # the leaf, which needs no search permission on the host's parents, and nobody else on the host

@@ -53,13 +53,14 @@ import vgpu_runtime
 from vgpu_runtime import allocation, containerenv, gpulock, hoststate, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, procs, securedir
-from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
+from vgpu_runtime.common.sizes import format_size, parse_size
 from vgpu_runtime.daemon import lock as daemon_lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.host import client as host_client
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.share import WHOLE, Share, ShareError, optional_json, total
 
 PROG = "gemini-run"
 ENV_STATE_DIR = paths.ENV_STATE_DIR
@@ -70,7 +71,6 @@ DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
 REFUSAL_POLL = 0.25        # seconds between asking a starting daemon whether it refused ours
 DAEMON_IDLE_EXIT = 600.0   # seconds the daemon started here outlives the last allocation
-SHARE_EPSILON = 1e-9
 CHILD_POLL_INTERVAL = 1.0
 PR_SET_CHILD_SUBREAPER = 36
 SI_KERNEL = 0x80  # si_code of a signal the kernel raised itself (e.g. Ctrl-C at a terminal)
@@ -102,8 +102,8 @@ class _Parser(argparse.ArgumentParser):
 @dataclass(frozen=True)
 class Request:
     gpu: str | None
-    share: float
-    limit: float | None
+    share: Share
+    limit: Share | None
     memory: int | None
     state_dir: Path
     overcommit: bool
@@ -113,11 +113,11 @@ class Request:
     state_dir_named: bool = False   # by --state-dir or GEMINI_STATE_DIR, not the default
 
 
-def _fraction(text: str) -> float:
+def _share(text: str) -> Share:
     """The pod annotations' grammar: 0.3 or 30%."""
     try:
-        return parse_fraction(text)
-    except ValueError as err:
+        return Share.parse(text)
+    except ShareError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -145,9 +145,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
     cli.add_version(parser)
     parser.add_argument("--gpu", metavar="INDEX|UUID",
                         help="GPU index or UUID (default: the first with room)")
-    parser.add_argument("--share", type=_fraction, default=1.0, metavar="F",
+    parser.add_argument("--share", type=_share, default=WHOLE, metavar="F",
                         help="guaranteed share of GPU time, in (0, 1] (default 1)")
-    parser.add_argument("--limit", type=_fraction, default=None, metavar="F",
+    parser.add_argument("--limit", type=_share, default=None, metavar="F",
                         help="cap on the GPU-time share (default: the node default)")
     parser.add_argument("--memory", type=_size, default=None, metavar="SIZE",
                         help="memory limit such as 8GiB (default: share x GPU memory)")
@@ -216,7 +216,7 @@ def discover(request: Request) -> list[GpuInfo]:
     return gpus
 
 
-def shares_in_use(state_dir: Path, uuid: str) -> list[tuple[AllocationRecord, float]]:
+def shares_in_use(state_dir: Path, uuid: str) -> list[tuple[AllocationRecord, Share]]:
     used = []
     for _path, record in allocation.scan_records(state_dir):
         if isinstance(record, AllocationRecord):
@@ -238,7 +238,7 @@ def held_by_others(gpus: list[GpuInfo]) -> dict[str, gpulock.Holder]:
     return held
 
 
-def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: float,
+def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: Share,
                held: dict[str, gpulock.Holder] | None = None) -> GpuInfo:
     """The GPU asked for, else the first with room that no other user's daemon holds."""
     held = held or {}
@@ -258,20 +258,20 @@ def choose_gpu(gpus: list[GpuInfo], wanted: str | None, state_dir: Path, share: 
         raise RunError(f"every GPU of this machine is held by another daemon ({holders}): "
                        f"{gpulock.advice(held[gpus[0].uuid], os.geteuid())}")
     for gpu in free:
-        if sum(s for _, s in shares_in_use(state_dir, gpu.uuid)) + share <= 1 + SHARE_EPSILON:
+        if total(s for _, s in shares_in_use(state_dir, gpu.uuid)) + share.value <= 1:
             return gpu
     return free[0]  # none has room: the admission check explains
 
 
-def admit(state_dir: Path, gpu: GpuInfo, share: float, overcommit: bool) -> None:
+def admit(state_dir: Path, gpu: GpuInfo, share: Share, overcommit: bool) -> None:
     in_use = shares_in_use(state_dir, gpu.uuid)
-    total = sum(s for _, s in in_use)
-    if total + share <= 1 + SHARE_EPSILON or overcommit:
+    used = total(s for _, s in in_use)
+    if used + share.value <= 1 or overcommit:
         return
     holders = "; ".join(f"{r.id} ({r.origin}" + (f", pid {r.owner_pid}" if r.owner_pid else "")
                         + _pod_note(state_dir, r) + f"): {s:g}" for r, s in in_use)
     raise RunError(
-        f"GPU {gpu.index} ({gpu.uuid}) has {max(0.0, 1 - total):g} of its time free and "
+        f"GPU {gpu.index} ({gpu.uuid}) has {max(0.0, float(1 - used)):g} of its time free and "
         f"--share {share:g} was asked; in use: {holders}. Ask for a smaller --share, another "
         "--gpu, or pass --overcommit.")
 
@@ -507,8 +507,8 @@ def run_on_host(request: Request, host: Path, library: Path) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     try:
         try:
-            lease = host_client.Lease(host, gpu=request.gpu, share=request.share,
-                                      limit=request.limit, memory=request.memory,
+            lease = host_client.Lease(host, gpu=request.gpu, share=request.share.to_json(),
+                                      limit=optional_json(request.limit), memory=request.memory,
                                       overcommit=request.overcommit,
                                       hook_library=library.name)
         except host_client.HostRefused as err:

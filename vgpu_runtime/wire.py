@@ -13,6 +13,8 @@ from typing import Any
 
 import cffi
 
+from vgpu_runtime.share import Share
+
 HEADER_PATH = Path(__file__).parent / "hook" / "include" / "gemini_wire.h"
 
 
@@ -40,6 +42,12 @@ MAX_FRAME = const("GM_MAX_FRAME")
 MAX_GPUS = const("GM_MAX_GPUS")
 PPM = const("GM_PPM")
 HEADER_SIZE: int = ffi.sizeof("struct gm_header")
+
+
+def share_ppm(share: Share) -> int:
+    """A share as the hello carries it: parts per million, exact, half a part to even, and
+    never 0 (a share below half a part still gets its turn)."""
+    return max(1, min(PPM, round(share.value * PPM)))
 
 # Frame type -> the struct it must carry, with its exact size.
 STRUCT_OF_TYPE: dict[int, str] = {

@@ -18,6 +18,7 @@ from tests.cluster.conftest import (
     workload,
 )
 from vgpu_runtime import allocation, paths
+from vgpu_runtime.share import Share
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]
 
@@ -54,7 +55,7 @@ def test_a_cuda_program_gets_its_memory_limit_from_the_daemon_and_launches_gated
     record_path = paths.allocations_dir(cluster.env["gemini_state"]) / f"{allocation_id}.json"
     record = allocation.decode_record(record_path, record_path.read_bytes())
     limit = record.gpus[0].memory_limit
-    assert record.gpus[0].share == pytest.approx(0.3)
+    assert record.gpus[0].share == Share.of_slices(3, 10)
     answers = [json.loads(line) for line in out.split("--- stats")[0].splitlines()
                if line.startswith("{")]
     ready, init, meminfo, first, second, loop = answers[:6]

@@ -17,12 +17,14 @@ from tests.readonly import read_only_call
 from vgpu_runtime import allocation as alloc
 from vgpu_runtime import hooklib, paths
 from vgpu_runtime.common import atomicfile
+from vgpu_runtime.share import Share
 
 
 def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> alloc.AllocationRecord:
     fields: dict[str, object] = dict(
         id=alloc.id_for_devices(ids), origin="kubelet", device_ids=ids,
-        gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30),), channel_dir="/var/lib/gemini/channels/x",
+        gpus=(alloc.GpuShare("GPU-a", 0, Share.of_slices(2, 10), 2 << 30),),
+        channel_dir="/var/lib/gemini/channels/x",
         hook_library=hooklib.library_name(), created_at=time.time(),
     )
     fields.update(kw)
@@ -30,7 +32,8 @@ def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> all
 
 
 def test_round_trip(tmp_path: Path) -> None:
-    record = sample(limit=0.5, gpus=(alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30, 10),))
+    record = sample(limit=Share.parse("0.5"),
+                    gpus=(alloc.GpuShare("GPU-a", 0, Share.of_slices(2, 10), 2 << 30, 10),))
     path = alloc.write_record(tmp_path, record)
     assert path == tmp_path / "allocations" / f"{record.id}.json"
     assert alloc.read_record(path) == record
@@ -40,7 +43,8 @@ def test_round_trip(tmp_path: Path) -> None:
 
 def test_binding_round_trip_and_removal(tmp_path: Path) -> None:
     record = sample()
-    binding = alloc.Binding(record.id, alloc.PodRef("ns", "pod", "c", "uid"), 0.5, 1 << 30)
+    binding = alloc.Binding(record.id, alloc.PodRef("ns", "pod", "c", "uid"), Share.parse("0.5"),
+                            1 << 30)
     path = alloc.write_binding(tmp_path, binding)
     assert path == tmp_path / "bindings" / f"{record.id}.json"
     assert (path.parent.stat().st_mode & 0o777) == 0o700
@@ -72,7 +76,7 @@ V1_KUBELET = {   # as today's plugin writes it (version 1, before bindings)
 
 def test_a_version_1_record_is_read_as_its_entitlement() -> None:
     record = alloc.AllocationRecord.from_json(V1_KUBELET)
-    assert record.gpus == (alloc.GpuShare("GPU-a", 0, 0.2, 2 << 30, None),)
+    assert record.gpus == (alloc.GpuShare("GPU-a", 0, Share.from_float(0.2), 2 << 30, None),)
     assert record.limit is None and record.carried is None
     older = json.loads(json.dumps(V1_KUBELET))   # written before default_memory was kept
     del older["gpus"][0]["default_memory"]
@@ -87,8 +91,8 @@ def test_a_version_1_record_an_old_daemon_bound_carries_its_binding() -> None:
     data.update(limit=0.5, pod={"namespace": "ns", "name": "p", "container": "c", "uid": "u"})
     record = alloc.AllocationRecord.from_json(data)
     assert record.gpus[0].memory_limit == 2 << 30 and record.limit is None
-    assert record.carried == alloc.Binding(record.id, alloc.PodRef("ns", "p", "c", "u"), 0.5,
-                                           1 << 30)
+    assert record.carried == alloc.Binding(record.id, alloc.PodRef("ns", "p", "c", "u"),
+                                           Share.parse("0.5"), 1 << 30)
     assert "carried" not in record.to_json() and "pod" not in record.to_json()
 
 
@@ -97,7 +101,7 @@ def test_a_version_1_gemini_run_record_keeps_its_limit() -> None:
     data.update(origin="gemini-run", device_ids=[], limit=0.6, owner_pid=42,
                 id="r-0123456789abcdef")
     record = alloc.AllocationRecord.from_json(data)
-    assert record.limit == 0.6 and record.carried is None
+    assert record.limit == Share.parse("0.6") and record.carried is None
 
 
 def test_id_depends_only_on_the_set_of_slices() -> None:
@@ -110,8 +114,8 @@ def test_id_depends_only_on_the_set_of_slices() -> None:
 def test_rewrite_replaces_and_leaves_no_temporary_files(tmp_path: Path) -> None:
     record = sample()
     alloc.write_record(tmp_path, record)
-    alloc.write_record(tmp_path, sample(limit=0.7))
-    assert alloc.read_record(alloc.record_path(tmp_path, record.id)).limit == 0.7
+    alloc.write_record(tmp_path, sample(limit=Share.parse("0.7")))
+    assert alloc.read_record(alloc.record_path(tmp_path, record.id)).limit == Share.parse("0.7")
     assert [p.name for p in (tmp_path / "allocations").iterdir()] == [f"{record.id}.json"]
 
 
@@ -121,7 +125,7 @@ def test_read_only_state_dir_fails_clearly_and_keeps_the_old_record(tmp_path: Pa
 
     def rewrite() -> str:
         with pytest.raises(alloc.RecordError, match="cannot write") as refused:
-            alloc.write_record(tmp_path, sample(limit=0.9))
+            alloc.write_record(tmp_path, sample(limit=Share.parse("0.9")))
         return str(refused.value)
 
     message = read_only_call(tmp_path / "allocations", rewrite)
@@ -141,7 +145,7 @@ def test_failed_rename_keeps_the_old_record(
 
     monkeypatch.setattr(atomicfile.os, "replace", fail)
     with pytest.raises(alloc.RecordError, match="No space left"):
-        alloc.write_record(tmp_path, sample(limit=0.9))
+        alloc.write_record(tmp_path, sample(limit=Share.parse("0.9")))
     assert alloc.read_record(alloc.record_path(tmp_path, record.id)) == record
     assert len(list((tmp_path / "allocations").iterdir())) == 1
 
@@ -182,7 +186,8 @@ def test_malformed_records_are_refused_with_a_reason(mutate, message, tmp_path: 
     (lambda d: d.update(memory_limit=True), "boolean"),
 ])
 def test_malformed_bindings_are_refused_with_a_reason(mutate, message) -> None:  # type: ignore[no-untyped-def]
-    data = alloc.Binding(sample().id, alloc.PodRef("ns", "p", "c"), 0.5, 1 << 30).to_json()
+    data = alloc.Binding(sample().id, alloc.PodRef("ns", "p", "c"), Share.parse("0.5"),
+                         1 << 30).to_json()
     mutate(data)
     with pytest.raises(alloc.RecordError, match=message):
         alloc.Binding.from_json(data)

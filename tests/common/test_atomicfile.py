@@ -18,6 +18,7 @@ from vgpu_runtime import allocation as alloc
 from vgpu_runtime.common import atomicfile
 from vgpu_runtime.common.atomicfile import DirectorySyncer, sweep_stale_temps, write_atomic
 from vgpu_runtime.daemon.records import RecordWatcher
+from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +106,7 @@ def test_failed_directory_fsync_is_counted_and_does_not_stop_the_syncer(
 def test_write_record_with_a_syncer_defers_only_the_directory_fsync(tmp_path: Path) -> None:
     record = alloc.AllocationRecord(
         id=alloc.id_for_devices(["GPU-a::0"]), origin="kubelet", device_ids=("GPU-a::0",),
-        gpus=(alloc.GpuShare("GPU-a", 0, 0.1, 1 << 30),), channel_dir="/x",
+        gpus=(alloc.GpuShare("GPU-a", 0, Share.from_float(0.1), 1 << 30),), channel_dir="/x",
         hook_library="libgemini-hook.so.0", created_at=1.0)
     syncer = DirectorySyncer()
     path = alloc.write_record(tmp_path, record, syncer)

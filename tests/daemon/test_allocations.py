@@ -28,6 +28,7 @@ from vgpu_runtime.daemon.bindings import PodBindings
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.troubles import Troubles
+from vgpu_runtime.share import Share
 
 GONE = "k-00000000000000ff"
 POD = PodRef("ml", "train", "main", "uid-1")
@@ -98,9 +99,10 @@ async def test_a_binding_is_stored_and_applied_then_dropped_with_its_record(
         served: Served) -> None:
     record = make_record(served.state_dir, gpus=((UUID_A, 512 * MiB, 0.5),))
     await served.allocations.sync()
-    assert served.allocations.bind(Binding(record.id, POD, limit=0.75, memory_limit=256 * MiB))
+    assert served.allocations.bind(Binding(record.id, POD, limit=Share.parse("0.75"),
+                                           memory_limit=256 * MiB))
     assert allocation.load_binding(served.state_dir, record.id) == Binding(
-        record.id, POD, 0.75, 256 * MiB)
+        record.id, POD, Share.from_float(0.75), 256 * MiB)
     (snapshot,) = served.allocations.snapshot()
     assert snapshot["gpus"][0]["memory_limit"] == 256 * MiB
     assert snapshot["gpus"][0]["limit_ppm"] == 750_000

@@ -9,20 +9,24 @@ from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.daemon.pods.annotations import overrides_of, parse_limit
 from vgpu_runtime.daemon.pods.node import label_value, node_labels
 from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.share import Share
 
 GiB = 1 << 30
 
 
 def _record(share: float = 0.3, memory: int = 12 * GiB) -> AllocationRecord:
     return AllocationRecord(id="k-0123456789abcdef", origin="kubelet", device_ids=("d",),
-                            gpus=(GpuShare(UUID_A, 0, share, memory),), channel_dir="/x",
+                            gpus=(GpuShare(UUID_A, 0, Share.from_float(share), memory),),
+                            channel_dir="/x",
                             hook_library="lib", created_at=1.0)
 
 
-@pytest.mark.parametrize(("text", "value"), [("0.5", 0.5), ("50%", 0.5), (" 1 ", 1.0),
-                                             ("100%", 1.0), ("0.3", 0.3)])
-def test_limit_forms(text: str, value: float) -> None:
-    assert parse_limit(text) == pytest.approx(value)
+@pytest.mark.parametrize(("text", "value"), [("0.5", (1, 2)), ("50%", (1, 2)), (" 1 ", (1, 1)),
+                                             ("100%", (1, 1)), ("0.3", (3, 10)),
+                                             ("33.3%", (333, 1000))])
+def test_limit_forms(text: str, value: tuple[int, int]) -> None:
+    """Exact: 30% is 3/10, as 0.3 is."""
+    assert parse_limit(text) == Share.of_slices(*value)
 
 
 @pytest.mark.parametrize("text", ["0", "-0.1", "1.5", "150%", "nan", "half", "", "%"])
@@ -35,7 +39,7 @@ def test_valid_annotations_apply() -> None:
     overrides = overrides_of(_record(), {"gemini.ai/vgpu-limit": "0.6",
                                          "gemini.ai/vgpu-memory": "4GiB"})
     assert overrides.problems == ()
-    assert overrides.limit == 0.6 and overrides.memory_limit == 4 * GiB
+    assert overrides.limit == Share.parse("0.6") and overrides.memory_limit == 4 * GiB
 
 
 @pytest.mark.parametrize(("annotations", "expect"), [

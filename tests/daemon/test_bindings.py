@@ -13,6 +13,7 @@ from tests.daemon.helpers import make_record
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.allocation import Binding, PodRef, RecordError
 from vgpu_runtime.daemon.bindings import PodBindings
+from vgpu_runtime.share import Share
 
 POD = PodRef("ml", "train", "main", "uid-1")
 MiB = 1 << 20
@@ -21,15 +22,15 @@ ONE, GOOD, BAD = "k-0000000000000001", "k-0000000000000002", "k-0000000000000003
 
 def test_stored_bindings_are_kept_and_read_again_at_start(tmp_path: Path) -> None:
     bindings = PodBindings(tmp_path)
-    bindings.store(Binding(ONE, POD, 0.5, 64 * MiB))
-    assert bindings.get(ONE) == Binding(ONE, POD, 0.5, 64 * MiB)
+    bindings.store(Binding(ONE, POD, Share.from_float(0.5), 64 * MiB))
+    assert bindings.get(ONE) == Binding(ONE, POD, Share.from_float(0.5), 64 * MiB)
     assert allocation.load_binding(tmp_path, ONE) == bindings.get(ONE)
 
     restarted = PodBindings(tmp_path)
     assert restarted.get(ONE) is None   # nothing is read until load()
     restarted.load()
     assert restarted.ids() == {ONE}
-    assert restarted.get(ONE) == Binding(ONE, POD, 0.5, 64 * MiB)
+    assert restarted.get(ONE) == Binding(ONE, POD, Share.from_float(0.5), 64 * MiB)
 
 
 def test_drop_removes_the_file(tmp_path: Path) -> None:
@@ -65,19 +66,20 @@ def test_a_binding_that_cannot_be_written_is_not_kept(tmp_path: Path) -> None:
 
 
 def test_a_version_1_records_pod_moves_into_a_binding_file(tmp_path: Path) -> None:
-    record = dataclasses.replace(make_record(tmp_path), carried=Binding("x", POD, 0.25))
-    record = dataclasses.replace(record, carried=Binding(record.id, POD, 0.25))
+    quarter = Share.of_slices(1, 4)
+    record = dataclasses.replace(make_record(tmp_path), carried=Binding("x", POD, quarter))
+    record = dataclasses.replace(record, carried=Binding(record.id, POD, quarter))
     bindings = PodBindings(tmp_path)
-    assert bindings.for_record(record) == Binding(record.id, POD, 0.25)
-    assert allocation.load_binding(tmp_path, record.id) == Binding(record.id, POD, 0.25)
+    assert bindings.for_record(record) == Binding(record.id, POD, quarter)
+    assert allocation.load_binding(tmp_path, record.id) == Binding(record.id, POD, quarter)
 
 
 def test_a_binding_of_its_own_wins_over_the_records(tmp_path: Path) -> None:
     record = make_record(tmp_path)
-    record = dataclasses.replace(record, carried=Binding(record.id, POD, 0.25))
+    record = dataclasses.replace(record, carried=Binding(record.id, POD, Share.from_float(0.25)))
     bindings = PodBindings(tmp_path)
-    bindings.store(Binding(record.id, POD, 0.75))
-    assert bindings.for_record(record) == Binding(record.id, POD, 0.75)
+    bindings.store(Binding(record.id, POD, Share.from_float(0.75)))
+    assert bindings.for_record(record) == Binding(record.id, POD, Share.from_float(0.75))
 
 
 def test_a_gemini_run_record_has_no_binding(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from vgpu_runtime.daemon.pods.node import SliceCount
 from vgpu_runtime.daemon.pods.node_reports import NodeEvent, slice_count_event
 from vgpu_runtime.daemon.telemetry.events import allocation_documents, health_documents
 from vgpu_runtime.daemon.troubles import Troubles
+from vgpu_runtime.share import Share
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -67,7 +68,8 @@ def test_accept_failures_are_one_line_per_interval(caplog: pytest.LogCaptureFixt
 def test_allocation_documents_name_the_pod_and_the_limits_in_force() -> None:
     record = AllocationRecord(
         id="k-0000000000000001", origin="kubelet", device_ids=(),
-        gpus=(GpuShare(A, 0, 0.5, 4 * GiB), GpuShare(B, 1, 0.25, 2 * GiB)),
+        gpus=(GpuShare(A, 0, Share.of_slices(1, 2), 4 * GiB),
+              GpuShare(B, 1, Share.of_slices(1, 4), 2 * GiB)),
         channel_dir="/nonexistent", hook_library="x.so", created_at=1.0)
     binding = Binding(record.id, PodRef("ml", "train", "main", ""), memory_limit=GiB)
     docs = dict(allocation_documents("collected", record, {"reason": "pod ended"}, binding))

@@ -7,6 +7,7 @@ import dataclasses
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.daemon import nodeview
 from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.share import Share
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"
@@ -18,7 +19,7 @@ def record(allocation_id: str, created_at: float, *gpus: tuple[str, int, float, 
            ) -> AllocationRecord:
     return AllocationRecord(
         id=allocation_id, origin="kubelet", device_ids=(),
-        gpus=tuple(GpuShare(uuid, index, share, GiB, slices)
+        gpus=tuple(GpuShare(uuid, index, Share.from_float(share), GiB, slices)
                    for uuid, index, share, slices in gpus),
         channel_dir=f"/nonexistent/{allocation_id}", hook_library="x.so", created_at=created_at)
 

@@ -28,6 +28,7 @@ from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator
 from vgpu_runtime.devkit.kubelet_emulator.stub_plugin import StubPlugin
+from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.pods.kube import KubeApi
@@ -46,7 +47,7 @@ def kubelet_record(state_dir: Path, device_ids: tuple[str, ...] = SLICES,
     allocation_id = allocation.id_for_devices(device_ids)
     record = AllocationRecord(
         id=allocation_id, origin="kubelet", device_ids=device_ids,
-        gpus=(GpuShare(UUID_A, 0, share, DEFAULT_MEMORY, 10),),
+        gpus=(GpuShare(UUID_A, 0, Share.from_float(share), DEFAULT_MEMORY, 10),),
         channel_dir=str(paths.channel_dir(state_dir, allocation_id)),
         hook_library=hooklib.library_name(), created_at=time.time())
     allocation.write_record(state_dir, record)
@@ -199,7 +200,7 @@ async def test_slices_given_to_a_new_pod_rebind_the_allocation_with_its_annotati
     await watch.pods.pass_once()
     first = watch.binding(record.id)
     assert first is not None and first.pod == PodRef("default", "first", "app", "uid-first")
-    assert (first.memory_limit, first.limit) == (GiB, 0.5)
+    assert (first.memory_limit, first.limit) == (GiB, Share.parse("0.5"))
     # The first pod deleted, its slices given to the second within the collect grace: the same
     # allocation, the second pod's binding and annotations.
     watch.lister.holding((PodRef("default", "second", "app"), SLICES))
@@ -396,10 +397,10 @@ def test_a_binding_is_applied_to_the_running_channel_at_once(state_dir: Path) ->
             assert daemon.daemon is not None
             applied_now = concurrent.futures.Future[bool]()
             daemon._loop.call_soon_threadsafe(lambda: applied_now.set_result(
-                daemon.daemon.bind(Binding(record.id, APP, 0.5, GiB))))   # type: ignore[union-attr]
+                daemon.daemon.bind(Binding(record.id, APP, Share.from_float(0.5), GiB))))   # type: ignore[union-attr]
             assert applied_now.result(5)
-            assert allocation.load_binding(state_dir, record.id) == Binding(record.id, APP, 0.5,
-                                                                            GiB)
+            assert allocation.load_binding(state_dir, record.id) == Binding(
+                record.id, APP, Share.from_float(0.5), GiB)
             assert allocation.load_record(state_dir, record.id) == record
 
             def applied() -> bool:

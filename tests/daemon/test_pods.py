@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pytest
-
 from vgpu_runtime import paths
 from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.daemon.channel.client import ChannelClient, HelloReply
 from vgpu_runtime.devkit.podnode import PodNode, until
+from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.devkit.fakeapi import FakeApiServer
@@ -52,7 +51,7 @@ async def test_allocation_is_bound_to_its_container(pods: PodNode) -> None:
     # The record is the plugin's: the daemon never rewrites it.
     assert main == written[main.id] and side == written[side.id]
     assert main.device_ids == pod.containers["main"].device_ids
-    assert main.gpus[0].share == pytest.approx(0.3)
+    assert main.gpus[0].share == Share.of_slices(3, 10)
     status = await pods.status()
     entry = next(a for a in status["allocations"] if a["id"] == main.id)
     assert entry["pod"] == {"namespace": "ml", "name": "train", "container": "main", "uid": ""}
@@ -79,7 +78,7 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     assert await _limit_ppm(pods, record) == 500_000
     assert reply.gpus[0].memory_limit == 4 * GiB
     assert pods.binding_of(pod, "app") == Binding(
-        record.id, PodRef("default", "infer", "app", "uid-123"), 0.5, 4 * GiB)
+        record.id, PodRef("default", "infer", "app", "uid-123"), Share.from_float(0.5), 4 * GiB)
     assert pods.record_of(pod, "app") == record, "the record holds the entitlement, unchanged"
     status = await pods.status()
     (tenant,) = [t for g in status["gpus"] for t in g["tenants"] if t["allocation"] == record.id]
@@ -223,7 +222,7 @@ async def test_a_rebound_pod_without_annotations_gets_the_defaults(pods: PodNode
     old = await until(lambda: pods.bound_record(first, "app"), 10, "first bound")
     first_binding = pods.binding_of(first, "app")
     assert first_binding is not None
-    assert (first_binding.memory_limit, first_binding.limit) == (GiB, 0.5)
+    assert (first_binding.memory_limit, first_binding.limit) == (GiB, Share.parse("0.5"))
     await kubelet.delete_pod("first")
     second = await kubelet.admit_pod("second", containers=[("app", 3)])
     binding = await until(lambda: _bound_to(pods, second, "second"), 10, "second bound")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime import paths
 from vgpu_runtime.devkit.podnode import PodNode, until
 from vgpu_runtime.gpus.simulated import SimulatedBackend
+from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.devkit.fakeapi import FakeApiServer
@@ -68,7 +69,7 @@ async def test_a_slices_change_waits_on_the_gpu_with_a_live_allocation(
     newer = await kubelet.admit_pod("newer", containers=[("main", 3)])
     assert newer.admitted and gpus_of(newer) == {gpu1}
     newer_record = await until(lambda: pods.record_of(newer, "main"), TIMEOUT, "its record")
-    assert newer_record.gpus[0].share == 0.75
+    assert newer_record.gpus[0].share == Share.of_slices(3, 4)
     # The running pod restarts its container: kubelet replays its old devices, still served.
     assert await kubelet.restart_container("default", "running", "main") is not None
 

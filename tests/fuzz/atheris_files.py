@@ -37,6 +37,7 @@ with atheris.instrument_imports(include=["vgpu_runtime", "vgpu_runtime.plugincon
     from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods import annotations as pod_annotations
     from vgpu_runtime.pluginconfig import PluginConfig
+    from vgpu_runtime.share import Share
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.promises import check_accepted_record, check_config_file  # noqa: E402
@@ -45,7 +46,7 @@ GiB = 1 << 30
 ROOT = Path(tempfile.mkdtemp(prefix="atheris-files-"))
 RECORD = AllocationRecord(
     id=allocation.id_for_devices(("GPU-a::0",)), origin="kubelet", device_ids=("GPU-a::0",),
-    gpus=(GpuShare("GPU-a", 0, 0.3, 3 * GiB),),
+    gpus=(GpuShare("GPU-a", 0, Share.from_float(0.3), 3 * GiB),),
     channel_dir=str(paths.channel_dir(ROOT, allocation.id_for_devices(("GPU-a::0",)))),
     hook_library=hooklib.library_name(), created_at=1.0e9)
 RECORD_PATH = allocation.record_path(ROOT, RECORD.id)

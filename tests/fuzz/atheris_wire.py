@@ -46,6 +46,7 @@ with atheris.instrument_imports(include=["vgpu_runtime"]):
     from vgpu_runtime.daemon.channel.terms import terms_of
     from vgpu_runtime.daemon.channel.tokens import TokenService
     from vgpu_runtime.daemon.config import DaemonConfig
+    from vgpu_runtime.share import Share
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, random_session  # noqa: E402
@@ -69,7 +70,7 @@ class Harness:
         rid = allocation.new_run_id().replace("r-", "k-")
         record = allocation.AllocationRecord(
             id=rid, origin="kubelet", device_ids=(),
-            gpus=tuple(allocation.GpuShare(uuid, i, 0.5, 100 * MiB)
+            gpus=tuple(allocation.GpuShare(uuid, i, Share.from_float(0.5), 100 * MiB)
                        for i, uuid in enumerate(UUIDS)),
             channel_dir=str(paths.channel_dir(state, rid)),
             hook_library=hooklib.library_name(), created_at=time.time())

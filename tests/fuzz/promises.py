@@ -10,12 +10,13 @@ from typing import Any
 from vgpu_runtime import allocation
 from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.share import Share
 
 
 def check_accepted_record(record: AllocationRecord) -> None:
     """An accepted record is one the daemon can rely on."""
-    assert all(0 < g.share <= 1 and g.memory_limit >= 0 for g in record.gpus), record
-    assert record.limit is None or 0 < record.limit <= 1, record
+    assert all(isinstance(g.share, Share) and g.memory_limit >= 0 for g in record.gpus), record
+    assert record.limit is None or isinstance(record.limit, Share), record
     assert math.isfinite(record.created_at), record
     allocation.check_id(record.id)
 

@@ -26,6 +26,7 @@ from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.daemon.records import RecordWatcher
 from vgpu_runtime.pluginconfig import PluginConfig
+from vgpu_runtime.share import Share
 
 GiB = 1 << 30
 
@@ -50,7 +51,8 @@ def _record(state_dir: Path, n: int = 0) -> AllocationRecord:
     ids = (f"GPU-a::{n}",)
     rid = allocation.id_for_devices(ids)
     return AllocationRecord(
-        id=rid, origin="kubelet", device_ids=ids, gpus=(GpuShare("GPU-a", 0, 0.3, 3 * GiB),),
+        id=rid, origin="kubelet", device_ids=ids,
+        gpus=(GpuShare("GPU-a", 0, Share.from_float(0.3), 3 * GiB),),
         channel_dir=str(paths.channel_dir(state_dir, rid)), hook_library=hooklib.library_name(),
         created_at=1.0e9)
 
@@ -258,7 +260,7 @@ def test_annotations_apply_within_bounds_or_are_reported(
         given_annotations[pod_annotations.MEMORY_ANNOTATION] = memory
     overrides = pod_annotations.overrides_of(record, given_annotations)
     # Never more than promised: limit in [request, 1], memory in (0, entitlement].
-    assert overrides.limit is None or 0.3 - 1e-9 <= overrides.limit <= 1
+    assert overrides.limit is None or overrides.limit >= record.gpus[0].share
     assert overrides.memory_limit is None or 0 < overrides.memory_limit <= 3 * GiB
     changed = (overrides.limit is not None) + (overrides.memory_limit is not None)
     assert changed + len(overrides.problems) <= 2

@@ -16,6 +16,7 @@ from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.devkit.kubelet_emulator import Pod
 from vgpu_runtime.devkit.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
 from vgpu_runtime.gpus.simulated import simulated_uuid
+from vgpu_runtime.share import WHOLE, Share
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
 GiB = 1 << 30
@@ -73,7 +74,7 @@ async def test_whole_gpu_request_takes_two_full_gpus(node: PluginNode) -> None:
     assert pod.admitted, pod.message
     assert len(gpus_of(pod)) == 2
     record = allocation.load_record(node.state_dir, allocation.id_for_devices(pod.device_ids()))
-    assert record is not None and [g.share for g in record.gpus] == [1.0, 1.0]
+    assert record is not None and [g.share for g in record.gpus] == [WHOLE, WHOLE]
     odd = await node.kubelet.admit_pod("odd", containers=[("main", 5)])
     assert odd.admitted and gpus_of(odd).isdisjoint(gpus_of(pod))
 
@@ -121,7 +122,7 @@ async def test_records_hold_share_memory_and_channel(node: PluginNode) -> None:
     assert record is not None and record.origin == "kubelet"
     assert set(record.device_ids) == pod.device_ids()
     (gpu,) = record.gpus
-    assert gpu.share == 0.3 and gpu.memory_limit == 3 * 2 * GiB
+    assert gpu.share == Share.of_slices(3, 10) and gpu.memory_limit == 3 * 2 * GiB
     response = pod.containers["main"].response
     assert response.envs["CUDA_VISIBLE_DEVICES"] == gpu.uuid
     assert response.envs["NVIDIA_VISIBLE_DEVICES"] == gpu.uuid

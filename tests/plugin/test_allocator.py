@@ -18,6 +18,7 @@ from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
+from vgpu_runtime.share import Share
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -170,7 +171,7 @@ def test_record_contents(make: Make) -> None:
     assert record is not None
     assert record.origin == "kubelet" and record.device_ids == tuple(ids)
     (gpu,) = record.gpus
-    assert (gpu.uuid, gpu.index, gpu.share) == (table.gpus[1].uuid, 1, 0.4)
+    assert (gpu.uuid, gpu.index, gpu.share) == (table.gpus[1].uuid, 1, Share.of_slices(4, 10))
     assert gpu.memory_limit == 4 * ((100 * GIB - 2 * GIB) // 10)
     assert record.hook_library == hooklib.library_name() and record.created_at == 1000.0
     assert record.channel_dir == str(paths.channel_dir(allocator.config.state_dir, record.id))
@@ -183,7 +184,7 @@ def test_whole_gpu_record_gets_all_memory_but_the_reserve(make: Make) -> None:
     record = allocation.load_record(allocator.config.state_dir,
                                     answer.envs[paths.ENV_ALLOCATION_ID])
     assert record is not None
-    assert [(g.share, g.memory_limit) for g in record.gpus] == [(1.0, 98 * GIB)] * 2
+    assert [(g.share, g.memory_limit) for g in record.gpus] == [(Share.parse("1"), 98 * GIB)] * 2
 
 
 def test_slices_of_a_gpu_fit_on_it(make: Make) -> None:
@@ -219,7 +220,7 @@ def test_a_replay_writes_the_entitlement_only_and_leaves_the_binding_alone(make:
     assert record.gpus[0].memory_limit == allocator.entitled_memory(table.gpus[0], 3)
     assert record.gpus[0].slices_per_gpu == 10 and record.limit is None
     binding = allocation.Binding(record.id, allocation.PodRef("ns", "pod", "init", "uid"),
-                                 0.5, 4 << 30)
+                                 Share.from_float(0.5), 4 << 30)
     path = allocation.write_binding(state, binding)
     written = path.read_bytes()
     again = allocator.allocate(ids)
@@ -383,7 +384,8 @@ def test_record_is_valid_json_for_the_daemon(make: Make) -> None:
     assert data["version"] == 2 and data["origin"] == "kubelet"
     assert "pod" not in data and "default_memory" not in data["gpus"][0]
     assert data["gpus"][0]["slices_per_gpu"] == 10
-    assert allocation.read_record(path).gpus[0].share == 0.1
+    assert allocation.read_record(path).gpus[0].share == Share.of_slices(1, 10)
+    assert data["gpus"][0]["share"] == 0.1
 
 
 # ---- replays answered from a kept response ----
@@ -503,16 +505,18 @@ def test_interposer_that_is_a_link_is_refused(make: Make, short_dir: Path) -> No
                                                           (1, 7, 1 / 7), (4, 4, 1.0)])
 def test_the_plugin_and_gemini_run_give_the_same_share_the_same_environment(
         make: Make, tmp_path: Path, slices: int, per_gpu: int, share: float) -> None:
-    """k/N slices from the plugin (no reserve) and gemini-run --share k/N on the same GPU: the
-    same memory limit and the same variables, built by one function from the record."""
+    """k/N slices from the plugin (no reserve) and gemini-run --share k/N (written as a decimal)
+    on the same GPU: the same share, memory limit and variables, built by one function from the
+    record."""
     from vgpu_runtime import run
 
     allocator, table, _ = make(slices_per_gpu=per_gpu, memory_reserve=0,
                                simulate_memory=80 * GIB + 12345)
     gpu = table.gpus[0]
     plugin_env = dict(allocator.allocate(slice_ids(table, 0, slices)).envs)
-    request = run.Request(gpu=None, share=share, limit=None, memory=None, state_dir=tmp_path,
-                          overcommit=False, simulate_gpus=None, hook_library=None, command=[])
+    request = run.Request(gpu=None, share=Share.parse(repr(share)), limit=None, memory=None,
+                          state_dir=tmp_path, overcommit=False, simulate_gpus=None,
+                          hook_library=None, command=[])
     record = run.build_record(request, gpu, tmp_path / "libgemini-hook.so")
     run_env = run.child_environment(record, tmp_path / "libgemini-hook.so")
     assert record.gpus[0].memory_limit == (80 * GIB + 12345) * slices // per_gpu
@@ -522,5 +526,6 @@ def test_the_plugin_and_gemini_run_give_the_same_share_the_same_environment(
     written = allocation.load_record(allocator.config.state_dir,
                                      plugin_env[paths.ENV_ALLOCATION_ID])
     assert written is not None
-    assert float(plugin_env[paths.ENV_SHARE]) == written.gpus[0].share
+    assert written.gpus[0].share == record.gpus[0].share == Share.of_slices(slices, per_gpu)
+    assert float(plugin_env[paths.ENV_SHARE]) == written.gpus[0].share.to_float()
     assert int(plugin_env[paths.ENV_MEMORY_LIMIT]) == written.gpus[0].memory_limit

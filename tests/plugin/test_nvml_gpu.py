@@ -20,6 +20,7 @@ from vgpu_runtime.containerenv import entitled_memory
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
@@ -84,6 +85,6 @@ def test_plugin_advertises_ten_slices_per_real_gpu(short_dir: Path) -> None:
     first = gpus[0]
     assert container.envs["CUDA_VISIBLE_DEVICES"] == first.uuid
     assert container.envs[paths.ENV_MEMORY_LIMIT] == str(
-        entitled_memory(first.memory_total, 2 << 30, 0.3))
+        entitled_memory(first.memory_total, 2 << 30, Share.of_slices(3, 10)))
     print(f"advertised {len(devices)} devices; 3 slices get "
           f"{container.envs[paths.ENV_MEMORY_LIMIT]} bytes")

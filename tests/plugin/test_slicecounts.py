@@ -12,6 +12,7 @@ from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
+from vgpu_runtime.share import Share
 
 GPUS = SimulatedBackend(2).discover()
 
@@ -22,7 +23,7 @@ def write_record(state_dir: Path, gpu: int, slices: int) -> AllocationRecord:
     record_id = allocation.id_for_devices(ids)
     record = AllocationRecord(
         id=record_id, origin="kubelet", device_ids=ids,
-        gpus=(GpuShare(uuid, gpu, slices / 10, 1 << 30, 1 << 30),),
+        gpus=(GpuShare(uuid, gpu, Share.of_slices(slices, 10), 1 << 30, 1 << 30),),
         channel_dir=str(paths.channel_dir(state_dir, record_id)),
         hook_library=hooklib.library_name(), created_at=time.time())
     allocation.write_record(state_dir, record)

@@ -29,6 +29,7 @@ from vgpu_runtime.allocation import Binding, PodRef
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 from vgpu_runtime.devkit.daemon_process import wait_served
 from vgpu_runtime.gpus.simulated import simulated_uuid
+from vgpu_runtime.share import Share
 
 RETIRED = install.LIBRARY_PREFIX + "0.0.1"     # an old version no record uses
 
@@ -226,7 +227,7 @@ async def test_records_of_the_version_before_bindings_keep_their_limits(
         assert other["gpus"][0]["memory_limit"] == 2 * GiB and other["pod"] is None
         assert other["gpus"][0]["share_ppm"] == 200_000
         assert allocation.load_binding(state_dir, bound.id) == Binding(
-            bound.id, PodRef("ml", "train", "main", "uid-1"), 0.6, 3 * GiB)
+            bound.id, PodRef("ml", "train", "main", "uid-1"), Share.from_float(0.6), 3 * GiB)
         assert allocation.load_binding(state_dir, plain.id) is None
         assert {p: p.read_bytes() for p in written} == written
 

@@ -15,6 +15,7 @@ import pytest
 from tests.childenv import REPO, child_env
 from vgpu_runtime import allocation, hooklib, install, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.share import Share
 
 CURRENT = hooklib.library_name()
 # The name every node held before the digest was added: records of running pods name it.
@@ -47,7 +48,7 @@ def record_using(state: Path, hook_library: str, seed: str) -> AllocationRecord:
     allocation_id = allocation.id_for_devices([seed])
     record = AllocationRecord(
         id=allocation_id, origin="kubelet", device_ids=(seed,),
-        gpus=(GpuShare("GPU-0", 0, 0.3, 1 << 30),),
+        gpus=(GpuShare("GPU-0", 0, Share.from_float(0.3), 1 << 30),),
         channel_dir=str(paths.channel_dir(state, allocation_id)),
         hook_library=hook_library, created_at=time.time())
     allocation.write_record(state, record)

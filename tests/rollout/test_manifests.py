@@ -30,6 +30,7 @@ from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
 from vgpu_runtime.pluginconfig import PluginConfig
 from vgpu_runtime.pluginconfig import check as check_plugin_config
+from vgpu_runtime.share import Share
 
 needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,
@@ -638,5 +639,5 @@ def test_annotated_example_is_applied_by_the_daemon_without_complaint() -> None:
     slices = allocator.validate([s.id for s in allocator.table.slices_of(gpus[0].uuid)[:k]])
     overrides = pod_annotations.overrides_of(allocator.build_record(slices, time.time()), notes)
     assert overrides.problems == ()
-    assert overrides.limit == float(notes[pod_annotations.LIMIT_ANNOTATION])
+    assert overrides.limit == Share.parse(notes[pod_annotations.LIMIT_ANNOTATION])
     assert overrides.memory_limit == cfg.size(notes[pod_annotations.MEMORY_ANNOTATION])

@@ -22,6 +22,7 @@ from vgpu_runtime import allocation, paths
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid
+from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = child_env()
@@ -139,7 +140,7 @@ def test_runs_the_command_with_its_allocation_and_cleans_up(state_dir: Path,
     assert record.id == env["GEMINI_ALLOCATION_ID"] == seen["allocation_id"]
     assert record.hook_library == hook_library.name
     assert (record.gpus[0].uuid, record.gpus[0].share, record.limit) == (
-        simulated_uuid(1), 0.25, 0.5)
+        simulated_uuid(1), Share.of_slices(1, 4), Share.of_slices(1, 2))
     assert record.gpus[0].memory_limit == int(0.25 * DEFAULT_MEMORY) == seen["memory_limit"]
     assert env["LD_PRELOAD"] == str(hook_library)
     assert env["CUDA_VISIBLE_DEVICES"] == simulated_uuid(1)
@@ -485,4 +486,4 @@ def test_shares_are_written_as_pod_annotations_are() -> None:
     from vgpu_runtime.run import parse_args
 
     request = parse_args(["--share", "30%", "--limit", "0.5", "--", "true"])
-    assert request.share == pytest.approx(0.3) and request.limit == pytest.approx(0.5)
+    assert request.share == Share.of_slices(3, 10) and request.limit == Share.of_slices(1, 2)

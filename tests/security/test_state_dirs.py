@@ -27,6 +27,7 @@ from tests.childenv import as_user, child_env
 from vgpu_runtime import allocation, paths
 from vgpu_runtime.common import securedir
 from vgpu_runtime.daemon import lock
+from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 # Uids nobody on a test machine has; unique per run so parallel sessions do not meet.
@@ -109,7 +110,7 @@ def plant(state: Path, victim: Victim) -> None:
     (state / "allocations").mkdir(parents=True)
     stale = allocation.AllocationRecord(
         id="r-" + "a" * 16, origin="gemini-run", device_ids=(),
-        gpus=(allocation.GpuShare("GPU-x", 0, 0.1, 1),),
+        gpus=(allocation.GpuShare("GPU-x", 0, Share.from_float(0.1), 1),),
         channel_dir=str(paths.channels_dir(state) / "precious"),
         hook_library="x", created_at=time.time() - 3600, owner_pid=dead_pid())
     allocation.write_record(state, stale)
@@ -190,7 +191,7 @@ def test_a_record_cannot_make_anyone_remove_what_is_outside_its_channel(tmp_path
     paths.channels_dir(state).mkdir(parents=True)
     base = allocation.AllocationRecord(
         id="r-" + "c" * 16, origin="gemini-run", device_ids=(),
-        gpus=(allocation.GpuShare("GPU-x", 0, 0.1, 1),), channel_dir=str(outside),
+        gpus=(allocation.GpuShare("GPU-x", 0, Share.from_float(0.1), 1),), channel_dir=str(outside),
         hook_library="x", created_at=time.time())
     for channel_dir in (str(outside), str(paths.channels_dir(state) / ".." / ".." / "precious"),
                         str(paths.channels_dir(state) / "precious")):

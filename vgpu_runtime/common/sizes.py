@@ -1,9 +1,8 @@
-"""Byte sizes and GPU fractions as people write them: 8GiB, 512Mi, 1.5G, 1048576; 0.3 or 30%.
-One grammar for each, wherever a size or a fraction is read (flags, annotations, files)."""
+"""Byte sizes as people write them: 8GiB, 512Mi, 1.5G, 1048576. One grammar, wherever a size
+is read (flags, annotations, files); GPU fractions (0.3 or 30%) are vgpu_runtime.share's."""
 
 from __future__ import annotations
 
-import math
 import re
 from fractions import Fraction
 
@@ -58,17 +57,3 @@ def exact_size(n: int) -> str:
             return f"{n // scale}{unit}"
     return str(n)
 
-
-FRACTION_FORMS = "a fraction such as 0.3 or a percentage such as 30%"
-
-
-def parse_fraction(text: str) -> float:
-    """'0.3' or '30%' -> 0.3, in (0, 1]; raises ValueError saying what is accepted."""
-    raw = str(text).strip()
-    try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number; write {FRACTION_FORMS}") from None
-    if math.isnan(value) or not 0 < value <= 1:
-        raise ValueError(f"{text!r} is outside (0, 1]; write {FRACTION_FORMS}")
-    return value

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vgpu_runtime import allocation
 from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
+from vgpu_runtime.share import optional_json
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class PodBindings:
             else:
                 log.info("pod binding moved out of a version-1 record", extra={
                     "allocation": record.id, "namespace": binding.pod.namespace,
-                    "pod": binding.pod.name, "limit": binding.limit,
+                    "pod": binding.pod.name, "limit": optional_json(binding.limit),
                     "memory_limit": binding.memory_limit})
             self._by_id[record.id] = binding
         return binding

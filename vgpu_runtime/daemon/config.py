@@ -21,6 +21,7 @@ from typing import ClassVar
 
 from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.share import Share
 from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 _ALGORITHM = TimeshareSettings()
@@ -250,12 +251,12 @@ class DaemonConfig:
             except ValueError as err:
                 raise cfg.ConfigError(f"mqtt_url: {err}") from None
 
-    def limit_for(self, record_limit: float | None, share: float) -> float:
+    def limit_for(self, record_limit: Share | None, share: Share) -> Share:
         """The cap on one allocation's share of one GPU: its own, else the policy's."""
         if record_limit is not None:
             limit = record_limit
         elif self.limit_policy == "strict":
             limit = share
         else:
-            limit = self.default_limit
-        return min(1.0, max(limit, share))   # never below what it is guaranteed
+            limit = Share.from_float(self.default_limit)
+        return max(limit, share)   # never below what it is guaranteed

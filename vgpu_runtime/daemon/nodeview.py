@@ -7,6 +7,7 @@ setting, so each rule is read and tested here alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any
 
 from vgpu_runtime.allocation import AllocationRecord
@@ -42,13 +43,13 @@ def gpu_rows(records: list[AllocationRecord], found: list[GpuInfo],
     names. A GPU waiting to change its count keeps its old one (gpu_slices)."""
     counts = gpu_slices(records, advertised)
     allocated: dict[str, int] = {}
-    shares: dict[str, float] = {}
+    shares: dict[str, Fraction] = {}
     indexes = {g.uuid: g.index for g in found}
     for record in records:
         for gpu in record.gpus:
             slices = gpu.slices_per_gpu or counts.get(gpu.uuid, per_gpu)
-            allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share * slices)
-            shares[gpu.uuid] = shares.get(gpu.uuid, 0.0) + gpu.share
+            allocated[gpu.uuid] = allocated.get(gpu.uuid, 0) + round(gpu.share.value * slices)
+            shares[gpu.uuid] = shares.get(gpu.uuid, Fraction(0)) + gpu.share.value
             indexes.setdefault(gpu.uuid, gpu.index)
     by_uuid = {g.uuid: g for g in found}
     rows = []
@@ -60,6 +61,6 @@ def gpu_rows(records: list[AllocationRecord], found: list[GpuInfo],
                      "memory_total": node_gpu.memory_total if node_gpu else None,
                      "slices": counts.get(uuid, per_gpu),
                      "slices_allocated": allocated.get(uuid, 0),
-                     "share_allocated": round(shares.get(uuid, 0.0), 6),
+                     "share_allocated": round(float(shares.get(uuid, 0)), 6),
                      "healthy": healthy, "reason": reason})
     return rows

@@ -14,6 +14,7 @@ from vgpu_runtime import allocation, hooklib, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
+from vgpu_runtime.share import Share
 
 T = TypeVar("T")
 
@@ -37,12 +38,15 @@ def make_record(state_dir: Path, allocation_id: str | None = None,
                 limit: float | None = None, origin: str = "kubelet",
                 owner_pid: int | None = None, created_at: float | None = None
                 ) -> AllocationRecord:
+    """A record written as an allocator would; the shares are given as floats, for brevity."""
     allocation_id = allocation_id or allocation.new_run_id().replace("r-", "k-")
     record = AllocationRecord(
         id=allocation_id, origin=origin, device_ids=(),
-        gpus=tuple(GpuShare(uuid, i, share, mem) for i, (uuid, mem, share) in enumerate(gpus)),
+        gpus=tuple(GpuShare(uuid, i, Share.from_float(share), mem)
+                   for i, (uuid, mem, share) in enumerate(gpus)),
         channel_dir=str(paths.channel_dir(state_dir, allocation_id)),
-        hook_library=hooklib.library_name(), created_at=created_at or time.time(), limit=limit,
+        hook_library=hooklib.library_name(), created_at=created_at or time.time(),
+        limit=None if limit is None else Share.from_float(limit),
         owner_pid=owner_pid)
     allocation.write_record(state_dir, record)
     return record

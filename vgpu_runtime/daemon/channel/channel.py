@@ -49,6 +49,7 @@ from vgpu_runtime.daemon.channel.reconnects import WINDOW_SECONDS, ConnectMeter
 from vgpu_runtime.daemon.channel.session import Session, TokenFastPath
 from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
+from vgpu_runtime.share import optional_json
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.tokens import GpuTokens
@@ -219,7 +220,7 @@ class AllocationChannel:
     def _join_token_schedulers(self) -> None:
         for terms, slot in zip(self.terms, self.slots, strict=True):
             gpu = self.tokens.gpu(terms.uuid)
-            gpu.add(slot, terms.share, terms.limit)
+            gpu.add(slot, terms.share.to_float(), terms.limit.to_float())
             self.token_gpus.append(gpu)
 
     def _leave_token_schedulers(self) -> None:
@@ -361,14 +362,14 @@ class AllocationChannel:
                 # The algorithm has no way to change a request in place: rejoin (the tenant's
                 # usage history on this GPU starts again).
                 gpu.remove(record.id)
-                gpu.add(slot, new.share, new.limit)
+                gpu.add(slot, new.share.to_float(), new.limit.to_float())
             elif old.limit != new.limit:
-                gpu.set_limit(record.id, new.limit)
+                gpu.set_limit(record.id, new.limit.to_float())
         self.record, self.binding, self.terms = record, binding, terms
         if not needs_binding(record, binding):
             self.bound.set()
         log.info("allocation updated", extra={
-            "allocation": record.id, "limits": [g.limit for g in terms],
+            "allocation": record.id, "limits": [g.limit.to_json() for g in terms],
             "memory_limits": [g.memory_limit for g in terms]})
 
     def _meter(self) -> ConnectMeter:
@@ -480,13 +481,15 @@ class AllocationChannel:
         return {
             "id": record.id, "origin": record.origin, "owner_pid": record.owner_pid,
             "owner_uid": record.owner_uid,
-            "limit": (self.binding.limit if self.binding and self.binding.limit is not None
-                      else record.limit), "channel_dir": record.channel_dir,
+            "limit": optional_json(self.binding.limit if self.binding
+                                   and self.binding.limit is not None else record.limit),
+            "channel_dir": record.channel_dir,
             "socket": str(self.socket_path), "created_at": record.created_at,
             "device_ids": list(record.device_ids),
             "pod": None if self.binding is None else dataclasses.asdict(self.binding.pod),
-            "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share,
-                      "share_ppm": e.share_ppm, "limit_ppm": e.limit_ppm, "limit": e.limit,
+            "gpus": [{"index": g.index, "uuid": g.uuid, "share": g.share.to_json(),
+                      "share_ppm": wire.share_ppm(e.share), "limit_ppm": wire.share_ppm(e.limit),
+                      "limit": e.limit.to_json(),
                       "memory_limit": self.ledger.limit(i), "memory_used": self.ledger.used(i),
                       "memory_refusals": self.memory_refusals[i],
                       "over_limit": self.over_limit.get(i),

@@ -364,9 +364,9 @@ class Session(Waiter):
             slot = reply.gpus[index]
             slot.uuid = list(gpu.uuid_bytes)
             slot.memory_limit = self.channel.ledger.limit(index)
-            slot.share_ppm = gpu.share_ppm
+            slot.share_ppm = wire.share_ppm(gpu.share)
             if version < 3:   # their grants still carry the cap (version 3 dropped it)
-                slot.limit_ppm = gpu.limit_ppm
+                slot.limit_ppm = wire.share_ppm(gpu.limit)
         fds: list[int] = []
         if version >= 2:
             self._fill_settings(reply.settings)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from vgpu_runtime import wire
 from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
+from vgpu_runtime.share import Share
 
 
 @dataclass(frozen=True)
@@ -17,10 +18,8 @@ class GpuTerms:
     uuid: str
     uuid_bytes: bytes     # 16 raw bytes, as cuDeviceGetUuid returns them
     memory_limit: int     # the binding's memory limit where it names one, else the record's
-    share_ppm: int
-    limit_ppm: int
-    share: float = 1.0    # the request on this GPU, as the token scheduler takes it
-    limit: float = 1.0    # the cap on this GPU (never below the request)
+    share: Share          # the request on this GPU
+    limit: Share          # the cap on this GPU (never below the request)
 
 
 def uuid_bytes(text: str) -> bytes:
@@ -33,11 +32,7 @@ def uuid_bytes(text: str) -> bytes:
         raise RecordError(f"malformed GPU UUID {text!r}") from None
 
 
-def to_ppm(fraction: float) -> int:
-    return max(1, min(wire.PPM, round(fraction * wire.PPM)))
-
-
-LimitRule = Callable[[float | None, float], float]  # (record's limit, request) -> cap
+LimitRule = Callable[[Share | None, Share], Share]  # (record's limit, request) -> cap
 
 
 def terms_of(record: AllocationRecord, binding: Binding | None,
@@ -61,6 +56,5 @@ def terms_of(record: AllocationRecord, binding: Binding | None,
     for g in record.gpus:
         limit = limit_for(asked_limit, g.share)
         memory = g.memory_limit if memory_override is None else memory_override
-        terms.append(GpuTerms(g.uuid, uuid_bytes(g.uuid), memory, to_ppm(g.share),
-                              to_ppm(limit), g.share, limit))
+        terms.append(GpuTerms(g.uuid, uuid_bytes(g.uuid), memory, g.share, limit))
     return tuple(terms)

@@ -15,8 +15,7 @@ from vgpu_runtime.allocation import MAX_MEMORY_LIMIT
 from vgpu_runtime.common.sizes import format_size
 from vgpu_runtime.containerenv import entitled_memory
 from vgpu_runtime.gpus import GpuInfo
-
-SHARE_EPSILON = 1e-9
+from vgpu_runtime.share import Share, total
 
 
 class Refused(Exception):
@@ -27,8 +26,8 @@ class Refused(Exception):
 class Ask:
     uid: int
     gpu: str | None          # an index or a UUID; None: the first GPU with room
-    share: float
-    limit: float | None
+    share: Share
+    limit: Share | None
     memory: int | None       # None: the share's part of the GPU's memory
     overcommit: bool = False
 
@@ -38,7 +37,7 @@ class Held:
     """A live allocation on one GPU."""
     id: str
     uid: int | None          # None: an allocation of no user's (written before the host daemon)
-    share: float
+    share: Share
     memory: int
 
 
@@ -49,10 +48,9 @@ class Admitted:
 
 
 def check(ask: Ask) -> None:
-    if not 0 < ask.share <= 1:
-        raise Refused(f"share {ask.share!r} is outside (0, 1]")
-    if ask.limit is not None and not ask.share <= ask.limit <= 1:
-        raise Refused(f"limit {ask.limit!r} must be in [share, 1] (share {ask.share:g})")
+    """What the types leave to check (a Share is in (0, 1] already)."""
+    if ask.limit is not None and not ask.share <= ask.limit:
+        raise Refused(f"limit {ask.limit} must be in [share, 1] (share {ask.share})")
     if ask.memory is not None and not 0 < ask.memory <= MAX_MEMORY_LIMIT:
         raise Refused(f"memory {ask.memory!r} must be more than 0 bytes")
 
@@ -63,7 +61,7 @@ def memory_of(ask: Ask, gpu: GpuInfo) -> int:
 
 
 def _fits(ask: Ask, gpu: GpuInfo, held: list[Held]) -> bool:
-    share = sum(h.share for h in held) + ask.share <= 1 + SHARE_EPSILON
+    share = total(h.share for h in held) + ask.share.value <= 1
     memory = sum(h.memory for h in held) + memory_of(ask, gpu) <= gpu.memory_total
     own = all(h.uid == ask.uid for h in held)
     return (share and memory) or (ask.overcommit and own)
@@ -90,7 +88,7 @@ def admit(ask: Ask, gpus: list[GpuInfo], held: dict[str, list[Held]]) -> Admitte
 
 
 def _why(ask: Ask, gpu: GpuInfo, held: list[Held]) -> str:
-    share_used = sum(h.share for h in held)
+    share_used = total(h.share for h in held)
     memory_used = sum(h.memory for h in held)
     own = [h for h in held if h.uid == ask.uid]
     others = [h for h in held if h.uid != ask.uid]
@@ -99,7 +97,7 @@ def _why(ask: Ask, gpu: GpuInfo, held: list[Held]) -> str:
         parts.append("yours: " + ", ".join(f"{h.id} {h.share:g} ({format_size(h.memory)})"
                                           for h in own))
     if others:
-        parts.append(f"{len(others)} of other users: {sum(h.share for h in others):g} "
+        parts.append(f"{len(others)} of other users: {float(total(h.share for h in others)):g} "
                      f"({format_size(sum(h.memory for h in others))})")
     memory = memory_of(ask, gpu)
     advice = "ask for a smaller --share or --memory, or another --gpu"
@@ -108,7 +106,8 @@ def _why(ask: Ask, gpu: GpuInfo, held: list[Held]) -> str:
                    "only, never over what another user was guaranteed")
     else:
         advice += ", or pass --overcommit"
-    return (f"GPU {gpu.index} ({gpu.uuid}) has {max(0.0, 1 - share_used):.6g} of its time and "
+    free = max(0.0, float(1 - share_used))
+    return (f"GPU {gpu.index} ({gpu.uuid}) has {free:.6g} of its time and "
             f"{format_size(max(0, gpu.memory_total - memory_used))} of its memory free; asked: "
             f"--share {ask.share:g} with {format_size(memory)}. In use: "
             f"{'; '.join(parts) or 'nothing'}. {advice.capitalize()}.")

@@ -46,6 +46,7 @@ from vgpu_runtime.daemon.daemon import Daemon
 from vgpu_runtime.daemon.host import admission, view
 from vgpu_runtime.daemon.host.config import HostConfig
 from vgpu_runtime.gpus import GpuInfo
+from vgpu_runtime.share import WHOLE, Share, ShareError
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ class HostServer:
             return {"error": f"the host daemon cannot serve the allocation: {why}"}
         log.info("allocation admitted", extra={
             "allocation": record.id, "uid": peer.uid, "pid": peer.pid, "gpu": admitted.gpu.uuid,
-            "share": ask.share, "memory_limit": admitted.memory})
+            "share": ask.share.to_json(), "memory_limit": admitted.memory})
         return {"allocation": record.to_json()}
 
     def _record(self, ask: admission.Ask, admitted: admission.Admitted, peer: PeerCred,
@@ -311,13 +312,14 @@ def _is_id(name: str) -> bool:
 
 
 def _ask(request: dict[str, Any], uid: int) -> admission.Ask:
-    def fraction(key: str, default: float | None) -> float | None:
-        value = request.get(key, default)
+    def share(key: str) -> Share | None:
+        value = request.get(key)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise admission.Refused(f"{key} must be a number, got {value!r}")
-        return float(value)
+        try:
+            return Share.from_json(value)
+        except ShareError as err:
+            raise admission.Refused(f"{key}: {err}") from None
 
     memory = request.get("memory")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int)):
@@ -325,10 +327,8 @@ def _ask(request: dict[str, Any], uid: int) -> admission.Ask:
     gpu = request.get("gpu")
     if gpu is not None and not isinstance(gpu, (str, int)):
         raise admission.Refused(f"gpu must be an index or a UUID, got {gpu!r}")
-    share = fraction("share", 1.0)
-    assert share is not None
-    ask = admission.Ask(uid=uid, gpu=None if gpu is None else str(gpu), share=share,
-                        limit=fraction("limit", None), memory=memory,
+    ask = admission.Ask(uid=uid, gpu=None if gpu is None else str(gpu),
+                        share=share("share") or WHOLE, limit=share("limit"), memory=memory,
                         overcommit=request.get("overcommit") is True)
     admission.check(ask)
     return ask

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vgpu_runtime.allocation import AllocationRecord
-from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
+from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.share import Share
 
 LIMIT_ANNOTATION = "gemini.ai/vgpu-limit"
 MEMORY_ANNOTATION = "gemini.ai/vgpu-memory"
@@ -26,15 +27,15 @@ INVALID_REASON = "InvalidVgpuAnnotation"
 
 @dataclass(frozen=True)
 class Overrides:
-    limit: float | None               # the time cap the pod asks, or None
+    limit: Share | None               # the time cap the pod asks, or None
     memory_limit: int | None          # the memory limit per GPU the pod asks, or None
     problems: tuple[str, ...]         # one message per ignored annotation
 
 
-def parse_limit(text: str) -> float:
-    """'0.5' or '50%' -> 0.5; raises ValueError saying what is accepted."""
+def parse_limit(text: str) -> Share:
+    """'0.5' or '50%' -> 1/2; raises ValueError saying what is accepted."""
     try:
-        return parse_fraction(text)
+        return Share.parse(text)
     except ValueError as err:
         raise ValueError(f"{LIMIT_ANNOTATION}={err}") from None
 
@@ -43,14 +44,14 @@ def overrides_of(record: AllocationRecord, annotations: Mapping[str, str]) -> Ov
     """What the pod's annotations override in the record's entitlement; invalid ones are
     reported, not applied."""
     problems: list[str] = []
-    limit: float | None = None
+    limit: Share | None = None
     memory_limit: int | None = None
     share = max(g.share for g in record.gpus)
     raw_limit = annotations.get(LIMIT_ANNOTATION)
     if raw_limit is not None:
         try:
             value = parse_limit(raw_limit)
-            if value < share - 1e-9:
+            if value < share:
                 raise ValueError(f"{LIMIT_ANNOTATION}={raw_limit!r} is below the pod's request "
                                  f"of {share:g} of the GPU; a limit caps the share at or "
                                  "above what the slices guarantee")

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, overrides_of
 from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
+from vgpu_runtime.share import optional_json
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.config import DaemonConfig
@@ -179,7 +180,7 @@ class PodWatch:
             log.info("allocation re-bound to the pod now holding its slices" if rebound else
                      "allocation bound to its pod", extra={
                          "allocation": record.id, "namespace": pod.namespace, "pod": pod.name,
-                         "container": pod.container, "limit": binding.limit,
+                         "container": pod.container, "limit": optional_json(binding.limit),
                          "memory_limit": binding.memory_limit, **more})
             self.notify("bound", record, dict(more))
         for problem in problems:

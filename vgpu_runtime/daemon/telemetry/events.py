@@ -32,7 +32,7 @@ def allocation_documents(event: str, record: AllocationRecord, more: dict[str, o
         "container": pod.container if pod else None, **more}
     override = binding.memory_limit if binding else None
     return [(gpu.uuid, document | {
-        "share": gpu.share,
+        "share": gpu.share.to_json(),
         "memory_limit": gpu.memory_limit if override is None else override})
         for gpu in record.gpus]
 
