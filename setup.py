@@ -6,9 +6,14 @@ vgpu_runtime/hook/build.py for the compiler line and the glibc symbol-version ru
 build.py loads vgpu_runtime/common/cbuild.py, which names it and installs it by rename.
 The wheel is tagged py3-none-manylinux2014_<machine>: its Python is pure (cffi in ABI mode) but
 it carries that machine's library, which needs nothing newer than glibc 2.17 (manylinux2014).
+
+GEMINI_WHEEL=node builds the node image's wheel (daemonset/image/Dockerfile): the same, less the
+development kit (vgpu_runtime/devkit: the kubelet emulator, the fake API server, the fake
+libcuda, gemini-demo), which no program of the node imports (tests/test_layering.py).
 """
 
 import importlib.util
+import os
 import platform
 from pathlib import Path
 
@@ -23,6 +28,8 @@ except ImportError:  # setuptools < 70.1
 HERE = Path(__file__).parent
 # The architectures vgpu_runtime/hook/include/glibc_compat.h pins to glibc 2.17 symbols.
 MANYLINUX2014 = {"x86_64", "aarch64"}
+WHEELS = ("full", "node")
+NODE_WHEEL_LEAVES_OUT = "vgpu_runtime.devkit"
 
 
 def _builder(name, path):
@@ -44,7 +51,21 @@ def platform_tag():
     return f"manylinux2014_{machine}"
 
 
+def wheel_kind():
+    kind = os.environ.get("GEMINI_WHEEL", "full")
+    if kind not in WHEELS:
+        raise RuntimeError(f"GEMINI_WHEEL={kind!r}: expected one of {', '.join(WHEELS)}")
+    return kind
+
+
 class BuildWithHook(build_py):
+    def finalize_options(self):
+        super().finalize_options()
+        if wheel_kind() == "node":
+            left_out = NODE_WHEEL_LEAVES_OUT
+            self.packages = [p for p in self.packages
+                             if p != left_out and not p.startswith(left_out + ".")]
+
     def run(self):
         super().run()
         out_dir = Path(self.build_lib) / "vgpu_runtime" / "lib"

@@ -180,6 +180,15 @@ def test_the_image_runs_from_a_virtual_environment_without_a_compiler(image: Ima
     assert not (rootfs / "src").exists()
 
 
+def test_the_image_carries_no_development_kit(rootfs: Path) -> None:
+    """The node runs none of the kubelet emulator, the fake API server, the fake libcuda or
+    gemini-demo (the cluster lane mounts its fake driver from the host, tests/cluster)."""
+    (package,) = rootfs.glob("opt/gemini/lib/python3*/site-packages/vgpu_runtime")
+    assert (package / "daemon").is_dir() and not (package / "devkit").exists()
+    assert not list(rootfs.glob("opt/gemini/lib/python3*/site-packages/**/fake_cuda.c"))
+    assert not (rootfs / "opt" / "gemini" / "bin" / "gemini-demo").exists()
+
+
 def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
                                                                     hook_lib: Path) -> None:  # noqa: F811
     """Built in the image's /src by its own gcc, in another directory than the host's build:
