@@ -1,13 +1,13 @@
 """Allocate: validate kubelet's slice IDs, write the allocation record, answer the container.
 
-The record (vgpu_runtime.allocation) is keyed by the set of slice IDs, so Allocate is
+The record (vgpu_runtime.contracts.allocation) is keyed by the set of slice IDs, so Allocate is
 idempotent: kubelet hands an init container's slices to the app containers and replays kept
 responses, and the same IDs always give the same record id, channel directory and response.
 
 The record holds the entitlement (share, memory limit, the GPU's slice count) and nothing
 else: the daemon keeps the pod binding and the pod's overrides in its own file. Memory: k of N
 slices get floor((GPU memory - memory_reserve) x k / N) bytes, whole GPUs all of it
-(vgpu_runtime.containerenv, the rule gemini-run shares).
+(vgpu_runtime.contracts.containerenv, the rule gemini-run shares).
 
 Durability (the rule; vgpu_runtime.common.atomicfile has the details): Allocate answers only
 after the record's data is fsynced and renamed into place, so a record kubelet was told about
@@ -34,13 +34,14 @@ import grpc
 
 from device_plugin.health import HealthTracker
 from device_plugin.slices import Slice, SliceTable, brief_ids
-from vgpu_runtime import allocation, containerenv, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
+from vgpu_runtime import hooklib
 from vgpu_runtime.common.atomicfile import DirectorySyncer, write_atomic
+from vgpu_runtime.contracts import allocation, containerenv, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare, RecordError
+from vgpu_runtime.contracts.share import WHOLE, Share
 from vgpu_runtime.gpus import GpuInfo
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from vgpu_runtime.pluginconfig import PluginConfig
-from vgpu_runtime.share import WHOLE, Share
 
 log = logging.getLogger(__name__)
 

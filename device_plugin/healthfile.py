@@ -1,5 +1,5 @@
 """<state-dir>/health.json: the plugin's view of GPU health, for the node daemon's telemetry
-(its format: vgpu_runtime.nodefiles).
+(its format: vgpu_runtime.contracts.nodefiles).
 
 Written atomically (temporary file, fsync, rename) after every health change and at start, so
 the daemon reads the old file or the new one, never half of one. The plugin is the only writer.
@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 
 from device_plugin.health import HealthTracker
-from vgpu_runtime import nodefiles, paths
 from vgpu_runtime.common.atomicfile import write_atomic
+from vgpu_runtime.contracts import nodefiles, paths
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ does not evict for health), and the plugin logs why; the node daemon posts the s
 Event on the Node (it has the API access the plugin does not). While any record cannot be read,
 no GPU changes count.
 
-slices.json's format: vgpu_runtime.nodefiles.
+slices.json's format: vgpu_runtime.contracts.nodefiles.
 
 Written atomically (not durably: it is rewritten at every start) whenever a count changes.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from device_plugin.slices import SliceIdError, SliceTable, parse_slice_id
-from vgpu_runtime import allocation, nodefiles, paths
-from vgpu_runtime.allocation import RecordError
 from vgpu_runtime.common.atomicfile import write_atomic
+from vgpu_runtime.contracts import allocation, nodefiles, paths
+from vgpu_runtime.contracts.allocation import RecordError
 from vgpu_runtime.gpus import GpuInfo
 
 log = logging.getLogger(__name__)

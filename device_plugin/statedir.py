@@ -20,9 +20,9 @@ import os
 import time
 from pathlib import Path
 
-from vgpu_runtime import allocation, paths
 from vgpu_runtime.common import securedir
 from vgpu_runtime.common.atomicfile import STALE_TEMP_AGE, fsync_dir, sweep_stale_temps
+from vgpu_runtime.contracts import allocation, paths
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ def build_token_echo(out: Path) -> Path:
 def _build_tool(source: Path, binary: Path) -> Path:
     if not binary.exists():
         subprocess.run(["gcc", "-O2", "-Wall", "-Wextra", "-Werror",
-                        f"-I{REPO / 'vgpu_runtime' / 'hook' / 'include'}", str(source),
+                        f"-I{REPO / 'vgpu_runtime' / 'contracts'}", str(source),
                         "-o", str(binary)], check=True)
     return binary
 
@@ -54,7 +54,7 @@ def token_rtt_in_allocation(state: Path, client: Path, count: int, hold_us: int,
     OUT gets "asked granted released" (CLOCK_MONOTONIC ns) per round. With `handshake` its
     stdin and stdout are pipes (see `rounds_cpu`); with `spin` it polls for each grant
     without blocking (awake when the grant comes)."""
-    from vgpu_runtime import paths
+    from vgpu_runtime.contracts import paths
     command = (f'exec "{client}" "${paths.ENV_CHANNEL_DIR}/{paths.CHANNEL_SOCKET_NAME}" '
                f'{count} {hold_us} "{out}" hello{" handshake" if handshake else ""}'
                f'{" spin" if spin else ""}')

@@ -20,8 +20,12 @@ def build_in(script: Path, out: Path, cwd: Path) -> Path:
 
 def copy_build_base(package: Path) -> Path:
     """Into another checkout's vgpu_runtime/: what every library's build reads besides its own
-    files, the version and the shared recipe (common/cbuild.py); returns the recipe's copy."""
+    files, the version, the shared recipe (common/cbuild.py) and the wire's header
+    (contracts/gemini_wire.h); returns the recipe's copy."""
     (package / "common").mkdir(parents=True, exist_ok=True)
+    (package / "contracts").mkdir(parents=True, exist_ok=True)
     shutil.copy2(REPO / "vgpu_runtime" / "__init__.py", package / "__init__.py")
+    shutil.copy2(REPO / "vgpu_runtime" / "contracts" / "gemini_wire.h",
+                 package / "contracts" / "gemini_wire.h")
     return Path(shutil.copy2(REPO / "vgpu_runtime" / "common" / "cbuild.py",
                              package / "common" / "cbuild.py"))

@@ -20,7 +20,8 @@ from io import BytesIO
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WIRE_HEADER = "vgpu_runtime/hook/include/gemini_wire.h"
+# The wire header's places, newest first (it moved beside its Python reader in contracts/).
+WIRE_HEADERS = ("vgpu_runtime/contracts/gemini_wire.h", "vgpu_runtime/hook/include/gemini_wire.h")
 
 
 class NoOlderRelease(LookupError):
@@ -37,18 +38,23 @@ def _git(*args: str) -> bytes:
 
 
 def wire_version_at(commit: str) -> int:
-    header = _git("show", f"{commit}:{WIRE_HEADER}").decode()
-    match = re.search(r"^#define GM_WIRE_VERSION (\d+)", header, re.M)
-    if match is None:
-        raise NoOlderRelease(f"{WIRE_HEADER} at {commit} declares no GM_WIRE_VERSION")
-    return int(match.group(1))
+    for place in WIRE_HEADERS:
+        try:
+            header = _git("show", f"{commit}:{place}").decode()
+        except NoOlderRelease:
+            continue
+        match = re.search(r"^#define GM_WIRE_VERSION (\d+)", header, re.M)
+        if match is None:
+            raise NoOlderRelease(f"{place} at {commit} declares no GM_WIRE_VERSION")
+        return int(match.group(1))
+    raise NoOlderRelease(f"{commit} has no wire header at {' or '.join(WIRE_HEADERS)}")
 
 
 def release_of_wire_version(version: int) -> str:
     """The commit of the last release that speaks wire `version`."""
     introduced = _git("log", "--reverse", "--format=%H", "-S",
                       f"#define GM_WIRE_VERSION {version + 1}", "HEAD", "--",
-                      WIRE_HEADER).decode().split()
+                      *WIRE_HEADERS).decode().split()
     commit = f"{introduced[0]}^" if introduced else "HEAD"
     try:
         found = wire_version_at(commit)

@@ -21,21 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A unit of vgpu_runtime (its first two name parts) may import units of its own layer or lower.
 LAYERS: dict[str, int] = {
-    # The base: the package's version, paths, shared helpers, the interposer's build recipe and
-    # its name (hooklib: every program's --version says it).
+    # The base: the package's version, shared helpers, the contracts between the node's programs
+    # (contracts/README.md: names, files, the wire, shares, records), the interposer's build
+    # recipe and its name (hooklib: every program's --version says it).
     "vgpu_runtime": 0,
     "vgpu_runtime.common": 0,
-    "vgpu_runtime.paths": 0,
+    "vgpu_runtime.contracts": 0,
     "vgpu_runtime.hook": 0,
     "vgpu_runtime.hooklib": 0,
-    # What the node has and the contracts between its programs.
+    # What the node has.
     "vgpu_runtime.gpus": 1,
     "vgpu_runtime.kubeletapi": 1,
-    "vgpu_runtime.wire": 1,
-    "vgpu_runtime.share": 1,
-    "vgpu_runtime.allocation": 1,
-    "vgpu_runtime.nodefiles": 1,
-    "vgpu_runtime.containerenv": 1,
     # Whose a machine is (the host daemon's mark) and whose daemon serves each GPU.
     "vgpu_runtime.hoststate": 1,
     "vgpu_runtime.gpulock": 1,
@@ -56,11 +52,10 @@ LAYERS: dict[str, int] = {
 }
 # Rule: the contracts name what the build made and never build it (the build writes the
 # interposer's name beside the library; hooklib reads it), so they import neither.
-CONTRACTS = ("vgpu_runtime.paths", "vgpu_runtime.nodefiles", "vgpu_runtime.wire",
-             "vgpu_runtime.share", "vgpu_runtime.allocation", "vgpu_runtime.containerenv")
+CONTRACTS = "vgpu_runtime.contracts"
 CONTRACTS_NEVER_IMPORT = ("vgpu_runtime.hook", "vgpu_runtime.hooklib")
 # The plugin sits beside the daemon, joined to it only by the allocation record: it may import
-# the base and the contracts, nothing above them.
+# the base (the contracts with it) and what the node has, nothing above them.
 PLUGIN_MAY_IMPORT_UP_TO = 1
 PRODUCT = ("vgpu_runtime", "device_plugin")
 NOT_PRODUCT = ("tests", "scripts")
@@ -120,7 +115,7 @@ def violations(rel: Path, source: str) -> Iterator[str]:
             yield f"{rel} imports {module}: scripts use the kit (vgpu_runtime/devkit), not tests/"
         elif target == "device_plugin" and top == "vgpu_runtime":
             yield f"{rel} imports {module}: vgpu_runtime never imports the device plugin"
-        elif unit(own) in CONTRACTS and unit(module) in CONTRACTS_NEVER_IMPORT:
+        elif unit(own) == CONTRACTS and unit(module) in CONTRACTS_NEVER_IMPORT:
             yield (f"{rel} imports {module}: a contract never imports the hook's build "
                    "(the interposer's name is hooklib.library_name())")
         elif target == "vgpu_runtime" and top == "vgpu_runtime":
@@ -154,9 +149,9 @@ def test_imports_go_one_way(path: Path) -> None:
 def test_the_check_sees_a_planted_bad_import() -> None:
     """The checker itself: each kind of bad import, planted in a real module's text."""
     planted = {
-        "vgpu_runtime/allocation.py": "from vgpu_runtime.daemon import daemon\n",
-        "vgpu_runtime/paths.py": "from vgpu_runtime.hook import build\n",
-        "vgpu_runtime/wire.py": "def f():\n    from vgpu_runtime import hooklib\n",
+        "vgpu_runtime/contracts/allocation.py": "from vgpu_runtime.daemon import daemon\n",
+        "vgpu_runtime/contracts/paths.py": "from vgpu_runtime.hook import build\n",
+        "vgpu_runtime/contracts/wire.py": "def f():\n    from vgpu_runtime import hooklib\n",
         "vgpu_runtime/timeshare/window.py": "import device_plugin.server\n",
         "vgpu_runtime/common/sizes.py": "def f():\n    from tests.childenv import child_env\n",
         "device_plugin/slices.py": ("import importlib\n"
@@ -174,7 +169,9 @@ def test_the_check_sees_a_planted_bad_import() -> None:
 def test_the_contracts_load_without_the_hooks_build() -> None:
     """What they import in turn counts too: loading every contract leaves the build unloaded,
     so no program hashes the hook's sources for a name it could read."""
-    probe = ("import sys\n" + "".join(f"import {name}\n" for name in CONTRACTS)
+    contracts = sorted(module_name(p) for p in (REPO / "vgpu_runtime" / "contracts").glob("*.py"))
+    assert len(contracts) >= 7
+    probe = ("import sys\n" + "".join(f"import {name}\n" for name in contracts)
              + "print(sorted(m for m in sys.modules if m.startswith(('vgpu_runtime.hook', "
              "'vgpu_runtime.hooklib'))))")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
@@ -272,7 +269,7 @@ def hook_call_graph(out: Path) -> dict[str, set[str]]:
     for source in build.source_files():
         name = f"{source.parent.name}/{source.name}"
         obj = out / name.replace("/", "_").replace(".c", ".o")
-        subprocess.run(["gcc", "-c", *build.CFLAGS, f"-I{include}",
+        subprocess.run(["gcc", "-c", *build.CFLAGS, *build.include_flags(),
                         f"-include{include / 'glibc_compat.h'}", str(source), "-o", str(obj)],
                        check=True, cwd=build.HOOK_DIR)
         symbols = subprocess.run(["nm", str(obj)], capture_output=True, text=True,

@@ -1,6 +1,6 @@
-"""Allocation records have one deleter: vgpu_runtime.allocation.end_allocation. The programs that
-end allocations ask it, and nothing else in the product removes a record or a channel directory
-(three writers used to, each in its own order). Read from the source with ast,
+"""Allocation records have one deleter: vgpu_runtime.contracts.allocation.end_allocation. The
+programs that end allocations ask it, and nothing else in the product removes a record or a
+channel directory (three writers used to, each in its own order). Read from the source with ast,
 as tests/test_layering.py reads imports.
 
 That every case still deletes, through it, is shown where each case is tested:
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tests.test_layering import PRODUCT, REPO, python_files
 
-OWNER = ("vgpu_runtime/allocation.py", "end_allocation")
+OWNER = ("vgpu_runtime/contracts/allocation.py", "end_allocation")
 # What removes a record or a channel directory, besides end_allocation itself.
 DELETERS = {"remove_record", "remove_channel_dir", "_remove_channel_dir"}
 # Who asks the owner: one per program that ends allocations.
@@ -64,7 +64,7 @@ def deleters_outside_the_owner(sources: Iterator[tuple[str, str]]) -> set[tuple[
     found = {site for rel, source in sources for site in calls(rel, source, DELETERS)}
     found.discard(OWNER)
     # remove_channel_dir is remove_tree_in's checked wrapper; it may call its own helper.
-    found.discard(("vgpu_runtime/allocation.py", "remove_channel_dir"))
+    found.discard(("vgpu_runtime/contracts/allocation.py", "remove_channel_dir"))
     return found
 
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import hoststate, paths
+from vgpu_runtime import hoststate
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon import lock as daemon_lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.control import control_socket

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 HOST_BYTE = 1 << 32          # the host daemon's byte: beyond every uid (uids are 32 bits)
 LOCK_FILE_MODE = 0o444

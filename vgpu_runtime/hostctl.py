@@ -30,8 +30,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import vgpu_runtime
-from vgpu_runtime import allocation, hoststate, paths
+from vgpu_runtime import hoststate
 from vgpu_runtime.common import cli, securedir
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.daemon import lock as daemon_lock
 
 PROG = "gemini-host"

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import allocation, paths
 from vgpu_runtime.common.atomicfile import write_atomic
 from vgpu_runtime.common.securedir import read_nofollow
+from vgpu_runtime.contracts import allocation, paths
 
 MARKER_VERSION = 1
 HOST_UNIT = "gemini-host"

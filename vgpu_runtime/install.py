@@ -41,10 +41,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vgpu_runtime import __version__, allocation, hooklib, paths
+from vgpu_runtime import __version__, hooklib
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import fsync_dir
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.hook import identity
 
 log = logging.getLogger("gemini-install-hook")

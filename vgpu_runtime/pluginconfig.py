@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.config import ConfigError, setting
+from vgpu_runtime.contracts import paths
 
 DEFAULT_SOCKET_NAME = "gemini-vgpu.sock"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)

@@ -50,17 +50,18 @@ from pathlib import Path
 from typing import NoReturn
 
 import vgpu_runtime
-from vgpu_runtime import allocation, containerenv, gpulock, hoststate, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime import gpulock, hoststate
 from vgpu_runtime.common import cli, procs, securedir
 from vgpu_runtime.common.sizes import format_size, parse_size
+from vgpu_runtime.contracts import allocation, containerenv, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import WHOLE, Share, ShareError, optional_json, total
 from vgpu_runtime.daemon import lock as daemon_lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.host import client as host_client
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.gpus.simulated import SimulatedBackend
-from vgpu_runtime.share import WHOLE, Share, ShareError, optional_json, total
 
 PROG = "gemini-run"
 ENV_STATE_DIR = paths.ENV_STATE_DIR

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.gpus.simulated import SimulatedBackend, simulated_uuid
 

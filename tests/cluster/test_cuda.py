@@ -17,8 +17,8 @@ from tests.cluster.conftest import (
     wait_until,
     workload,
 )
-from vgpu_runtime import allocation, paths
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.share import Share
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]
 

@@ -20,7 +20,7 @@ from tests.cluster.conftest import (
     environment,
     wait_until,
 )
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]

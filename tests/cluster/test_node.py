@@ -23,7 +23,7 @@ from tests.cluster.conftest import (
     wait_until,
     workload,
 )
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 # Cold start builds Kubernetes (tens of minutes on 2 cores) inside the first test's setup.

@@ -18,7 +18,7 @@ from tests.cluster.conftest import (
     wait_until,
     workload,
 )
-from vgpu_runtime import allocation, paths
+from vgpu_runtime.contracts import allocation, paths
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]
 

@@ -28,7 +28,7 @@ from tests.cluster.conftest import (
     wait_until,
     workload,
 )
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(5400)]
 

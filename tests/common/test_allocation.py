@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.readonly import read_only_call
-from vgpu_runtime import allocation as alloc
-from vgpu_runtime import hooklib, paths
+from vgpu_runtime import hooklib
 from vgpu_runtime.common import atomicfile
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import allocation as alloc
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.share import Share
 
 
 def sample(ids: tuple[str, ...] = ("GPU-a::0", "GPU-a::1"), **kw: object) -> alloc.AllocationRecord:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_runtime import allocation as alloc
 from vgpu_runtime.common import atomicfile
 from vgpu_runtime.common.atomicfile import DirectorySyncer, sweep_stale_temps, write_atomic
+from vgpu_runtime.contracts import allocation as alloc
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.records import RecordWatcher
-from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 

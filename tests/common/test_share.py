@@ -1,5 +1,6 @@
-"""A share of a GPU's time (vgpu_runtime/share.py): read once at each edge with a clear error,
-exact inside, and converted once at each boundary to what the old code passed along."""
+"""A share of a GPU's time (vgpu_runtime/contracts/share.py): read once at each edge with a
+clear error, exact inside, and converted once at each boundary to what the old code passed
+along."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu_runtime import paths, wire
-from vgpu_runtime.containerenv import entitled_memory
-from vgpu_runtime.share import WHOLE, Share, ShareError, optional_json, total
+from vgpu_runtime.contracts import paths, wire
+from vgpu_runtime.contracts.containerenv import entitled_memory
+from vgpu_runtime.contracts.share import WHOLE, Share, ShareError, optional_json, total
 
 PPM = 1_000_000
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 
 
 def test_round_trip_of_every_frame_type() -> None:
@@ -136,7 +136,7 @@ def test_the_channels_place_and_socket_name_are_defined_once() -> None:
     """The hook finds its channel where Allocate mounts it, and the daemon's socket by the name
     the daemon binds: both are defined in the wire header, which paths.py reads; no hook source
     spells either again."""
-    from vgpu_runtime import paths
+    from vgpu_runtime.contracts import paths
 
     header = wire.HEADER_PATH.read_text()
     assert f'#define GM_POD_CHANNEL_DIR "{paths.CONTAINER_CHANNEL_DIR}"' in header

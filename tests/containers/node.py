@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 from tests.childenv import child_env
 from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.cudaprobe import COUNTERS
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess

@@ -16,8 +16,8 @@ import pytest
 
 from tests.containers.node import SHARE_WINDOW_S, ContainerNode, Tenant
 from tests.daemon.helpers import wait_for
-from vgpu_runtime import allocation, paths, wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import allocation, paths, wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.kubelet_emulator import Pod
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.daemon_process import (

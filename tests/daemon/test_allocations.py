@@ -20,15 +20,15 @@ import pytest
 from tests.childenv import REPO, child_env
 from tests.daemon.helpers import UUID_A, MiB, make_record
 from tests.host.test_gpulock import Holder
-from vgpu_runtime import allocation, paths
-from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.allocations import Allocations
 from vgpu_runtime.daemon.bindings import PodBindings
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.troubles import Troubles
-from vgpu_runtime.share import Share
 
 GONE = "k-00000000000000ff"
 POD = PodRef("ml", "train", "main", "uid-1")

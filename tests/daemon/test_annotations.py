@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.daemon.helpers import UUID_A
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.pods.annotations import overrides_of, parse_limit
 from vgpu_runtime.daemon.pods.node import label_value, node_labels
 from vgpu_runtime.gpus import GpuInfo
-from vgpu_runtime.share import Share
 
 GiB = 1 << 30
 

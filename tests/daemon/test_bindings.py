@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.helpers import make_record
-from vgpu_runtime import allocation, paths
-from vgpu_runtime.allocation import Binding, PodRef, RecordError
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import Binding, PodRef, RecordError
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.bindings import PodBindings
-from vgpu_runtime.share import Share
 
 POD = PodRef("ml", "train", "main", "uid-1")
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from tests.daemon.helpers import (
     wait_served,
 )
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import allocation, wire
+from vgpu_runtime.contracts import allocation, wire
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 
 C = wire.const

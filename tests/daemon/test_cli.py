@@ -20,7 +20,7 @@ from tests.daemon.helpers import (
     wait_served,
 )
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import allocation
+from vgpu_runtime.contracts import allocation
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.gpus.simulated import SimulatedBackend

@@ -34,8 +34,8 @@ from tests.daemon.helpers import (
     wait_served,
 )
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.telemetry.metrics import render
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.ledger import MAX_CLAIM, MemoryLedger
 
 C = wire.const

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, GpuShare, PodRef
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.loop import ACCEPT_LOG_INTERVAL, ACCEPT_OUT_OF_RESOURCES, AcceptFailureLog
 from vgpu_runtime.daemon.pods.node import SliceCount
 from vgpu_runtime.daemon.pods.node_reports import NodeEvent, slice_count_event
 from vgpu_runtime.daemon.telemetry.events import allocation_documents, health_documents
 from vgpu_runtime.daemon.troubles import Troubles
-from vgpu_runtime.share import Share
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"

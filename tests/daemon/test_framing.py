@@ -29,7 +29,7 @@ from tests.daemon.helpers import (
     split_frames,
     wait_for,
 )
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 
 C = wire.const

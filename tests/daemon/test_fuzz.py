@@ -19,7 +19,7 @@ from tests.daemon.helpers import (
     read_until_closed,
     split_frames,
 )
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 
 C = wire.const

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vgpu_runtime import __version__, hooklib, paths
+from vgpu_runtime import __version__, hooklib
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.devkit.podnode import PodNode, until
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon import nodeview
 from vgpu_runtime.gpus import GpuInfo
-from vgpu_runtime.share import Share
 
 A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 B = "GPU-bbbbbbbb-0000-0000-0000-000000000000"

@@ -19,16 +19,17 @@ import pytest
 
 from tests.daemon.helpers import UUID_A, MiB, wait_for, wait_served
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef
+from vgpu_runtime import hooklib
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, GpuShare, PodRef
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator
 from vgpu_runtime.devkit.kubelet_emulator.stub_plugin import StubPlugin
-from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.pods.kube import KubeApi

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.channel.client import ChannelClient, HelloReply
 from vgpu_runtime.devkit.podnode import PodNode, until
-from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.devkit.fakeapi import FakeApiServer

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.devkit.podnode import PodNode, until
 from vgpu_runtime.gpus.simulated import SimulatedBackend
-from vgpu_runtime.share import Share
 
 if TYPE_CHECKING:
     from vgpu_runtime.devkit.fakeapi import FakeApiServer

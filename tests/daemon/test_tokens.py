@@ -31,8 +31,8 @@ from tests.daemon.helpers import (
     wait_served,
 )
 from tests.daemon.inprocess import InProcessDaemon
-from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel import pages
 from vgpu_runtime.daemon.channel.client import (
     ChannelClient,
@@ -128,7 +128,7 @@ def test_whole_gpu_alone_is_open_and_a_second_tenant_closes_the_gate(
         other_page = TokenPageReader.of_allocation(state_dir, other.id, 0)
         assert other_page.gate == TOKEN
         other_page.close()
-        from vgpu_runtime.allocation import remove_record
+        from vgpu_runtime.contracts.allocation import remove_record
         remove_record(state_dir, other.id)
         wait_for(lambda: page.gate == OPEN, 5, "gate opens when alone again")
         wait_for(lambda: not (pages / f"{other.id}.activity.0").exists(), 5, "pages removed")
@@ -668,7 +668,7 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon_process: Daem
 
 def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProcess,
                                                         state_dir: Path) -> None:
-    from vgpu_runtime.allocation import remove_record
+    from vgpu_runtime.contracts.allocation import remove_record
     a = Tenant(make_record(state_dir))
     b = Tenant(make_record(state_dir))
     try:

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tests.daemon.helpers import UUID_A, UUID_B, DaemonProcess, make_record, wait_served
-from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.channel.terms import uuid_bytes
 

@@ -31,13 +31,20 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime", "vgpu_runtime.pluginconfig"]):
-    from vgpu_runtime import allocation, hooklib, paths
-    from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
+    from vgpu_runtime import hooklib
     from vgpu_runtime.common.sizes import parse_size
+    from vgpu_runtime.contracts import allocation, paths
+    from vgpu_runtime.contracts.allocation import (
+        AllocationRecord,
+        Binding,
+        GpuShare,
+        PodRef,
+        RecordError,
+    )
+    from vgpu_runtime.contracts.share import Share
     from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.daemon.pods import annotations as pod_annotations
     from vgpu_runtime.pluginconfig import PluginConfig
-    from vgpu_runtime.share import Share
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.promises import check_accepted_record, check_config_file  # noqa: E402

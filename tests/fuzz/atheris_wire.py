@@ -39,14 +39,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 with atheris.instrument_imports(include=["vgpu_runtime"]):
-    from vgpu_runtime import allocation, hooklib, paths, wire
+    from vgpu_runtime import hooklib
+    from vgpu_runtime.contracts import allocation, paths, wire
+    from vgpu_runtime.contracts.share import Share
     from vgpu_runtime.daemon.channel.channel import AllocationChannel
     from vgpu_runtime.daemon.channel.peer import PeerCred
     from vgpu_runtime.daemon.channel.session import Session
     from vgpu_runtime.daemon.channel.terms import terms_of
     from vgpu_runtime.daemon.channel.tokens import TokenService
     from vgpu_runtime.daemon.config import DaemonConfig
-    from vgpu_runtime.share import Share
 
 from tests.fuzz.atheris_main import fuzz  # noqa: E402
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, random_session  # noqa: E402

@@ -7,10 +7,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import allocation
+from vgpu_runtime.contracts.allocation import AllocationRecord
+from vgpu_runtime.contracts.share import Share
 
 
 def check_accepted_record(record: AllocationRecord) -> None:

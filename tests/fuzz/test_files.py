@@ -18,15 +18,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fuzz.promises import check_accepted_record, check_config_file
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord, Binding, GpuShare, PodRef, RecordError
+from vgpu_runtime import hooklib
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.sizes import parse_size
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import (
+    AllocationRecord,
+    Binding,
+    GpuShare,
+    PodRef,
+    RecordError,
+)
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.daemon.records import RecordWatcher
 from vgpu_runtime.pluginconfig import PluginConfig
-from vgpu_runtime.share import Share
 
 GiB = 1 << 30
 

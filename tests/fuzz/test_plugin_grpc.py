@@ -28,8 +28,8 @@ from device_plugin.allocator import Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
-from vgpu_runtime import allocation, paths
 from vgpu_runtime import pluginconfig as plugin_config
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc

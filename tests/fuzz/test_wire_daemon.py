@@ -33,8 +33,8 @@ from tests.daemon.helpers import (
     wait_served,
 )
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, play, random_session
-from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
 
 C = wire.const

@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 
 C = wire.const
 HEADER = struct.Struct("=IHHII")  # gm_header: length, type, version, seq, reserved

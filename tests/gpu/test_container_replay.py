@@ -28,7 +28,7 @@ import pytest
 
 from tests.containers.node import ContainerNode, Tenant, start_node, stop_node
 from tests.gpu.replay import GPU_ROOTFS, REPO, gpu_cdi_spec, need_runtime
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 SLICES = (3, 5)
 LOOP_SECONDS = 4.0

@@ -29,7 +29,8 @@ import pytest
 
 from tests.childenv import python_path
 from tests.daemon.helpers import DaemonProcess
-from vgpu_runtime import allocation, hooklib
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELS_ENV = "GEMINI_TEST_CUDART_WHEELS"

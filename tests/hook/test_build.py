@@ -175,7 +175,7 @@ def compiled_objects(out: Path) -> dict[Path, str]:
         family = source.parent.name
         obj = out / family / source.with_suffix(".o").name
         obj.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["gcc", *build.CFLAGS, f"-I{include}",
+        subprocess.run(["gcc", *build.CFLAGS, *build.include_flags(),
                         f"-include{include / 'glibc_compat.h'}", "-c", str(source), "-o", str(obj)],
                        check=True, capture_output=True, text=True)
         objects[obj] = family

@@ -31,7 +31,7 @@ import pytest
 
 from tests.hook.conftest import LIMIT, PRELUDE, UUID, Hooked
 from tests.hook.tokenkit import in_pod
-from vgpu_runtime import paths, wire
+from vgpu_runtime.contracts import paths, wire
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.terms import uuid_bytes
 

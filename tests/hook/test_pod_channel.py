@@ -23,7 +23,7 @@ import pytest
 from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
 from tests.hook.conftest import PRELUDE, DaemonNode, Hooked, start_node, stop_node
 from tests.hook.tokenkit import Loop, in_pod
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts.allocation import AllocationRecord
 
 pytestmark = pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
 

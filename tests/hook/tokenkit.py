@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.hook.conftest import PRELUDE, Hooked
-from vgpu_runtime import paths, wire
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import paths, wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import request
 
 C = wire.const

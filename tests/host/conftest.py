@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from tests.childenv import REPO, child_env
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.host import client as host_client
 from vgpu_runtime.devkit.daemon_process import wait_for
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.host.admission import Admitted, Ask, Held, Refused, admit
 from vgpu_runtime.daemon.host.server import _ask
 from vgpu_runtime.gpus import GpuInfo
-from vgpu_runtime.share import Share
 
 GB = 1000**3
 GPUS = [GpuInfo(index=i, uuid=f"GPU-{i}", model="m", memory_total=100 * GB, minor=i,

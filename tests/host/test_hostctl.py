@@ -15,7 +15,8 @@ import pytest
 
 from tests.childenv import REPO
 from tests.host.conftest import ENV, Members
-from vgpu_runtime import allocation, hostctl, hoststate, paths
+from vgpu_runtime import hostctl, hoststate
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.daemon_process import make_record
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="install and uninstall run as root")

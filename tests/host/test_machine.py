@@ -17,7 +17,8 @@ import pytest
 from tests.childenv import REPO
 from tests.host.conftest import ENV, HostDaemon, Members
 from tests.host.test_gpulock import Holder
-from vgpu_runtime import hoststate, paths
+from vgpu_runtime import hoststate
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.host.config import HostConfig
 from vgpu_runtime.devkit.daemon_process import make_record

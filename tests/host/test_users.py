@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from tests.host.conftest import ENV, HostDaemon, Members, User, mode_of, wait_exit
-from vgpu_runtime import allocation, gpulock, paths
+from vgpu_runtime import gpulock
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.daemon_process import wait_for
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid

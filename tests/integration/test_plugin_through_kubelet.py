@@ -12,11 +12,12 @@ from typing import Any
 import grpc
 
 from tests.integration.conftest import PluginNode
-from vgpu_runtime import allocation, hooklib, paths
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.share import WHOLE, Share
 from vgpu_runtime.devkit.kubelet_emulator import Pod
 from vgpu_runtime.devkit.kubelet_emulator.protocol import dp, dp_grpc, pr, pr_grpc
 from vgpu_runtime.gpus.simulated import simulated_uuid
-from vgpu_runtime.share import WHOLE, Share
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)
 GiB = 1 << 30

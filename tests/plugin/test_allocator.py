@@ -14,11 +14,12 @@ from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.readonly import read_only_call
-from vgpu_runtime import allocation, hooklib, paths
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
-from vgpu_runtime.share import Share
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
@@ -309,7 +310,7 @@ from vgpu_runtime.gpus.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from vgpu_runtime.devkit.hookdir import install_hook
 from tests.readonly import read_only_call
-from vgpu_runtime import allocation, paths
+from vgpu_runtime.contracts import allocation, paths
 config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)
 install_hook(config.host_hook_dir)
 table = SliceTable(SimulatedBackend(2).discover(), 10)

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from vgpu_runtime import paths
 from vgpu_runtime import pluginconfig as plugin_config
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.pluginconfig import ConfigError, PluginConfig
 
 

@@ -20,9 +20,9 @@ from device_plugin.allocator import Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
 from tests.plugin.fake_kubelet import FakeKubelet
-from vgpu_runtime import allocation, paths
 from vgpu_runtime.common import atomicfile
 from vgpu_runtime.common.atomicfile import DirectorySyncer
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.simulated import SimulatedBackend, simulated_uuid
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc

@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from tests.plugin.fake_kubelet import FakeKubelet
-from vgpu_runtime import paths
-from vgpu_runtime.containerenv import entitled_memory
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.containerenv import entitled_memory
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu

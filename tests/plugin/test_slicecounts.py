@@ -8,11 +8,12 @@ from pathlib import Path
 
 from device_plugin.slicecounts import SliceCounts, counts_file
 from device_plugin.slices import SliceTable
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
-from vgpu_runtime.share import Share
 
 GPUS = SimulatedBackend(2).discover()
 

@@ -10,7 +10,7 @@ import textwrap
 from typing import Any
 
 from tests.hook.conftest import PRELUDE, Hooked
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GiB = 1 << 30

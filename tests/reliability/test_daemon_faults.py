@@ -14,8 +14,8 @@ from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
 from tests.reliability.clients import Container, MiB
-from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import allocation
+from vgpu_runtime.contracts.allocation import AllocationRecord
 
 # 12 GiB simulated GPUs, 2 GiB reserve, 10 slices: 1 GiB of memory per slice.
 ONE_GIB_SLICES = ("--simulate-memory", "12GiB", "--memory-reserve", "2GiB")

@@ -17,7 +17,7 @@ from tests.integration.test_plugin_through_kubelet import direct_allocate
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records
 from tests.reliability.test_plugin_faults import hello
-from vgpu_runtime import allocation
+from vgpu_runtime.contracts import allocation
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
 GPU0, GPU1 = simulated_uuid(0), simulated_uuid(1)

@@ -19,8 +19,8 @@ from tests.integration.conftest import PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.clients import Container, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import allocation, paths, wire
-from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.contracts import allocation, paths, wire
+from vgpu_runtime.contracts.allocation import AllocationRecord, RecordError
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.gpus.simulated import simulated_uuid
 

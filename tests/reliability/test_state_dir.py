@@ -17,7 +17,7 @@ from tests.daemon.helpers import DaemonProcess
 from tests.integration.conftest import FAST_HEALTH, PluginNode
 from tests.integration.test_plugin_through_kubelet import direct_allocate, record_files
 from tests.reliability.test_plugin_faults import ADMISSION_ERROR, hello, whole_records
-from vgpu_runtime import allocation
+from vgpu_runtime.contracts import allocation
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 
 READ_ONLY = 'mount --bind "$S" "$S" && mount -o remount,bind,ro "$S"'

@@ -24,12 +24,13 @@ from tests.integration.conftest import PluginNode
 from tests.older_release import NoOlderRelease, OlderRelease, extract
 from tests.reliability.clients import Container, GiB, MiB
 from tests.reliability.test_daemon_faults import ONE_GIB_SLICES, admit_records, used_by
-from vgpu_runtime import allocation, hooklib, install, paths, wire
-from vgpu_runtime.allocation import Binding, PodRef
+from vgpu_runtime import hooklib, install
+from vgpu_runtime.contracts import allocation, paths, wire
+from vgpu_runtime.contracts.allocation import Binding, PodRef
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 from vgpu_runtime.devkit.daemon_process import wait_served
 from vgpu_runtime.gpus.simulated import simulated_uuid
-from vgpu_runtime.share import Share
 
 RETIRED = install.LIBRARY_PREFIX + "0.0.1"     # an old version no record uses
 

@@ -31,7 +31,8 @@ from tests.hook.conftest import Hooked, fake_dir, hook_lib, hooked  # noqa: F401
 from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 from tests.reliability.clients import Container, GiB
 from tests.rollout import oci
-from vgpu_runtime import __version__, allocation, hooklib, paths
+from vgpu_runtime import __version__, hooklib
+from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.hook import identity
 
 SCRIPT = REPO / "scripts" / "build-image"

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import REPO, child_env
-from vgpu_runtime import allocation, hooklib, install, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
-from vgpu_runtime.share import Share
+from vgpu_runtime import hooklib, install
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import Share
 
 CURRENT = hooklib.library_name()
 # The name every node held before the digest was added: records of running pods name it.

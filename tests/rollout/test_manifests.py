@@ -22,15 +22,16 @@ from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
 from tests.childenv import REPO
 from tests.rollout import manifests as m
-from vgpu_runtime import __version__, paths
+from vgpu_runtime import __version__
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
 from vgpu_runtime.pluginconfig import PluginConfig
 from vgpu_runtime.pluginconfig import check as check_plugin_config
-from vgpu_runtime.share import Share
 
 needs_kustomize = pytest.mark.skipif(
     m.kustomize_command() is None,

@@ -18,11 +18,11 @@ import pytest
 from tests.childenv import as_user, child_env
 from tests.daemon.helpers import make_record, wait_for
 from tests.run.conftest import stop_daemon
-from vgpu_runtime import allocation, paths
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid
-from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = child_env()

@@ -26,8 +26,9 @@ from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
-from vgpu_runtime import hooklib, paths
+from vgpu_runtime import hooklib
 from vgpu_runtime import pluginconfig as plugin_config
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend

@@ -23,7 +23,7 @@ import pytest
 
 from tests.childenv import as_user, child_env
 from tests.daemon.helpers import DaemonProcess, make_record, wait_for, wait_served
-from vgpu_runtime import allocation, paths, wire
+from vgpu_runtime.contracts import allocation, paths, wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.channel.pages import pages_dir
 
@@ -198,7 +198,7 @@ def test_a_client_that_never_reads_loses_its_connection_after_the_write_timeout(
 
 CONNECT = textwrap.dedent("""
     import sys
-    from vgpu_runtime import wire
+    from vgpu_runtime.contracts import wire
     from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
     with ChannelClient(sys.argv[1]) as client:
         try:

@@ -27,9 +27,10 @@ from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
 from tests.daemon.helpers import DaemonProcess, split_frames, wait_for, wait_served
 from tests.gpu.replay import need_runtime, replayed
-from vgpu_runtime import allocation, hooklib, paths, wire
+from vgpu_runtime import hooklib
 from vgpu_runtime import pluginconfig as plugin_config
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts import allocation, paths, wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient, ChannelClosed
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.hookdir import install_hook

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.helpers import DaemonProcess, make_record, wait_served
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.channel.reconnects import LOGGED_PER_WINDOW, WINDOW_SECONDS, ConnectMeter
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import as_user, child_env
-from vgpu_runtime import allocation, paths
 from vgpu_runtime.common import securedir
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon import lock
-from vgpu_runtime.share import Share
 
 REPO = Path(__file__).resolve().parents[2]
 # Uids nobody on a test machine has; unique per run so parallel sessions do not meet.

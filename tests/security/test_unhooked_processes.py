@@ -30,7 +30,7 @@ from tests.childenv import child_env
 from tests.daemon.helpers import DaemonProcess, make_record, wait_for, wait_served
 from tests.hook.conftest import Hooked
 from tests.hook.tokenkit import in_pod
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.telemetry.metrics import render
 from vgpu_runtime.gpus.simulated import simulated_uuid

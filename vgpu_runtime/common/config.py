@@ -31,9 +31,9 @@ from typing import Any, Generic, TypeVar
 
 import yaml
 
-from vgpu_runtime import paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import exact_size, parse_size
+from vgpu_runtime.contracts import paths
 
 ENV_PREFIX = "GEMINI_"
 CONFIG_FILE_ENV = "GEMINI_CONFIG"

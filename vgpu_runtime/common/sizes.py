@@ -1,5 +1,5 @@
 """Byte sizes as people write them: 8GiB, 512Mi, 1.5G, 1048576. One grammar, wherever a size
-is read (flags, annotations, files); GPU fractions (0.3 or 30%) are vgpu_runtime.share's."""
+is read (flags, annotations, files); GPU fractions (0.3 or 30%) are contracts/share.py's."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vgpu_runtime import allocation, paths
-from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef, RecordError
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef, RecordError
 from vgpu_runtime.daemon.channel.channel import AllocationChannel, ChannelUnavailable, needs_binding
 from vgpu_runtime.daemon.channel.process_memory import charger_for
 from vgpu_runtime.daemon.channel.terms import terms_of

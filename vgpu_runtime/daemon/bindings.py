@@ -11,9 +11,9 @@ import contextlib
 import logging
 from pathlib import Path
 
-from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
-from vgpu_runtime.share import optional_json
+from vgpu_runtime.contracts import allocation
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, RecordError
+from vgpu_runtime.contracts.share import optional_json
 
 log = logging.getLogger(__name__)
 

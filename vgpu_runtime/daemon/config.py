@@ -19,9 +19,9 @@ import socket
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 _ALGORITHM = TimeshareSettings()

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 log = logging.getLogger(__name__)
 

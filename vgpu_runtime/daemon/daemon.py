@@ -24,9 +24,10 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime import __version__, paths
-from vgpu_runtime.allocation import AllocationRecord, Binding
+from vgpu_runtime import __version__
 from vgpu_runtime.common import securedir
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding
 from vgpu_runtime.daemon import nodeview
 from vgpu_runtime.daemon.allocations import Allocations
 from vgpu_runtime.daemon.bindings import PodBindings

@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterable
 
 from vgpu_runtime import gpulock
-from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime.contracts.allocation import AllocationRecord, RecordError
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import fcntl
 import os
 from pathlib import Path
 
-from vgpu_runtime import paths
 from vgpu_runtime.common.securedir import open_nofollow
+from vgpu_runtime.contracts import paths
 
 LOCK_NAME = paths.LOCK_NAME
 

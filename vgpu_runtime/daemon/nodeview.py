@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from fractions import Fraction
 from typing import Any
 
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.gpus import GpuInfo
 
 

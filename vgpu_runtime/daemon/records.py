@@ -15,9 +15,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord, RecordError, decode_record, sweep_temp_files
 from vgpu_runtime.common.securedir import read_nofollow
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.allocation import (
+    AllocationRecord,
+    RecordError,
+    decode_record,
+    sweep_temp_files,
+)
 
 log = logging.getLogger(__name__)
 

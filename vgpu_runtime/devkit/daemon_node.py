@@ -10,7 +10,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vgpu_runtime.allocation import AllocationRecord
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.devkit.daemon_process import DaemonProcess, make_record, wait_served
 from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.hook import build
@@ -26,7 +26,7 @@ def compile_program(source: str, out: Path, fake: Path, *flags: str) -> Path:
     src = out.with_suffix(".c")
     src.write_text(textwrap.dedent(source))
     cmd = ["gcc", "-std=gnu11", "-O1", "-Wall", "-Werror", "-Wno-unused-parameter",
-           f"-I{build.HOOK_DIR / 'include'}", str(src), "-o", str(out), *flags]
+           *build.include_flags(), str(src), "-o", str(out), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return out

@@ -10,11 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu_runtime import allocation, hooklib, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare
+from vgpu_runtime import hooklib
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
+from vgpu_runtime.contracts.share import Share
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
-from vgpu_runtime.share import Share
 
 T = TypeVar("T")
 

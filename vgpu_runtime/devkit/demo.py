@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import paths
 from vgpu_runtime.common import cli
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod, describe_node
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 

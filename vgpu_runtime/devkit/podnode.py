@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu_runtime import allocation
-from vgpu_runtime.allocation import AllocationRecord, Binding
+from vgpu_runtime.contracts import allocation
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.devkit.daemon_process import DaemonProcess
 from vgpu_runtime.devkit.plugin_node import PluginNode

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 HOOK_DIR = Path(__file__).resolve().parent
+# The hook's own headers, and the wire's, which lives beside its Python reader (contracts/).
+INCLUDE_DIRS = (HOOK_DIR / "include", HOOK_DIR.parent / "contracts")
 if TYPE_CHECKING:
     from vgpu_runtime.common import cbuild
 else:  # setup.py runs this file where vgpu_runtime is not importable: cbuild is loaded by path
@@ -73,7 +75,7 @@ def source_files() -> list[Path]:
 def input_files() -> list[Path]:
     """Everything the library is made from: sources, headers, the table, this script (and
     cbuild.py, which sources_digest adds)."""
-    headers = sorted((HOOK_DIR / "include").glob("*.h"))
+    headers = [h for directory in INCLUDE_DIRS for h in sorted(directory.glob("*.h"))]
     headers += sorted(p for family in FAMILIES for p in (HOOK_DIR / family).glob("*.h"))
     return [*source_files(), *headers, HOOK_DIR / "hooks.def", Path(__file__).resolve()]
 
@@ -82,14 +84,18 @@ def sources_digest() -> str:
     return cbuild.inputs_digest(input_files())
 
 
+def include_flags() -> list[str]:
+    """-I for every directory the hook's headers are in: what any C file using them needs."""
+    return [f"-I{directory}" for directory in INCLUDE_DIRS]
+
+
 def compile_command(output: Path, compiler: str = "gcc", strict: bool = False,
                     profile: bool = False) -> list[str]:
     """strict adds -Werror (the tests build that way; installs tolerate a newer gcc's warnings);
     profile adds -DGM_PROFILE (launch/profile.h: the launch path timed, for benchmarks only)."""
-    includes = [f"-I{HOOK_DIR / 'include'}",
-                f"-include{HOOK_DIR / 'include' / 'glibc_compat.h'}"]
-    # __FILE__ and any path the compiler records read relative to the hook's directory.
-    prefix_map = [f"-ffile-prefix-map={HOOK_DIR}=vgpu_runtime/hook"]
+    includes = [*include_flags(), f"-include{HOOK_DIR / 'include' / 'glibc_compat.h'}"]
+    # __FILE__ and any path the compiler records read relative to the package's directory.
+    prefix_map = [f"-ffile-prefix-map={HOOK_DIR.parent}=vgpu_runtime"]
     werror = ["-Werror"] if strict else []
     defines = ["-DGM_PROFILE"] if profile else []
     return [compiler, *CFLAGS, *prefix_map, *werror, *defines, *includes,

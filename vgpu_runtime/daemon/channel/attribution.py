@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 PROC = Path("/proc")
 MAX_ANCESTRY = 256   # parents followed up from a process, at most

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime import paths, wire
-from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef, RecordError
+from vgpu_runtime.contracts import paths, wire
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef, RecordError
+from vgpu_runtime.contracts.share import optional_json
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import (
     GATE_TOKEN,
@@ -49,7 +50,6 @@ from vgpu_runtime.daemon.channel.reconnects import WINDOW_SECONDS, ConnectMeter
 from vgpu_runtime.daemon.channel.session import Session, TokenFastPath
 from vgpu_runtime.daemon.channel.terms import GpuTerms
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, TokenService
-from vgpu_runtime.share import optional_json
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.tokens import GpuTokens

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from vgpu_runtime import paths, wire
-from vgpu_runtime.allocation import load_record
+from vgpu_runtime.contracts import paths, wire
+from vgpu_runtime.contracts.allocation import load_record
 from vgpu_runtime.daemon.channel.pages import PAGE_BYTES, activity_page_path, pages_dir
 from vgpu_runtime.daemon.control import control_socket
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 
 
 class LedgerError(ValueError):

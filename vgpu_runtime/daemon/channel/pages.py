@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import paths, wire
+from vgpu_runtime.contracts import paths, wire
 
 log = logging.getLogger(__name__)
 

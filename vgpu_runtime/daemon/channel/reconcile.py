@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from vgpu_runtime.allocation import AllocationRecord, Binding
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding
 from vgpu_runtime.daemon.channel import attribution
 from vgpu_runtime.daemon.channel.attribution import Candidate, ProcessId
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger

@@ -45,14 +45,14 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vgpu_runtime import wire
+from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.ledger import LedgerError, MemoryResult
 from vgpu_runtime.daemon.channel.peer import PeerCred
 from vgpu_runtime.daemon.channel.process_memory import ContextCharger, charger_for
 from vgpu_runtime.daemon.channel.tokens import TokenService, Waiter, from_ns
 
 if TYPE_CHECKING:
-    from vgpu_runtime.allocation import AllocationRecord
+    from vgpu_runtime.contracts.allocation import AllocationRecord
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
     from vgpu_runtime.daemon.channel.terms import GpuTerms
 

@@ -8,9 +8,9 @@ import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vgpu_runtime import wire
-from vgpu_runtime.allocation import AllocationRecord, Binding, RecordError
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, RecordError
+from vgpu_runtime.contracts.share import Share
 
 
 @dataclass(frozen=True)

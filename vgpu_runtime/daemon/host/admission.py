@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vgpu_runtime.allocation import MAX_MEMORY_LIMIT
 from vgpu_runtime.common.sizes import format_size
-from vgpu_runtime.containerenv import entitled_memory
+from vgpu_runtime.contracts.allocation import MAX_MEMORY_LIMIT
+from vgpu_runtime.contracts.containerenv import entitled_memory
+from vgpu_runtime.contracts.share import Share, total
 from vgpu_runtime.gpus import GpuInfo
-from vgpu_runtime.share import Share, total
 
 
 class Refused(Exception):

@@ -13,8 +13,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import hoststate, paths
-from vgpu_runtime.allocation import AllocationRecord, RecordError
+from vgpu_runtime import hoststate
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, RecordError
 
 
 class HostError(Exception):

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.config import DaemonConfig
 
 

@@ -20,10 +20,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vgpu_runtime import gpulock, hoststate, paths
+from vgpu_runtime import gpulock, hoststate
 from vgpu_runtime.common import cli, logs, securedir
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.fdlimit import raise_open_file_limit
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.daemon import Daemon
 from vgpu_runtime.daemon.host.config import HostConfig

@@ -37,16 +37,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import allocation, paths
-from vgpu_runtime.allocation import AllocationRecord, GpuShare, RecordError
 from vgpu_runtime.common import procs, securedir
+from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare, RecordError
+from vgpu_runtime.contracts.share import WHOLE, Share, ShareError
 from vgpu_runtime.daemon.allocations import Allocations
 from vgpu_runtime.daemon.channel.peer import PeerCred, peer_cred
 from vgpu_runtime.daemon.daemon import Daemon
 from vgpu_runtime.daemon.host import admission, view
 from vgpu_runtime.daemon.host.config import HostConfig
 from vgpu_runtime.gpus import GpuInfo
-from vgpu_runtime.share import WHOLE, Share, ShareError
 
 log = logging.getLogger(__name__)
 

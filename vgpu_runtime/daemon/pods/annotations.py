@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vgpu_runtime.allocation import AllocationRecord
 from vgpu_runtime.common.sizes import format_size, parse_size
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts.allocation import AllocationRecord
+from vgpu_runtime.contracts.share import Share
 
 LIMIT_ANNOTATION = "gemini.ai/vgpu-limit"
 MEMORY_ANNOTATION = "gemini.ai/vgpu-memory"

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vgpu_runtime.allocation import PodRef
+from vgpu_runtime.contracts.allocation import PodRef
 
 log = logging.getLogger(__name__)
 

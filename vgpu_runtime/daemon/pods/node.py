@@ -15,7 +15,8 @@ import os
 import re
 from pathlib import Path
 
-from vgpu_runtime import __version__, nodefiles, paths
+from vgpu_runtime import __version__
+from vgpu_runtime.contracts import nodefiles, paths
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 
 log = logging.getLogger(__name__)

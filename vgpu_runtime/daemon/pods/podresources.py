@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from vgpu_runtime.allocation import PodRef
+from vgpu_runtime.contracts.allocation import PodRef
 from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2 as pr
 from vgpu_runtime.kubeletapi.podresources.v1 import api_pb2_grpc as _pr_grpc
 

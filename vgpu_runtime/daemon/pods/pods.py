@@ -34,10 +34,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from vgpu_runtime.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
+from vgpu_runtime.contracts.share import optional_json
 from vgpu_runtime.daemon.pods.annotations import INVALID_REASON, overrides_of
 from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
-from vgpu_runtime.share import optional_json
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.config import DaemonConfig

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from vgpu_runtime.allocation import AllocationRecord, Binding
+from vgpu_runtime.contracts.allocation import AllocationRecord, Binding
 from vgpu_runtime.daemon.pods.node import HealthFile
 from vgpu_runtime.daemon.telemetry.rows import container_rows
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import grpc
 
+from vgpu_runtime.contracts.paths import RESOURCE_NAME
 from vgpu_runtime.devkit.kubelet_emulator import protocol
 from vgpu_runtime.devkit.kubelet_emulator.endpoint import DialError, PluginEndpoint
 from vgpu_runtime.devkit.kubelet_emulator.podresources import PodResourcesServer
 from vgpu_runtime.devkit.kubelet_emulator.pods import FAILED, RUNNING, ContainerAllocation, Pod
 from vgpu_runtime.devkit.kubelet_emulator.protocol import dp, dp_grpc
-from vgpu_runtime.paths import RESOURCE_NAME
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.childenv import SOURCE_ROOT, child_env
 from vgpu_runtime.devkit.hookdir import install_hook
 

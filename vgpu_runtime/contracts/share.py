@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from vgpu_runtime import paths
+from vgpu_runtime.contracts import paths
 
 FORMS = "a fraction such as 0.3 or a percentage such as 30%"
 

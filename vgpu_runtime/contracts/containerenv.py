@@ -9,9 +9,9 @@ same limit from either allocator.
 
 from __future__ import annotations
 
-from vgpu_runtime import paths
-from vgpu_runtime.allocation import AllocationRecord
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.allocation import AllocationRecord
+from vgpu_runtime.contracts.share import Share
 
 
 def entitled_memory(memory_total: int, reserve: int, share: Share) -> int:

@@ -1,6 +1,6 @@
 """The hook <-> daemon wire protocol, read through cffi from its one C declaration.
 
-vgpu_runtime/hook/include/gemini_wire.h declares every frame; this module parses the part of it
+vgpu_runtime/contracts/gemini_wire.h declares every frame; this module parses the part of it
 between GM_CDEF_BEGIN and GM_CDEF_END and offers encode and decode on top. No layout or constant
 is written here a second time.
 """
@@ -13,9 +13,9 @@ from typing import Any
 
 import cffi
 
-from vgpu_runtime.share import Share
+from vgpu_runtime.contracts.share import Share
 
-HEADER_PATH = Path(__file__).parent / "hook" / "include" / "gemini_wire.h"
+HEADER_PATH = Path(__file__).parent / "gemini_wire.h"
 
 
 def _cdef_text() -> str:

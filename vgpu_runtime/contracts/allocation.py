@@ -55,7 +55,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vgpu_runtime import paths
 from vgpu_runtime.common.atomicfile import (
     STALE_TEMP_AGE,
     DirectorySyncer,
@@ -69,7 +68,8 @@ from vgpu_runtime.common.securedir import (
     read_nofollow,
     remove_tree_in,
 )
-from vgpu_runtime.share import Share, ShareError, optional_json
+from vgpu_runtime.contracts import paths
+from vgpu_runtime.contracts.share import Share, ShareError, optional_json
 
 RECORD_VERSION = 2
 READABLE_RECORD_VERSIONS = (1, 2)

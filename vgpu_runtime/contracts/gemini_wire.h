@@ -3,7 +3,7 @@
  *
  * This header is the single declaration of the wire format. The C hook includes
  * it; Python reads the part between GM_CDEF_BEGIN and GM_CDEF_END with cffi
- * (vgpu_runtime/wire.py), so that part must stay in the subset cffi parses:
+ * (vgpu_runtime/contracts/wire.py), so that part must stay in the subset cffi parses:
  * integer #defines, enums, structs of fixed-width integers and arrays.
  *
  * Framing: every frame starts with struct gm_header. `length` counts the whole
@@ -49,7 +49,7 @@
 /* Where a hook finds its daemon: in a pod the channel directory is mounted at
  * GM_POD_CHANNEL_DIR (a socket there wins over GEMINI_CHANNEL_DIR, which only gemini-run
  * sets), and the daemon's socket in it is GM_CHANNEL_SOCKET_NAME. The one definition:
- * vgpu_runtime/paths.py reads these two lines (cffi takes no string constants). */
+ * vgpu_runtime/contracts/paths.py reads these two lines (cffi takes no string constants). */
 #define GM_POD_CHANNEL_DIR "/run/gemini"
 #define GM_CHANNEL_SOCKET_NAME "sched.sock"
 

@@ -61,7 +61,7 @@ ENV_GPU_LOCK_DIR = "GEMINI_GPU_LOCK_DIR"
 def _wire_string(name: str) -> str:
     """A string the hook's wire header defines (#define NAME "value"): the channel's place
     and the daemon's socket name are defined once, there, for the hook and for Python."""
-    header = Path(__file__).parent / "hook" / "include" / "gemini_wire.h"
+    header = Path(__file__).parent / "gemini_wire.h"
     found = re.search(rf'^#define {name} "([^"]*)"$', header.read_text(), re.M)
     if found is None:
         raise RuntimeError(f"{header} does not define {name}")
