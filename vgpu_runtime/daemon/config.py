@@ -156,6 +156,9 @@ class DaemonConfig:
     simulate_gpus: int = cfg.node_setting(
         "simulate_gpus", help="simulated GPUs for labels and metrics instead of NVML")
     simulate_model: str = cfg.node_setting("simulate_model")
+    resource_name: str = cfg.node_setting(
+        "resource_name", help="extended resource whose devices PodResources lists for the "
+        "allocations' pods (the plugin's)")
     # ---- per-process memory (the context charge) ----
     process_memory: str = cfg.setting(
         "auto", "per-process GPU memory figures for the context charge: auto (NVML when it "

@@ -82,7 +82,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self.mqtt: MqttPublisher | None = None
         self.pods = PodWatch(
-            config, PodResourcesLister(config.pod_resources_socket, paths.RESOURCE_NAME,
+            config, PodResourcesLister(config.pod_resources_socket, config.resource_name,
                                        config.pod_resources_min_interval),
             None, self.records, self.bindings.get, self.bind, self.collect,
             self.allocation_event)
