@@ -228,19 +228,33 @@ def explain_node_pod(cluster: Cluster) -> Callable[[], str]:
     return explain
 
 
-@pytest.fixture(scope="session")
-def gemini_node(cluster: Cluster, node_image: str) -> Cluster:
-    """The DaemonSet of tests/cluster/overlay running on the labelled node, its slices
-    advertised."""
+def prepare_node(cluster: Cluster) -> None:
+    """What the node needs before either install: the CDI spec, the opt-in label."""
     write_cdi_spec(cluster)
     cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.enabled=true", "--overwrite")
-    cluster.kubectl("apply", "-k", str(OVERLAY))
+
+
+def wait_node_ready(cluster: Cluster) -> None:
+    """The node pod Ready and its slices advertised by the real kubelet."""
     wait_until("the node DaemonSet's pod Ready", lambda: pod_ready(node_pod(cluster)), 300,
                explain_node_pod(cluster))
     expected = str(SIMULATED_GPUS * SLICES_PER_GPU)
     wait_until(f"gemini.ai/vgpu capacity and allocatable {expected}",
                lambda: vgpu_capacity(cluster) == (expected, expected), 120,
                explain_node_pod(cluster))
+
+
+def install_overlay(cluster: Cluster) -> None:
+    prepare_node(cluster)
+    cluster.kubectl("apply", "-k", str(OVERLAY))
+    wait_node_ready(cluster)
+
+
+@pytest.fixture(scope="session")
+def gemini_node(cluster: Cluster, node_image: str) -> Cluster:
+    """The DaemonSet of tests/cluster/overlay running on the labelled node, its slices
+    advertised."""
+    install_overlay(cluster)
     return cluster
 
 

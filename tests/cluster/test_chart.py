@@ -88,7 +88,7 @@ def without_hashes(objects: list[Obj]) -> list[Obj]:
 
 def without_helm_labels(objects: list[Obj]) -> list[Obj]:
     """Normalisation 1: Helm's labels off metadata.labels (nowhere else)."""
-    out = json.loads(json.dumps(objects))
+    out: list[Obj] = json.loads(json.dumps(objects))
     for obj in out:
         labels = obj["metadata"].get("labels", {})
         for label in HELM_LABELS:
