@@ -4,9 +4,10 @@ scripts/cluster/cluster.py like the cluster's binaries; none of these needs the 
 With its default values the chart renders the objects of `kubectl kustomize daemonset/` (the
 cluster build's kubectl), compared as parsed YAML, object by object, after two normalisations
 and no other:
-  1. Helm's own labels, helm.sh/chart, app.kubernetes.io/managed-by and
-     app.kubernetes.io/version, are removed from every object's metadata.labels (after checking
-     that the chart put them on every object, with its name, Helm and its appVersion);
+  1. Helm's own metadata: the labels helm.sh/chart, app.kubernetes.io/managed-by and
+     app.kubernetes.io/version are removed from every object's metadata.labels (after checking
+     that the chart put them on every object, with its name, Helm and its appVersion), and the
+     annotation helm.sh/resource-policy (keep) from the Namespace's;
   2. generated ConfigMaps are named <name>-<hash of the content> by both, with different hash
      functions: the 10-character suffix is cut from their names and from the references to
      them (the DaemonSet's volume and envFrom); their contents are compared as they are.
@@ -86,13 +87,17 @@ def without_hashes(objects: list[Obj]) -> list[Obj]:
     return [walk(o) for o in objects]
 
 
-def without_helm_labels(objects: list[Obj]) -> list[Obj]:
-    """Normalisation 1: Helm's labels off metadata.labels (nowhere else)."""
+def without_helm_metadata(objects: list[Obj]) -> list[Obj]:
+    """Normalisation 1: Helm's labels off metadata.labels, the Namespace's resource policy off
+    its metadata.annotations (nowhere else)."""
     out: list[Obj] = json.loads(json.dumps(objects))
     for obj in out:
         labels = obj["metadata"].get("labels", {})
         for label in HELM_LABELS:
             labels.pop(label, None)
+        if obj["kind"] == "Namespace":
+            annotations = obj["metadata"].pop("annotations")
+            assert annotations == {"helm.sh/resource-policy": "keep"}, annotations
     return out
 
 
@@ -169,7 +174,7 @@ def test_the_defaults_render_the_kustomize_bases_objects(defaults: list[Obj],
         assert labels["helm.sh/chart"].startswith("gemini-vgpu-"), obj["metadata"]
         assert "app.kubernetes.io/version" in labels, obj["metadata"]
     base = by_key(without_hashes(kustomize_base))
-    chart = by_key(without_hashes(without_helm_labels(defaults)))
+    chart = by_key(without_hashes(without_helm_metadata(defaults)))
     assert sorted(chart) == sorted(base)
     for key, obj in base.items():
         assert chart[key] == obj, f"{key} differs:\n{diff(obj, chart[key])}"

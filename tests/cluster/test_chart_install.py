@@ -149,19 +149,29 @@ def test_helm_install_upgrade_and_uninstall(node_without_kustomize_install: Clus
     cluster.kubectl("delete", "pod", "-n", "default", "helm-three", "--grace-period=1",
                     "--wait=true", timeout=120)
     start = time.monotonic()
-    helm(cluster, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout",
-         "180s", timeout=200)
+    said = helm(cluster, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout",
+                "180s", timeout=200)
     took["uninstall"] = time.monotonic() - start
+    # Every object but the namespace, which holds Helm's release records: kept, and said so.
+    assert re.search(rf"kept due to the resource policy:\s*\n?\s*\[Namespace\] {NAMESPACE}",
+                     said), said
     for obj in manifest:
-        wait_until(f"{obj['kind']} {obj['metadata']['name']} gone",
-                   functools.partial(gone, cluster, obj), 120)
+        if obj["kind"] != "Namespace":
+            wait_until(f"{obj['kind']} {obj['metadata']['name']} gone",
+                       functools.partial(gone, cluster, obj), 120)
     assert {o["kind"] for o in manifest} >= {"Namespace", "DaemonSet", "ConfigMap",
                                              "ClusterRole", "ClusterRoleBinding",
                                              "ServiceAccount", "Service"}
+    # The node pod goes after its DaemonSet (garbage collection, its grace period).
+    wait_until(f"nothing left in {NAMESPACE}", lambda: json.loads(cluster.kubectl(
+        "get", "all", "-n", NAMESPACE, "-o", "json"))["items"] == [], 120)
     # The plugin is gone: kubelet no longer offers its slices.
     wait_until("gemini.ai/vgpu allocatable 0",
                lambda: vgpu_capacity(cluster)[1] in ("0", None), 120)
     releases: list[Any] = yaml.safe_load(helm(cluster, "list", "--all-namespaces", "-o",
                                               "yaml")) or []
     assert releases == []
+    # The namespace then goes as the README says, leaving the cluster as the test found it.
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s",
+                    timeout=150)
     sys.stderr.write("".join(f"helm: {what} {seconds:.0f} s\n" for what, seconds in took.items()))
