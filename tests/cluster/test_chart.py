@@ -385,3 +385,17 @@ def test_lint_refuses_bad_values_too(tools: Tools) -> None:
                             check=False)
     assert result.returncode != 0 and "slicesPerGpu" in result.stdout + result.stderr
 
+
+
+def test_the_readmes_helm_commands_use_flags_the_real_helm_has(tools: Tools) -> None:
+    """README.md's install, upgrade and uninstall (tests/readme checks their chart and values
+    where no helm is built)."""
+    from tests.readme import markdown as md
+
+    commands = [c for c in md.block_commands((REPO / "README.md").read_text())
+                if c.argv[0] == "helm"]
+    assert {c.argv[1] for c in commands} == {"install", "upgrade", "uninstall"}
+    for command in commands:
+        text = tools.helm_run(command.argv[1], "--help").stdout
+        assert command.flags and all(f"{flag} " in text or f"{flag}=" in text
+                                     for flag in command.flags), command.text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -42,7 +43,11 @@ PROGRAMS = tuple(re.findall(r"^([\w-]+) = ", (REPO / "pyproject.toml").read_text
 SUBCOMMANDS = {"gemini-vgpu": ("status", "stop")}
 # Scripts with an argparse --help; the others' flags are looked for in their source.
 HELP_SCRIPTS = {"demo", "build-image"}
-KUBECTL_VERBS = {"apply", "label", "get", "describe"}
+KUBECTL_VERBS = {"apply", "label", "get", "describe", "delete", "kustomize"}
+# helm: the chart's install, upgrade and uninstall, run by tests/cluster/test_chart_install.py
+# with the real Helm (whose help tests/cluster/test_chart.py holds these commands' flags to).
+HELM_VERBS = {"install", "upgrade", "uninstall"}
+CHART = REPO / "daemonset" / "chart" / "gemini-vgpu"
 # Flags of other programs that the README quotes (nvidia-ctk's, pytest's).
 FOREIGN_FLAGS = {"--output"}
 TIMEOUT = 120
@@ -109,6 +114,8 @@ def problems_of(command: md.Command) -> list[str]:
         text = help_text("kubectl", verb)
         return [f"{command.where}: `{command.text}`: kubectl {verb} has no {flag}"
                 for flag in command.flags if flag not in text]
+    if first == "helm":
+        return helm_problems(command, words)
     if first == "kustomize" and words[1:4] == ("edit", "set", "image"):
         return []   # run on a copy by tests/rollout/test_manifests.py (the README's step 4)
     if first == "cd":
@@ -117,6 +124,30 @@ def problems_of(command: md.Command) -> list[str]:
         return [f"{command.where}: `{command.text}`: no rule checks this command; add one to "
                 "tests/readme/test_readme.py"]
     return []   # inline code that only mentions a program's name
+
+
+def helm_problems(command: md.Command, words: tuple[str, ...]) -> list[str]:
+    """A helm command names a verb the tests run, this chart, and values it has."""
+    where = f"{command.where}: `{command.text}`"
+    if len(words) < 3 or words[1] not in HELM_VERBS:
+        return [f"{where}: no rule for this helm command"]
+    problems = []
+    if words[1] != "uninstall" and (len(words) < 4 or (REPO / words[3]).resolve() != CHART):
+        problems.append(f"{where}: the chart is {CHART.relative_to(REPO)}")
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for flag, value in itertools.pairwise(words):
+        if flag == "--set":
+            node: object = values
+            for key in re.sub(r"\[\d+\]", "", value.split("=", 1)[0]).split("."):
+                if not isinstance(node, dict) or key not in node:
+                    problems.append(f"{where}: the chart has no value {value.split('=')[0]}")
+                    break
+                node = node[key]
+    if shutil.which("helm"):
+        text = help_text("helm", words[1])
+        problems += [f"{where}: helm {words[1]} has no {flag}" for flag in command.flags
+                     if flag not in text]
+    return problems
 
 
 def all_commands() -> list[md.Command]:
@@ -145,7 +176,9 @@ def test_every_flag_the_readme_names_belongs_to_one_of_its_programs() -> None:
                              + [where_flags_live((f"scripts/{s.name}",))
                                 for s in (REPO / "scripts").iterdir()
                                 if s.is_file() and os.access(s, os.X_OK)]))
-    named = set(md.FLAG.findall(README)) - FOREIGN_FLAGS
+    # helm's: held to the real Helm's help in the cluster lane (tests/cluster/test_chart.py).
+    helm = {f for c in md.block_commands(README) if c.argv[0] == "helm" for f in c.flags}
+    named = set(md.FLAG.findall(README)) - FOREIGN_FLAGS - helm
     unknown = sorted(f for f in named
                      if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"flags in README.md that no program has: {unknown}"
