@@ -383,9 +383,7 @@ class Allocator:
                     created.append(allocation.id_for_devices(s.id for s in slices))
         except AllocationError:
             for allocation_id in created:
-                allocation.remove_record(self.config.state_dir, allocation_id)
-                with contextlib.suppress(OSError):
-                    paths.channel_dir(self.config.state_dir, allocation_id).rmdir()
+                allocation.end_allocation(self.config.state_dir, allocation_id)
             raise
         return answers
 

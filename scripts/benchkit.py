@@ -111,7 +111,7 @@ def handoffs(rounds: list[list[tuple[int, int, int]]]) -> list[int]:
 
 
 class Daemon:
-    """gemini-scheduler on the bench's state directory, with the flags of one configuration.
+    """gemini-daemon on the bench's state directory, with the flags of one configuration.
     Its log goes to scheduler.log beside the state directory."""
 
     def __init__(self, state: Path, flags: list[str]) -> None:
@@ -135,7 +135,7 @@ class Daemon:
             time.sleep(0.05)
         self.__exit__()
         tail = self.log_path.read_text()[-2000:]
-        raise RuntimeError(f"gemini-scheduler {self.flags} did not start:\n{tail}")
+        raise RuntimeError(f"gemini-daemon {self.flags} did not start:\n{tail}")
 
     def __exit__(self, *_: object) -> None:
         if self.proc.poll() is None:

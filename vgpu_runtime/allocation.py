@@ -12,7 +12,8 @@ fails. Once write_record returns, the record survives a crash of the writer. The
 that makes it survive a power loss is done before write_record returns, or just after it by a
 DirectorySyncer when the caller passes one (the device plugin, to answer Allocate sooner); until
 then a power loss can only bring back the old record, or none. Temporary files a dead writer
-left behind are removed by sweep_temp_files.
+left behind are removed by sweep_temp_files. A record is deleted by end_allocation alone, which
+every program that ends an allocation asks (its docstring says who and why).
 
 Record (JSON, `version` 2):
     id            "k-<16 hex>" from kubelet slice IDs, "r-<16 hex>" for gemini-run
@@ -376,7 +377,29 @@ def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord
             yield path, err
 
 
+# ---- ending an allocation: the one place records are deleted ----
+
+def end_allocation(state_dir: str | Path, allocation_id: str,
+                   record: AllocationRecord | None = None) -> bool:
+    """End an allocation on disk: its record (durably), then its channel directory. Records
+    are deleted here alone; the programs that end allocations ask it: the device plugin (the
+    records of an Allocate that failed part-way), gemini-run (its command's, as it exits, and
+    those of dead owners) and the daemon (a pod's that ended). So one order and one rule hold
+    for all: the record goes first, so the daemon stops serving it before its directory goes,
+    and only a directory of this state directory's layout and of this user goes
+    (remove_channel_dir). `record` names the directory; without it, the layout's
+    <state-dir>/channels/<id>. Returns whether there was a record; OSError if it cannot be
+    removed (the directory is then left: the allocation has not ended)."""
+    removed = remove_record(state_dir, allocation_id)
+    channel_dir = (record.channel_dir if record is not None
+                   else str(paths.channel_dir(state_dir, allocation_id)))
+    _remove_channel_dir(state_dir, allocation_id, channel_dir)
+    return removed
+
+
 def remove_record(state_dir: str | Path, allocation_id: str) -> bool:
+    """The record file alone; the product ends allocations with end_allocation (tests check
+    that it is the only caller)."""
     try:
         record_path(state_dir, allocation_id).unlink()
     except FileNotFoundError:
@@ -389,12 +412,16 @@ def remove_channel_dir(state_dir: str | Path, record: AllocationRecord) -> bool:
     """Remove the record's channel directory, only where this state directory's layout puts it
     (<state-dir>/channels/<id>) and only if it is a real directory of this process's user:
     nothing removes what it did not create. Returns whether it was removed."""
+    return _remove_channel_dir(state_dir, record.id, record.channel_dir)
+
+
+def _remove_channel_dir(state_dir: str | Path, allocation_id: str, channel_dir: str) -> bool:
     channels = paths.channels_dir(state_dir)
-    directory = Path(record.channel_dir)
-    if directory.name != record.id or directory.parent.resolve() != channels.resolve():
+    directory = Path(channel_dir)
+    if directory.name != allocation_id or directory.parent.resolve() != channels.resolve():
         return False
     try:
-        return remove_tree_in(channels, record.id, os.geteuid())
+        return remove_tree_in(channels, allocation_id, os.geteuid())
     except OSError:
         return False
 

@@ -18,7 +18,7 @@ from typing import Any
 from vgpu_runtime import paths
 from vgpu_runtime.common import cli
 from vgpu_runtime.common.sizes import format_size
-from vgpu_runtime.daemon import lock as scheduler_lock
+from vgpu_runtime.daemon import lock as daemon_lock
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.control import control_socket
 
@@ -43,29 +43,29 @@ def ask(state_dir: str, op: str, **fields: Any) -> dict[str, Any]:
         answer = client.request(state_dir, op, **fields)
     except FileNotFoundError:
         if op == "stop":
-            raise StatusError(f"no gemini-scheduler runs for {state_dir}: nothing to stop") \
+            raise StatusError(f"no gemini-daemon runs for {state_dir}: nothing to stop") \
                 from None
-        raise StatusError(f"no gemini-scheduler serves {state_dir}: {socket_path} does not "
-                          "exist. Start the daemon (gemini-scheduler --state-dir "
+        raise StatusError(f"no gemini-daemon serves {state_dir}: {socket_path} does not "
+                          "exist. Start the daemon (gemini-daemon --state-dir "
                           f"{state_dir}), or pass the --state-dir it uses.") from None
     except PermissionError:
         raise StatusError(f"permission denied on {socket_path}: the control socket is private "
                           "to the daemon's user (root on a node); run as that user.") from None
     except ConnectionRefusedError:
         if op == "stop":
-            raise StatusError(f"no gemini-scheduler runs for {state_dir} (a stale socket): "
+            raise StatusError(f"no gemini-daemon runs for {state_dir} (a stale socket): "
                               "nothing to stop") from None
-        raise StatusError(f"no gemini-scheduler answers on {socket_path} (a stale socket: the "
+        raise StatusError(f"no gemini-daemon answers on {socket_path} (a stale socket: the "
                           "daemon is not running). Start it again.") from None
     except OSError as err:
-        raise StatusError(f"cannot ask gemini-scheduler on {socket_path}: {err}") from None
+        raise StatusError(f"cannot ask gemini-daemon on {socket_path}: {err}") from None
     except ValueError as err:
-        raise StatusError(f"gemini-scheduler on {socket_path} gave no valid answer: {err}") \
+        raise StatusError(f"gemini-daemon on {socket_path} gave no valid answer: {err}") \
             from None
     if not isinstance(answer, dict):
-        raise StatusError(f"gemini-scheduler gave no valid answer to {op}: {answer!r}")
+        raise StatusError(f"gemini-daemon gave no valid answer to {op}: {answer!r}")
     if "error" in answer:
-        raise StatusError(f"gemini-scheduler refused {op}: {answer['error']}")
+        raise StatusError(f"gemini-daemon refused {op}: {answer['error']}")
     return answer
 
 
@@ -73,9 +73,9 @@ def stop_daemon(state_dir: str, force: bool, timeout: float) -> int:
     """Ask the daemon to stop, then wait until its lock is free; returns its pid."""
     answer = ask(state_dir, "stop", force=force)
     deadline = time.monotonic() + timeout
-    while scheduler_lock.is_held(state_dir):
+    while daemon_lock.is_held(state_dir):
         if time.monotonic() > deadline:
-            raise StatusError(f"gemini-scheduler pid {answer.get('pid')} was asked to stop but "
+            raise StatusError(f"gemini-daemon pid {answer.get('pid')} was asked to stop but "
                               f"still holds {state_dir} after {timeout:g} s")
         time.sleep(0.05)
     return int(answer.get("pid", 0))
@@ -122,7 +122,7 @@ def _free(gpus: list[dict[str, Any]]) -> list[str]:
 def render(status: dict[str, Any]) -> str:
     daemon = status["daemon"]
     settings = daemon.get("token_settings", {})
-    lines = [f"gemini-scheduler pid {daemon['pid']} (version {daemon['version']}), state "
+    lines = [f"gemini-daemon pid {daemon['pid']} (version {daemon['version']}), state "
              f"{daemon['state_dir']}, limit policy {daemon.get('limit_policy', '?')}, "
              f"share window {settings.get('window', '?')} s"]
     if daemon.get("idle_exit"):   # started on demand (gemini-run)
@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "stop":
             pid = stop_daemon(state_dir, args.force, args.timeout)
-            print(f"gemini-scheduler pid {pid} of {state_dir} stopped")
+            print(f"gemini-daemon pid {pid} of {state_dir} stopped")
             return 0
         answer = fetch_status(state_dir)
     except StatusError as err:

@@ -182,7 +182,7 @@ def _tool(argv: Sequence[str]) -> int | None:
         if command == "check" and files:
             for path in files:
                 check_node_file(path)
-                print(f"{path}: valid for gemini-device-plugin and gemini-scheduler")
+                print(f"{path}: valid for gemini-device-plugin and gemini-daemon")
             return 0
         if command == "convert" and len(files) == 2:
             sys.stdout.write(yaml.safe_dump(convert(*files), sort_keys=False))

@@ -53,7 +53,7 @@ from vgpu_runtime import allocation, containerenv, paths
 from vgpu_runtime.allocation import AllocationRecord, GpuShare
 from vgpu_runtime.common import cli, securedir
 from vgpu_runtime.common.sizes import format_size, parse_fraction, parse_size
-from vgpu_runtime.daemon import lock as scheduler_lock
+from vgpu_runtime.daemon import lock as daemon_lock
 from vgpu_runtime.gpus import DiscoveryError, GpuInfo
 from vgpu_runtime.gpus.nvml import NvmlBackend
 from vgpu_runtime.gpus.simulated import SimulatedBackend
@@ -286,18 +286,12 @@ def owner_alive(record: AllocationRecord) -> bool:
     return started is None or started <= record.created_at + 1
 
 
-def remove_allocation(state_dir: Path, record: AllocationRecord) -> None:
-    allocation.remove_record(state_dir, record.id)
-    # Only <state-dir>/channels/<id>, a real directory of this user; never anything else.
-    allocation.remove_channel_dir(state_dir, record)
-
-
 def clean_stale(state_dir: Path) -> list[str]:
     removed = []
     for _path, record in allocation.scan_records(state_dir):
         if (isinstance(record, AllocationRecord) and record.origin == "gemini-run"
                 and not owner_alive(record)):
-            remove_allocation(state_dir, record)
+            allocation.end_allocation(state_dir, record.id, record)
             removed.append(record.id)
     return removed
 
@@ -344,8 +338,8 @@ def _unblock_signals() -> None:
 
 
 def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Popen[bytes] | None:
-    """Start gemini-scheduler detached (new session) unless one holds the lock already."""
-    if scheduler_lock.is_held(state_dir):
+    """Start gemini-daemon detached (new session) unless one holds the lock already."""
+    if daemon_lock.is_held(state_dir):
         return None
     package_root = str(Path(vgpu_runtime.__file__).resolve().parents[1])
     env = dict(os.environ)
@@ -373,16 +367,16 @@ def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] |
         pending = signal.sigtimedwait(FORWARDED, 0)
         if pending is not None:
             raise Interrupted(pending.si_signo)
-        if daemon is None and not scheduler_lock.is_held(state_dir):
+        if daemon is None and not daemon_lock.is_held(state_dir):
             # The running daemon exited (idle_exit) before it saw the record: start one.
             daemon = ensure_daemon(state_dir, request.simulate_gpus)
-        if daemon is not None and daemon.poll() is not None and not scheduler_lock.is_held(
+        if daemon is not None and daemon.poll() is not None and not daemon_lock.is_held(
                 state_dir):
-            raise RunError(f"gemini-scheduler exited with status {daemon.returncode}; see "
+            raise RunError(f"gemini-daemon exited with status {daemon.returncode}; see "
                            f"{state_dir / DAEMON_LOG_NAME}")
         if time.monotonic() > deadline:
             raise RunError(f"no channel socket {socket_path} after {DAEMON_START_TIMEOUT:g}s: is "
-                           f"gemini-scheduler serving {state_dir}? See "
+                           f"gemini-daemon serving {state_dir}? See "
                            f"{state_dir / DAEMON_LOG_NAME}")
         time.sleep(0.02)
 
@@ -484,7 +478,7 @@ def run(request: Request) -> int:
         return 128 + stop.signo
     finally:
         if record is not None:
-            remove_allocation(request.state_dir, record)
+            allocation.end_allocation(request.state_dir, record.id, record)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
 
 

@@ -214,6 +214,53 @@ def test_remove(tmp_path: Path) -> None:
     assert not alloc.remove_record(tmp_path, record.id)
 
 
+def test_end_allocation_removes_the_record_then_its_channel_directory(tmp_path: Path) -> None:
+    record = sample(channel_dir=str(paths.channel_dir(tmp_path, sample().id)))
+    alloc.write_record(tmp_path, record)
+    Path(record.channel_dir).mkdir(parents=True)
+    Path(record.channel_dir, "preload").write_text("x")
+    assert alloc.end_allocation(tmp_path, record.id, record)
+    assert alloc.load_record(tmp_path, record.id) is None
+    assert not Path(record.channel_dir).exists()
+    assert not alloc.end_allocation(tmp_path, record.id, record)   # twice: nothing to end
+
+
+def test_end_allocation_without_the_record_takes_the_layouts_directory(tmp_path: Path) -> None:
+    record = sample()
+    alloc.write_record(tmp_path, record)
+    paths.channel_dir(tmp_path, record.id).mkdir(parents=True)
+    assert alloc.end_allocation(tmp_path, record.id)
+    assert not paths.channel_dir(tmp_path, record.id).exists()
+
+
+def test_end_allocation_leaves_a_directory_outside_the_layout(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere" / sample().id
+    elsewhere.mkdir(parents=True)
+    record = sample(channel_dir=str(elsewhere))
+    alloc.write_record(tmp_path, record)
+    assert alloc.end_allocation(tmp_path, record.id, record)
+    assert elsewhere.is_dir()
+
+
+def test_a_record_that_cannot_be_removed_keeps_its_directory(tmp_path: Path) -> None:
+    """The allocation has not ended: the daemon still serves it, so its socket stays."""
+    record = sample(channel_dir=str(paths.channel_dir(tmp_path, sample().id)))
+    alloc.write_record(tmp_path, record)
+    Path(record.channel_dir).mkdir(parents=True)
+
+    def end() -> str:
+        try:
+            alloc.end_allocation(tmp_path, record.id, record)
+        except OSError as err:
+            return type(err).__name__
+        return "ended"
+
+    assert read_only_call(paths.allocations_dir(tmp_path), end) in (
+        "PermissionError", "OSError")
+    assert alloc.load_record(tmp_path, record.id) == record
+    assert Path(record.channel_dir).is_dir()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_random_bytes_never_crash_the_reader(tmp_path_factory: pytest.TempPathFactory,

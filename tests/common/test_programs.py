@@ -11,7 +11,7 @@ import pytest
 
 from vgpu_runtime import __version__, paths
 
-PROGRAMS = ("gemini-device-plugin", "gemini-scheduler", "gemini-run", "gemini-vgpu",
+PROGRAMS = ("gemini-device-plugin", "gemini-daemon", "gemini-run", "gemini-vgpu",
             "gemini-install-hook", "gemini-config-manager", "gemini-demo")
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 
@@ -34,7 +34,7 @@ def test_version_names_the_package_and_the_interposer(program: str) -> None:
 
 
 @pytest.mark.parametrize("program, args", [
-    ("gemini-device-plugin", ()), ("gemini-scheduler", ()), ("gemini-install-hook", ()),
+    ("gemini-device-plugin", ()), ("gemini-daemon", ()), ("gemini-install-hook", ()),
     ("gemini-run", ()), ("gemini-vgpu", ("status",)), ("gemini-config-manager", ()),
 ])
 def test_help_shows_no_raw_defaults(program: str, args: tuple[str, ...]) -> None:
@@ -52,22 +52,40 @@ def test_help_shows_sizes_lists_and_numbers_as_typed() -> None:
     assert "(env GEMINI_SIMULATE_MEMORY; default 141GB)" in plugin
     assert "(env GEMINI_RECOVERY_QUIET_PERIOD; default 300)" in plugin
     assert "(env GEMINI_HOOK_DIR)\n" in plugin          # no default: nothing shown
-    scheduler = run("gemini-scheduler", "--help").stdout
-    assert "(env GEMINI_INTERPOSER_CONTEXT_MAX_BYTES; default 1GiB)" in scheduler
-    assert "(env GEMINI_IDLE_RELEASE; default 0.002)" in scheduler
-    assert "(env GEMINI_KUBERNETES; default false)" in scheduler
+    daemon = run("gemini-daemon", "--help").stdout
+    assert "(env GEMINI_INTERPOSER_CONTEXT_MAX_BYTES; default 1GiB)" in daemon
+    assert "(env GEMINI_IDLE_RELEASE; default 0.002)" in daemon
+    assert "(env GEMINI_KUBERNETES; default false)" in daemon
 
 
 @pytest.mark.parametrize("program, args, status, message", [
     ("gemini-device-plugin", ("--slices-per-gpu", "0"), 2,
      "flag --slices-per-gpu: must be at least 1, got 0"),
-    ("gemini-scheduler", ("--window", "soon"), 2, "flag --window: expected a number"),
+    ("gemini-daemon", ("--window", "soon"), 2, "flag --window: expected a number"),
     ("gemini-install-hook", ("--log-level", "loud"), 2, "flag --log-level: must be one of"),
     ("gemini-vgpu", ("status", "--state-dir", "/nonexistent/gemini"), 1,
-     "no gemini-scheduler serves /nonexistent/gemini"),
+     "no gemini-daemon serves /nonexistent/gemini"),
 ])
 def test_errors_have_one_prefix(program: str, args: tuple[str, ...], status: int,
                                 message: str) -> None:
     result = run(program, *args)
     assert result.returncode == status, result.stderr
     assert result.stderr.startswith(f"{program}: error: {message}"), result.stderr
+
+
+def test_the_old_daemon_command_runs_the_daemon_and_says_it_goes(tmp_path: Path) -> None:
+    """gemini-scheduler, the daemon's name until 0.3, kept one release: one line on stderr
+    naming gemini-daemon, then the daemon itself, on the same state-directory files."""
+    note = ("gemini-scheduler: deprecated name of gemini-daemon, which it runs; "
+            "gemini-scheduler goes in 0.4: use gemini-daemon\n")
+    old, new = run("gemini-scheduler", "--version"), run("gemini-daemon", "--version")
+    assert (old.returncode, old.stdout, old.stderr) == (0, new.stdout, note)
+
+    state = tmp_path / "state"
+    served = run("gemini-scheduler", "--state-dir", str(state), "--simulate-gpus", "1",
+                 "--metrics-port", "0", "--idle-exit", "0.2", "--log-format", "json")
+    assert served.returncode == 0, served.stderr
+    first, *logged = served.stderr.splitlines()
+    assert first + "\n" == note
+    assert any('"gemini-daemon started"' in line for line in logged), served.stderr
+    assert (state / "scheduler.lock").exists()   # the state directory's names are kept

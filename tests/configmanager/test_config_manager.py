@@ -184,7 +184,7 @@ def test_the_sidecar_rereads_the_node_after_the_api_server_fails(
 
 def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, configs: Path,
                                                            tmp_path: Path) -> None:
-    """gemini-scheduler reads the sidecar's file: a change of another program's section or an
+    """gemini-daemon reads the sidecar's file: a change of another program's section or an
     invalid file leaves it running; a change of its own settings restarts it in place (the
     same pid) with the new file."""
     output = tmp_path / "config.yaml"
@@ -201,7 +201,7 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
             def logged(text: str, times: int = 1) -> bool:
                 return log_path.read_text().count(text) >= times
 
-            wait_for(lambda: logged("gemini-scheduler started"), TIMEOUT, "the daemon")
+            wait_for(lambda: logged("gemini-daemon started"), TIMEOUT, "the daemon")
             # An invalid file (written by hand: the sidecar writes only valid ones): logged,
             # and the daemon runs on.
             output.write_text(DEFAULT.replace("limit_policy", "limit_polcy"))
@@ -217,7 +217,7 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
             assert not logged("restarting")
             # Its own setting changes: it restarts, in this process, with the new file.
             api.set_node_labels(NODE, {CONFIG_LABEL: "strict"})
-            wait_for(lambda: logged("gemini-scheduler started", 2), TIMEOUT, "the restart")
+            wait_for(lambda: logged("gemini-daemon started", 2), TIMEOUT, "the restart")
             assert daemon.poll() is None
             # The restarted daemon runs on strict: a change of the plugin's section of the
             # strict configuration leaves it be.

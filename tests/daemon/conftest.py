@@ -36,7 +36,7 @@ def daemon(state_dir: Path) -> Iterator[InProcessDaemon]:
 
 @pytest.fixture
 def daemon_process(state_dir: Path) -> Iterator[DaemonProcess]:
-    """gemini-scheduler as a process: for what proves the program's wiring."""
+    """gemini-daemon as a process: for what proves the program's wiring."""
     state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(state_dir).wait_ready()
     yield proc

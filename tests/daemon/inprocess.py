@@ -57,7 +57,7 @@ class InProcessDaemon(DaemonStatus):
         # No metrics port unless a test asks: the test process binds no host port by default.
         argv = ["--state-dir", str(state_dir), "--poll-interval", "0.05", "--log-format",
                 "json", "--metrics-port", "0", *extra]
-        self.config = cfg.load_all(DaemonConfig, argv, prog="gemini-scheduler").config
+        self.config = cfg.load_all(DaemonConfig, argv, prog="gemini-daemon").config
         self.config.check()
         os.makedirs(state_dir, mode=0o755, exist_ok=True)
         self._lock_fd = lock.acquire(state_dir)   # as main() does: one daemon per directory
@@ -69,7 +69,7 @@ class InProcessDaemon(DaemonStatus):
         self.daemon: Daemon | None = None
         self.error: BaseException | None = None
         self._loop = _new_loop(self.config.event_loop)
-        self._thread = threading.Thread(target=self._main, name="gemini-scheduler",
+        self._thread = threading.Thread(target=self._main, name="gemini-daemon",
                                         daemon=True)
         self._thread.start()
 

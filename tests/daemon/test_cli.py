@@ -129,7 +129,7 @@ def test_status_without_a_daemon_says_so(state_dir: Path) -> None:
     state_dir.mkdir(parents=True)
     result = run_status(state_dir)
     assert result.returncode == 1
-    assert "no gemini-scheduler serves" in result.stderr and "--state-dir" in result.stderr
+    assert "no gemini-daemon serves" in result.stderr and "--state-dir" in result.stderr
     assert result.stdout == ""
 
 
@@ -149,13 +149,13 @@ def test_stop_is_refused_while_an_allocation_is_live_unless_forced(state_dir: Pa
         wait_served(record)
         refused = run_cli("stop", "--state-dir", str(state_dir))
         assert refused.returncode == 1
-        assert refused.stderr.startswith("gemini-vgpu: error: gemini-scheduler refused stop: "
+        assert refused.stderr.startswith("gemini-vgpu: error: gemini-daemon refused stop: "
                                          f"1 allocation(s) live ({record.id})"), refused.stderr
         assert "gemini-vgpu stop --force" in refused.stderr   # the way out, named
         assert daemon.proc.poll() is None and run_status(state_dir).returncode == 0
         forced = run_cli("stop", "--state-dir", str(state_dir), "--force")
         assert forced.returncode == 0, forced.stderr
-        assert forced.stdout == f"gemini-scheduler pid {daemon.proc.pid} of {state_dir} stopped\n"
+        assert forced.stdout == f"gemini-daemon pid {daemon.proc.pid} of {state_dir} stopped\n"
         assert not lock.is_held(state_dir)   # it waited for the daemon to let go
         assert daemon.proc.wait(15) == 0, daemon.logs()
     finally:
@@ -206,7 +206,7 @@ def test_stop_without_allocations_and_without_a_daemon(state_dir: Path) -> None:
         assert daemon.stop() == 0, daemon.logs()
     again = run_cli("stop", "--state-dir", str(state_dir))
     assert again.returncode == 1, again.stderr
-    assert again.stderr.startswith(f"gemini-vgpu: error: no gemini-scheduler runs for {state_dir}"
+    assert again.stderr.startswith(f"gemini-vgpu: error: no gemini-daemon runs for {state_dir}"
                                    ": nothing to stop"), again.stderr
 
 

@@ -23,7 +23,7 @@ def started_line(daemon: DaemonProcess) -> dict[str, object]:
     for line in daemon.logs().splitlines():
         if line.startswith("{"):
             entry = json.loads(line)
-            if entry.get("msg") == "gemini-scheduler started":
+            if entry.get("msg") == "gemini-daemon started":
                 return entry  # type: ignore[no-any-return]
     raise AssertionError(f"no start line in:\n{daemon.logs()}")
 
@@ -76,7 +76,7 @@ def test_auto_without_uvloop_runs_on_asyncio(state_dir: Path, tmp_path: Path) ->
     state_dir.mkdir(parents=True)
     daemon = DaemonProcess(state_dir, wrap=no_uvloop(tmp_path)).wait_ready()
     try:
-        wait_for(lambda: "gemini-scheduler started" in daemon.logs(), 5, "start line")
+        wait_for(lambda: "gemini-daemon started" in daemon.logs(), 5, "start line")
         assert started_line(daemon)["event_loop"] == "asyncio"
     finally:
         assert daemon.stop() == 0, daemon.logs()
@@ -89,5 +89,5 @@ def test_uvloop_asked_for_but_not_installed_is_a_clear_error(state_dir: Path,
          str(state_dir), "--event-loop", "uvloop"],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert "gemini-scheduler: error: event_loop uvloop: uvloop is not installed" in done.stderr
+    assert "gemini-daemon: error: event_loop uvloop: uvloop is not installed" in done.stderr
     assert not state_dir.exists()   # refused before it touched anything

@@ -110,7 +110,7 @@ class Watch:
 
     async def collect(self, allocation_id: str, reason: str) -> None:
         self.collected.append((allocation_id, reason))
-        allocation.remove_record(self.state_dir, allocation_id)
+        allocation.end_allocation(self.state_dir, allocation_id)
 
 
 @pytest.fixture

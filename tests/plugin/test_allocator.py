@@ -348,6 +348,25 @@ def test_corrupt_existing_record_is_reported_not_overwritten(make: Make) -> None
     assert path.read_text() == "{half"
 
 
+def test_a_failed_allocate_of_several_containers_leaves_nothing(make: Make) -> None:
+    """All or nothing: the first container's record is written, the second's cannot be (a
+    corrupt file holds its name), and the first is ended again: record and channel directory,
+    its preload file with it (allocation.end_allocation, the records' one deleter)."""
+    allocator, table, _ = make(injection="preload-file")
+    first, second = slice_ids(table, 0, 2), slice_ids(table, 1, 2)
+    state_dir = allocator.config.state_dir
+    corrupt = allocation.record_path(state_dir, allocation.id_for_devices(second))
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_text("{half")
+    with pytest.raises(AllocationError, match="not valid JSON"):
+        allocator.allocate_all([first, second])
+    first_id = allocation.id_for_devices(first)
+    assert allocation.load_record(state_dir, first_id) is None
+    assert not paths.channel_dir(state_dir, first_id).exists()
+    assert corrupt.read_text() == "{half"   # not this call's: left for the operator
+    assert allocator.allocate_all([first])[0].envs[paths.ENV_ALLOCATION_ID] == first_id
+
+
 def test_memory_reserve_larger_than_gpu_is_refused(make_config: Callable[..., PluginConfig]
                                                    ) -> None:
     config = make_config()

@@ -438,7 +438,7 @@ def test_every_environment_variable_the_readme_names_is_read() -> None:
 
 @pytest.mark.parametrize("argv", [
     ("gemini-device-plugin", "--slices-per-gpu", "0"),
-    ("gemini-scheduler", "--window", "abc"),
+    ("gemini-daemon", "--window", "abc"),
     ("gemini-install-hook", "--hook-dir", "/proc/no-such-directory"),   # at run time
     ("gemini-run", "--share", "2", "--", "true"),
     ("gemini-vgpu", "status", "--state-dir", "/no-such-state-directory"),

@@ -18,7 +18,7 @@ from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 
 @pytest.fixture
 def daemon(node: PluginNode) -> Iterator[DaemonProcess]:  # noqa: F811
-    """gemini-scheduler serving the records the plugin writes (no PodResources binding)."""
+    """gemini-daemon serving the records the plugin writes (no PodResources binding)."""
     node.state_dir.mkdir(parents=True, exist_ok=True)
     proc = DaemonProcess(node.state_dir).wait_ready()
     yield proc

@@ -1,5 +1,5 @@
 """Node daemon faults with real processes: the kubelet emulator admits pods through the real
-plugin, the real gemini-scheduler serves the records the plugin wrote, and hooked programs over
+plugin, the real gemini-daemon serves the records the plugin wrote, and hooked programs over
 the fake libcuda hold memory and contend for the token."""
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def test_the_push_reaches_the_registry_under_the_digest_it_prints(image: Image) 
 
 def test_the_image_runs_from_a_virtual_environment_without_a_compiler(image: Image,
                                                                       rootfs: Path) -> None:
-    for script in ("gemini-install-hook", "gemini-device-plugin", "gemini-scheduler",
+    for script in ("gemini-install-hook", "gemini-device-plugin", "gemini-daemon",
                    "gemini-config-manager"):
         assert (rootfs / "opt" / "gemini" / "bin" / script).is_file()
     assert any(e.startswith("PATH=/opt/gemini/bin:") for e in image.env)
@@ -218,7 +218,7 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
         code, out = runc.run("install-hook-again", install, [(state, True)])
         assert code == 0 and "already present" in out, out
 
-        runc.start("scheduler", ["gemini-scheduler", f"--state-dir={state}",
+        runc.start("scheduler", ["gemini-daemon", f"--state-dir={state}",
                                  f"--pod-resources-socket={pod_resources}/kubelet.sock",
                                  "--simulate-gpus=2", "--metrics-port=0",
                                  "--log-format=text"],

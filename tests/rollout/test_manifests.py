@@ -346,11 +346,11 @@ def test_commands_are_the_packages_console_scripts(node_ds: m.Obj) -> None:
                                                    **m.containers(node_ds, init=True)}.items()}
     assert commands == {"install-hook": ["gemini-install-hook"],
                         "device-plugin": ["gemini-device-plugin"],
-                        "scheduler": ["gemini-scheduler"],
+                        "scheduler": ["gemini-daemon"],
                         "config-manager": ["gemini-config-manager"]}
     # gemini-install-hook = "vgpu_runtime.install:main" is requested for pyproject.toml; until it
     # is there, the image's build script (scripts/build-image) fails, so this is not hidden.
-    assert {"gemini-device-plugin", "gemini-scheduler", "gemini-config-manager"} <= scripts
+    assert {"gemini-device-plugin", "gemini-daemon", "gemini-config-manager"} <= scripts
 
 
 def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> None:
@@ -508,7 +508,7 @@ def pod_config_map(objects: list[m.Obj], daemonset: m.Obj, volume_name: str) -> 
 
 def daemon_config_in_pod(objects: list[m.Obj], daemonset: m.Obj, scratch: Path,
                          name: str = "default") -> DaemonConfig:
-    """What gemini-scheduler would load in this DaemonSet's pod on a node that takes the
+    """What gemini-daemon would load in this DaemonSet's pod on a node that takes the
     configuration `name`: its own loader, given the container's env (and envFrom ConfigMap)
     and that configuration, as the config manager writes it."""
     container = m.containers(daemonset)["scheduler"]

@@ -27,7 +27,7 @@ def hook_library() -> Iterator[Path]:
 
 
 def stop_daemon(state_dir: Path) -> None:
-    """Stop the gemini-scheduler that gemini-run started in the background for this test."""
+    """Stop the gemini-daemon that gemini-run started in the background for this test."""
     if not lock.is_held(state_dir):
         return
     pid = lock.holder_pid(state_dir)

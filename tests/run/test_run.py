@@ -440,7 +440,7 @@ def test_daemon_that_cannot_start_is_reported(state_dir: Path, hook_library: Pat
     (state_dir / lock.LOCK_NAME).mkdir()
     start = time.monotonic()
     code, err = finish(gemini_run(state_dir, hook_library))
-    assert code == 125 and "gemini-scheduler exited" in err and "scheduler.log" in err
+    assert code == 125 and "gemini-daemon exited" in err and "scheduler.log" in err
     assert time.monotonic() - start < 10
     assert live_records(state_dir) == []
 

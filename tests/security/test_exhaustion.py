@@ -1,6 +1,6 @@
 """S2, S7, S8 (peers): one tenant's misbehaviour ends that tenant's connection, never the daemon.
 
-A real gemini-scheduler serves real records; the attacker is a plain socket client of one
+A real gemini-daemon serves real records; the attacker is a plain socket client of one
 allocation. Each test then checks that the node goes on: the other allocation's client still
 reserves, and a record written afterwards is served.
 """

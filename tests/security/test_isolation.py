@@ -1,7 +1,7 @@
 """Isolation between containers, tried with the real plugin allocator and the real daemon.
 
 Two containers, A and B, get slices of the same GPU through the plugin's Allocate (written to a
-real state directory that a real gemini-scheduler process serves). Then A tries, through the
+real state directory that a real gemini-daemon process serves). Then A tries, through the
 wire protocol, everything it must not be able to do; and A's Allocate response is replayed the
 way a container runtime applies it, to see what A can reach.
 """

@@ -41,7 +41,7 @@ FILE_VERSION = "v1"
 NODE_SECTION = "node"
 # The program sections of a version v1 file and whose they are; any other top-level key is an
 # error, so a misspelled section cannot leave a program silently on its defaults.
-PROGRAM_SECTIONS = {"devicePlugin": "gemini-device-plugin", "scheduler": "gemini-scheduler"}
+PROGRAM_SECTIONS = {"devicePlugin": "gemini-device-plugin", "scheduler": "gemini-daemon"}
 DEPRECATED_FLAT_FILE = (
     "configuration file {path} has no version: read as a flat file of this program's settings, "
     "which is deprecated; move its keys under the program's section of a version v1 file "

@@ -1,4 +1,4 @@
-"""gemini-scheduler: the node daemon, the single authority on each allocation's quotas.
+"""gemini-daemon: the node daemon, the single authority on each allocation's quotas.
 
 One process per node (per state directory). It watches the allocation records, serves one Unix
 socket per allocation in that allocation's channel directory, and keeps the memory ledger. The

@@ -1,4 +1,4 @@
-"""gemini-scheduler's settings: flags > environment (GEMINI_*) > YAML file.
+"""gemini-daemon's settings: flags > environment (GEMINI_*) > YAML file.
 
 The token scheduler's constants are settings too, with the algorithm's defaults
 (`vgpu_runtime.timeshare.policy.TimeshareSettings`). Why each of the daemon's own defaults is

@@ -42,7 +42,7 @@ def acquire(state_dir: str | Path) -> int:
         os.close(fd)
         pid = holder_pid(state_dir)
         raise AlreadyRunning(
-            f"another gemini-scheduler (pid {pid or 'unknown'}) already serves state directory "
+            f"another gemini-daemon (pid {pid or 'unknown'}) already serves state directory "
             f"{state_dir} (lock {path}); stop it first or use another --state-dir") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -1,4 +1,10 @@
-"""gemini-scheduler's entry point: configuration, the single-instance lock, signals, the loop."""
+"""gemini-daemon's entry point: configuration, the single-instance lock, signals, the loop.
+
+The command was `gemini-scheduler` until 0.3; that name runs it one more release, saying so
+(`scheduler_alias`). The files it keeps in the state directory keep their names
+(scheduler.lock, scheduler.sock, gemini-run's scheduler.log): a daemon of either name finds
+the other's lock, and gemini-vgpu and gemini-run of either release find the daemon.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +22,9 @@ from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.daemon import Daemon
 
-log = logging.getLogger("gemini-scheduler")
-PROG = "gemini-scheduler"
+log = logging.getLogger("gemini-daemon")
+PROG = "gemini-daemon"
+OLD_PROG = "gemini-scheduler"   # goes in 0.4
 
 
 def use_event_loop(choice: str) -> None:
@@ -81,6 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if changed:
         configwatch.restart()   # with the new file, in this process (the lock is released)
     return 0
+
+
+def scheduler_alias(argv: Sequence[str] | None = None) -> int:
+    """`gemini-scheduler`, the command's old name: one line on stderr, then gemini-daemon."""
+    print(f"{OLD_PROG}: deprecated name of {PROG}, which it runs; {OLD_PROG} goes in 0.4: "
+          f"use {PROG}", file=sys.stderr, flush=True)
+    return main(argv)
 
 
 if __name__ == "__main__":

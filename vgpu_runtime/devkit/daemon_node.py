@@ -1,4 +1,4 @@
-"""A real gemini-scheduler on a temporary state directory, serving allocations on one simulated
+"""A real gemini-daemon on a temporary state directory, serving allocations on one simulated
 GPU, for the interposer over the fake driver; and C programs compiled against the wire header."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def compile_program(source: str, out: Path, fake: Path, *flags: str) -> Path:
 
 @dataclass
 class DaemonNode:
-    """A REAL gemini-scheduler on a temporary state directory, with allocations on UUID."""
+    """A REAL gemini-daemon on a temporary state directory, with allocations on UUID."""
     root: Path
     state_dir: Path
     daemon: DaemonProcess

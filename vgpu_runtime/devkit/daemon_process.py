@@ -1,4 +1,4 @@
-"""A real gemini-scheduler process on a temporary state directory, and the records it serves."""
+"""A real gemini-daemon process on a temporary state directory, and the records it serves."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class DaemonStatus:
 
 
 class DaemonProcess(DaemonStatus):
-    """gemini-scheduler run as `python -m vgpu_runtime.daemon`, logs to a file."""
+    """gemini-daemon run as `python -m vgpu_runtime.daemon`, logs to a file."""
 
     def __init__(self, state_dir: Path, *extra: str, nofile: int | None = None,
                  wrap: tuple[str, ...] = ()) -> None:

@@ -1,5 +1,5 @@
 """A node for pod-awareness tests: kubelet emulator (with PodResources), the real plugin, the
-real gemini-scheduler process pointed at the emulator, and optionally the fake API server."""
+real gemini-daemon process pointed at the emulator, and optionally the fake API server."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from vgpu_runtime.allocation import PodRef
 
 log = logging.getLogger(__name__)
 
-COMPONENT = "gemini-scheduler"
+COMPONENT = "gemini-daemon"
 REQUEST_TIMEOUT = 5.0
 
 

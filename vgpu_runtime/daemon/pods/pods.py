@@ -76,6 +76,11 @@ class PodWatch:
         """Something wants binding now (a new record, a waiting hello)."""
         self._wake.set()
 
+    def bind_timeout(self) -> float:
+        """How long a kubelet allocation's hello waits for its pod: without kubelet's
+        PodResources on this node no pod can be found, so never."""
+        return self.config.bind_timeout if self.lister.available() else 0.0
+
     def post_pod_event(self, pod: PodRef, reason: str, message: str) -> None:
         """A Warning Event on a pod, posted in the background; nothing without Kubernetes."""
         if self.kube is not None:

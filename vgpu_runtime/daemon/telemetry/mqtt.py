@@ -80,6 +80,7 @@ class MqttPublisher:
         backoff = BACKOFF_FIRST
         while True:
             try:
+                # The client id keeps the daemon's old name: brokers' ACLs and sessions key on it.
                 async with aiomqtt.Client(self.host, self.port, timeout=5,
                                           identifier=f"gemini-scheduler-{self.node}") as client:
                     self.connected = True

@@ -1,4 +1,4 @@
-"""A small fake Kubernetes API server: just the calls gemini-scheduler makes."""
+"""A small fake Kubernetes API server: just the calls gemini-daemon makes."""
 
 from vgpu_runtime.devkit.fakeapi.server import FakeApiServer, describe_node
 

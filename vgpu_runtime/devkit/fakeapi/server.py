@@ -1,4 +1,4 @@
-"""A fake Kubernetes API server (HTTP, in a thread) serving only what gemini-scheduler calls:
+"""A fake Kubernetes API server (HTTP, in a thread) serving only what gemini-daemon calls:
 
     GET   /api/v1/namespaces/{ns}/pods/{name}
     POST  /api/v1/namespaces/{ns}/events
