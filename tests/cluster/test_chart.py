@@ -11,6 +11,9 @@ and no other:
   2. generated ConfigMaps are named <name>-<hash of the content> by both, with different hash
      functions: the 10-character suffix is cut from their names and from the references to
      them (the DaemonSet's volume and envFrom); their contents are compared as they are.
+The chart's uninstall hook (templates/uninstall.yaml: objects annotated helm.sh/hook) has no
+kustomize counterpart: it is left out of the comparison and of the value tests, and tested on
+its own.
 Everything the comparison expects comes from the kustomize build, not from names written here,
 so a rename in the base that the chart does not follow fails it.
 
@@ -45,9 +48,22 @@ def parse(text: str) -> list[Obj]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def render(tools: Tools, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
+def is_hook(obj: Obj) -> bool:
+    return "helm.sh/hook" in (obj["metadata"].get("annotations") or {})
+
+
+def render_all(tools: Tools, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
     return parse(tools.helm_run("template", RELEASE, str(CHART), "--namespace", namespace,
                                 *args).stdout)
+
+
+def render(tools: Tools, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
+    """The release's objects, the uninstall hook's left out (hooks() has them)."""
+    return [o for o in render_all(tools, *args, namespace=namespace) if not is_hook(o)]
+
+
+def hooks(tools: Tools, *args: str, namespace: str = NAMESPACE) -> list[Obj]:
+    return [o for o in render_all(tools, *args, namespace=namespace) if is_hook(o)]
 
 
 def refused(tools: Tools, *args: str) -> str:
@@ -351,6 +367,64 @@ def test_the_release_namespace_and_an_existing_one(tools: Tools, defaults: list[
     assert subject["namespace"] == "gpu-sharing"
 
 
+# ---- the uninstall hook ----
+
+def test_the_uninstall_hook_stops_the_node_pods_with_rights_to_that_alone(
+        tools: Tools, defaults: list[Obj]) -> None:
+    """A pre-delete Job that deletes the node DaemonSet in the foreground and waits; its
+    ServiceAccount's Role grants exactly what gemini-uninstall's calls need, on that DaemonSet
+    by name (tests/rollout/test_rbac.py derives the calls)."""
+    from tests.rollout.test_rbac import HOOK_CALLERS, needed
+
+    objects = hooks(tools)
+    assert sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects) == [
+        "Job/gemini-vgpu-uninstall", "Role/gemini-vgpu-uninstall",
+        "RoleBinding/gemini-vgpu-uninstall", "ServiceAccount/gemini-vgpu-uninstall"]
+    daemonset = find(defaults, "DaemonSet")
+    for obj in objects:
+        annotations = obj["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-delete"
+        assert annotations["helm.sh/hook-delete-policy"] == \
+            "before-hook-creation,hook-succeeded"
+        # The Job after its ServiceAccount and RBAC.
+        assert annotations["helm.sh/hook-weight"] == ("0" if obj["kind"] == "Job" else "-5")
+        assert obj["metadata"]["namespace"] == NAMESPACE
+    (rule,) = find(objects, "Role")["rules"]
+    assert rule["resourceNames"] == [daemonset["metadata"]["name"]]
+    assert {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]} == needed(HOOK_CALLERS)
+    assert find(objects, "RoleBinding")["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gemini-vgpu-uninstall", "namespace": NAMESPACE}]
+    job = find(objects, "Job")["spec"]["template"]["spec"]
+    assert job["serviceAccountName"] == "gemini-vgpu-uninstall"
+    (container,) = job["containers"]
+    assert container["command"] == [
+        "gemini-uninstall", f"--namespace={NAMESPACE}",
+        f"--daemonset={daemonset['metadata']['name']}", "--timeout=240", "--log-level=info"]
+    assert container["image"] == all_containers(defaults)[0]["image"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert job["securityContext"]["runAsNonRoot"] is True
+    # Not the node pods' labels: nothing that selects them selects this one.
+    assert job.get("nodeSelector") is None
+    labels = find(objects, "Job")["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] != \
+        daemonset["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
+
+
+def test_the_uninstall_hook_follows_the_values_and_can_be_left_out(tools: Tools) -> None:
+    objects = hooks(tools, "--set", "image.repository=registry.example.com/vgpu-node",
+                    "--set", "uninstall.timeoutSeconds=60", "--set", "logLevel=debug",
+                    "--set", "imagePullSecrets[0].name=regcred", namespace="gpu-sharing")
+    job = find(objects, "Job")["spec"]["template"]["spec"]
+    (container,) = job["containers"]
+    assert container["image"].startswith("registry.example.com/vgpu-node:")
+    assert "--timeout=60" in container["command"] and "--log-level=debug" in container["command"]
+    assert "--namespace=gpu-sharing" in container["command"]
+    assert job["imagePullSecrets"] == [{"name": "regcred"}]
+    assert hooks(tools, "--set", "uninstall.clearNodes=false") == []
+    assert render(tools, "--set", "uninstall.clearNodes=false") == render(tools)
+
+
 # ---- bad values ----
 
 BAD_VALUES: list[tuple[list[str], str]] = [
@@ -368,6 +442,7 @@ BAD_VALUES: list[tuple[list[str], str]] = [
     (["--set", "nodeConfigs.Bad_Name-.node.slices_per_gpu=4"],
      "'Bad_Name-' does not match pattern"),
     (["--set", "mqtt.interval=often"], "/mqtt/interval'"),
+    (["--set", "uninstall.timeoutSeconds=1"], "/uninstall/timeoutSeconds': minimum"),
     (["--set", "nodeConfigs.default.node.slices_per_gpu=4"],
      "\"default\" is the default configuration"),
 ]
@@ -392,9 +467,14 @@ def test_the_readmes_helm_commands_use_flags_the_real_helm_has(tools: Tools) -> 
     where no helm is built)."""
     from tests.readme import markdown as md
 
-    commands = [c for c in md.block_commands((REPO / "README.md").read_text())
+    readme = (REPO / "README.md").read_text()
+    commands = [c for c in md.block_commands(readme) + md.inline_commands(readme, ("helm",))
                 if c.argv[0] == "helm"]
     assert {c.argv[1] for c in commands} == {"install", "upgrade", "uninstall"}
+    # Those with flags (an inline `helm uninstall` only names the verb); the block's three
+    # have some, and the inline --no-hooks.
+    commands = [c for c in commands if c.flags]
+    assert len(commands) >= 4, commands
     for command in commands:
         text = tools.helm_run(command.argv[1], "--help").stdout
         assert command.flags and all(f"{flag} " in text or f"{flag}=" in text

@@ -119,7 +119,7 @@ def test_kustomize_builds_and_every_object_validates(root: Path,
     objects = built[root]
     kinds = sorted({o["kind"] for o in objects})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Namespace",
-                     "Service", "ServiceAccount"]
+                     "Role", "RoleBinding", "Service", "ServiceAccount"]
     for obj in objects:
         validate(obj)
         if obj["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):

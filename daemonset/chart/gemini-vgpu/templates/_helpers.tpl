@@ -114,3 +114,10 @@ gemini-vgpu-config-{{ include "gemini-vgpu.configData" . | sha256sum | trunc 10 
 {{- define "gemini-vgpu.telemetryName" -}}
 gemini-vgpu-telemetry-{{ include "gemini-vgpu.telemetryData" . | sha256sum | trunc 10 }}
 {{- end }}
+
+{{/* The annotations of the uninstall hook's objects (templates/uninstall.yaml), given the weight. */}}
+{{- define "gemini-vgpu.uninstallHook" -}}
+helm.sh/hook: pre-delete
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end }}
