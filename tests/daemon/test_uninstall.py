@@ -7,6 +7,8 @@ real plugin and daemon processes, the fake API server."""
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -209,6 +211,20 @@ async def test_an_uninstall_with_no_pod_left_empties_the_state_directory(
     assert "removed everything" in event["message"], event["message"]
 
 
+async def test_an_event_that_cannot_be_posted_is_logged_and_the_node_cleared_still(
+        pods: PodNode, api: FakeApiServer) -> None:
+    await node_with_pods(pods, api)
+    for name in ("train", "done"):
+        await pods.node.kubelet.delete_pod(name, "ml")
+    await asyncio.sleep(0.5)
+    api.finish_deletion(NAMESPACE, DAEMONSET)
+    api.fail_posts = True
+    logs = await asyncio.to_thread(stop, pods)
+    assert list(pods.state_dir.iterdir()) == []
+    assert api.node_events("node-1") == []
+    assert "cannot post the uninstall Event" in logs and "removed everything" in logs, logs
+
+
 async def test_no_answer_from_the_api_keeps_everything(pods: PodNode,
                                                       api: FakeApiServer) -> None:
     await node_with_pods(pods, api)
@@ -221,6 +237,16 @@ async def test_no_answer_from_the_api_keeps_everything(pods: PodNode,
 
 
 # ---- gemini-uninstall, the chart's pre-delete hook ----
+
+@pytest.fixture(autouse=True)
+def root_logger() -> Iterator[None]:
+    """gemini-uninstall's main() sets up the root logger, as a program does: put it back."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
 
 def run_hook(api: FakeApiServer, *args: str) -> int:
     from vgpu_runtime.uninstall import main

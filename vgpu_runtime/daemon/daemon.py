@@ -319,7 +319,7 @@ class Daemon:
                                                 kind="Normal")
             except Exception as err:
                 log.warning("cannot post the uninstall Event on the node",
-                            extra={"error": str(err), "message": message})
+                            extra={"error": str(err), "event": message})
         finally:
             self.kube.close()
 

@@ -56,6 +56,7 @@ class FakeApiServer:
         self.changed = threading.Condition(self.lock)   # notified on every node change
         self._version = 0
         self.fail_all = False    # answer 503 to everything (API server away)
+        self.fail_posts = False  # answer 503 to every POST (Events refused)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -201,7 +202,7 @@ class FakeApiServer:
 
     def _answer(self, method: str, path: str, raw: bytes, ctype: str
                 ) -> tuple[int, dict[str, Any]]:
-        if self.fail_all:
+        if self.fail_all or (self.fail_posts and method == "POST"):
             return 503, _status(503, "ServiceUnavailable", "fake API server told to fail")
         try:
             body = json.loads(raw) if raw else None
