@@ -214,7 +214,12 @@ def test_deleting_the_node_pod_under_a_running_workload_loses_nothing(
                  out.split("--- stats")[1].split("--- end")[0].splitlines() if "=" in line)
     assert answers[1] == {"rc": 0, "rc_ctx": 0}, answers[:2]
     said = json.dumps({"rounds": loops, "stats": stats})
-    assert len(loops) >= 5 and all(a["failures"] == 0 and a["kernels"] > 0 for a in loops), said
+    assert len(loops) >= 5 and all(a["failures"] == 0 for a in loops), said
+    # Kernels in every round but one that waited for the next daemon (its second ran out
+    # meanwhile), and in the rounds after it: launching resumed with the new daemon.
+    held = [i for i, a in enumerate(loops) if a["took"] > 2.0]
+    assert all(a["kernels"] > 0 for i, a in enumerate(loops) if i not in held), said
+    assert len(held) <= 1 and len(loops) - (held[-1] if held else 0) > 2, said
     # It reconnected to the new daemon. Meanwhile its launch waited for the next daemon, as
     # the README says a call does for GEMINI_HOOK_DAEMON_WAIT (30 s) before the hook gates
     # itself: the node pod was back sooner, so no launch went ungated and none timed out.
