@@ -46,14 +46,6 @@ def _file_name(value: Any) -> str:
     return name
 
 
-def _resource_name(value: Any) -> str:
-    name = cfg.text(value)
-    domain, slash, short = name.partition("/")
-    if not slash or not domain or not short or "/" in short:
-        raise ValueError(f"expected <domain>/<name> such as gemini.ai/vgpu, got {value!r}")
-    return name
-
-
 @dataclass(frozen=True)
 class PluginConfig:
     SECTION: ClassVar[str] = "devicePlugin"
@@ -63,8 +55,7 @@ class PluginConfig:
     state_dir: str = cfg.node_setting("state_dir")
     socket_name: str = setting(DEFAULT_SOCKET_NAME,
                                "file name of the plugin's socket in the kubelet dir", _file_name)
-    resource_name: str = setting(paths.RESOURCE_NAME, "extended resource advertised",
-                                 _resource_name)
+    resource_name: str = cfg.node_setting("resource_name")
     slices_per_gpu: int = cfg.node_setting("slices_per_gpu")
     placement: str = setting("best-fit", "GetPreferredAllocation policy: best-fit|spread",
                              cfg.choice(*PLACEMENTS), "POLICY")
@@ -79,7 +70,7 @@ class PluginConfig:
                                   cfg.size, "SIZE")
     device_list_strategy: str = setting("cdi", "how a container gets its GPU: envvar|cdi|"
                                         "device-nodes", cfg.choice(*STRATEGIES), "STRATEGY")
-    cdi_kind: str = setting("nvidia.com/gpu", "CDI kind of the GPU devices", _resource_name,
+    cdi_kind: str = setting("nvidia.com/gpu", "CDI kind of the GPU devices", cfg.resource_name,
                             "KIND")
     injection: str = setting("ld-preload", "how the interposer is loaded: ld-preload (env), "
                              "preload-file (a mounted /etc/ld.so.preload) or both",

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import shutil
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ def test_kustomize_builds_and_every_object_validates(root: Path,
     objects = built[root]
     kinds = sorted({o["kind"] for o in objects})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Namespace",
-                     "Service", "ServiceAccount"]
+                     "Role", "RoleBinding", "Service", "ServiceAccount"]
     for obj in objects:
         validate(obj)
         if obj["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -364,18 +365,41 @@ def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> Non
                 assert container["image"] == f"ghcr.io/gemini-ai/vgpu-node:{__version__}"
 
 
-def test_the_readmes_kustomize_step_replaces_every_image(tmp_path: Path) -> None:
-    """What `kustomize edit set image ghcr.io/gemini-ai/vgpu-node=REF:TAG@DIGEST` writes into
-    daemonset/kustomization.yaml (README step 4) reaches all three containers."""
+def readme_images_entries() -> dict[str, str]:
+    """The `images:` entry each README shows for pointing kustomize at a pushed image (README.md
+    step 4, a yaml block; daemonset/README.md step 3, a heredoc appended to the kustomization),
+    with its placeholders filled in as an operator would."""
+    found = {}
+    for name, path in (("README.md", REPO / "README.md"),
+                       ("daemonset/README.md", m.DAEMONSET / "README.md")):
+        text = path.read_text()
+        blocks = re.findall(r"^( *)```(\w*)\n(.*?)^ *```$", text, re.M | re.S)
+        bodies = [textwrap.dedent(body) for _, _, body in blocks]
+        entries = [body for body in bodies if re.search(r"^images:$", body, re.M)]
+        if name == "daemonset/README.md":
+            heredocs = [re.search(r"<<'EOF'.*?\n(.*?)^EOF$", e, re.M | re.S) for e in entries]
+            entries = [h.group(1) for h in heredocs if h]
+        assert len(entries) == 1, f"{name}: expected one block with an images: entry"
+        found[name] = entries[0]
+    return found
+
+
+@pytest.mark.parametrize("readme", ["README.md", "daemonset/README.md"])
+def test_the_readmes_images_entry_replaces_every_image(readme: str, tmp_path: Path) -> None:
+    """The `images:` entry the README tells operators to add to daemonset/kustomization.yaml
+    reaches all four containers, by digest, with kubectl's own kustomize (no kustomize
+    binary)."""
+    entry = readme_images_entries()[readme]
     if m.kustomize_command() is None:
         pytest.skip("neither kubectl nor kustomize is installed")
+    digest = "sha256:" + "0123456789abcdef" * 4
+    entry = (entry.replace("<version>", __version__).replace("sha256:...", digest)
+             .replace("sha256:D", digest).replace("REGISTRY", "registry.example.com/gemini"))
+    assert yaml.safe_load(entry)["images"][0]["name"] == "ghcr.io/gemini-ai/vgpu-node"
     tree = tmp_path / "daemonset"
     shutil.copytree(REPO / "daemonset", tree)
-    digest = "sha256:" + "0123456789abcdef" * 4
     with open(tree / "kustomization.yaml", "a") as top:
-        top.write("images:\n- digest: " + digest + "\n  name: ghcr.io/gemini-ai/vgpu-node\n"
-                  "  newName: registry.example.com/gemini/vgpu-node\n  newTag: " + __version__
-                  + "\n")
+        top.write(entry)
     (daemonset,) = [o for o in m.build(tree) if o["kind"] == "DaemonSet"]
     pod = daemonset["spec"]["template"]["spec"]
     images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
