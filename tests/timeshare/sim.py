@@ -120,6 +120,11 @@ class Simulation:
                 observe()
         self.now = until
 
+    def tick_due(self, within: float = 1e-6) -> bool:
+        """A tick() is due now (within rounding): the state seen between two events of one
+        instant is not settled yet."""
+        return self._tick_at is not None and self._tick_at <= self.now + within
+
     def share(self, name: str, start: float, end: float) -> float:
         """Achieved share: throughput in [start, end) over the tenant's throughput alone."""
         tenant = self.tenants[name]
