@@ -248,7 +248,7 @@ any_mix = members(sorted(KINDS), st.booleans())
 lags = st.floats(0.0, 0.19)
 # Derandomized: the same 30 mixes every run. Bounded waiting fails in about one generated mix in
 # a thousand (STALE_WAITS below), and a search that found it by chance would fail CI by chance;
-# wider searches are run by hand (the report of issue 27: 1,500 mixes, 300 per property).
+# wider searches are run by hand (1,500 random mixes, 300 derandomized per property).
 EXAMPLES = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
