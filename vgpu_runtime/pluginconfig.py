@@ -18,6 +18,8 @@ Defaults that needed a choice:
   recovered GPU to the scheduler quickly without polling the driver hard.
 - recovery_quiet_period 300s: critical XIDs come in bursts (ECC, row remapping, bus errors);
   five minutes without one, with a working probe, is strong evidence the fault has passed.
+- metrics_port 9403: a port of its own beside the node daemon's 9401 and the host daemon's
+  9402 (and clear of DCGM exporter's 9400, often on the same GPU nodes).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any, ClassVar
 from vgpu_runtime import paths
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.config import ConfigError, setting
+from vgpu_runtime.common.metrics import PLUGIN_PORT
 
 DEFAULT_SOCKET_NAME = "gemini-vgpu.sock"
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
@@ -85,6 +88,10 @@ class PluginConfig:
     recovery_quiet_period: float = setting(300.0, "seconds without a critical XID before an "
                                            "unhealthy GPU may recover", cfg.number(minimum=0),
                                            "SECONDS")
+    metrics_port: int = setting(PLUGIN_PORT, "HTTP port of the plugin's /metrics (0 = off; the "
+                                "node daemon's is 9401)", cfg.integer(0, 65535), "PORT")
+    metrics_address: str = setting("0.0.0.0", "address the metrics port listens on", cfg.text,
+                                   "ADDRESS")
     log_level: str = setting("info", "debug|info|warning|error",
                              cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = setting("json", "json|text", cfg.choice("json", "text"), "FORMAT")

@@ -319,16 +319,28 @@ def test_metrics_port_service_and_service_monitor(tools: Tools, defaults: list[O
     objects = render(tools, "--set", "metrics.port=9500")
     assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
                                           "Service/gemini-vgpu-metrics": "changed"}
-    (daemon,) = [c for c in all_containers(objects) if c.get("ports")]
+    (daemon,) = [c for c in all_containers(objects) if c["name"] == "scheduler"]
     assert daemon["ports"][0]["containerPort"] == 9500
     assert {"name": "GEMINI_METRICS_PORT", "value": "9500"} in daemon["env"]
-    assert find(objects, "Service")["spec"]["ports"][0]["port"] == 9500
-    for scraped in (find(objects, "Service")["metadata"],
+    service = find(objects, "Service", "gemini-vgpu-metrics")
+    assert service["spec"]["ports"][0]["port"] == 9500
+    for scraped in (service["metadata"],
                     find(objects, "DaemonSet")["spec"]["template"]["metadata"]):
         assert scraped["annotations"]["prometheus.io/port"] == "9500"
 
+    # The plugin's port: its container and its own Service, nothing else.
+    objects = render(tools, "--set", "metrics.pluginPort=9501")
+    assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
+                                          "Service/gemini-vgpu-plugin-metrics": "changed"}
+    (plugin,) = [c for c in all_containers(objects) if c["name"] == "device-plugin"]
+    assert plugin["ports"][0]["containerPort"] == 9501
+    assert {"name": "GEMINI_METRICS_PORT", "value": "9501"} in plugin["env"]
+    service = find(objects, "Service", "gemini-vgpu-plugin-metrics")
+    assert service["spec"]["ports"][0]["port"] == 9501
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == "9501"
+
     assert changes(defaults, render(tools, "--set", "metrics.service.enabled=false")) == {
-        "Service/gemini-vgpu-metrics": "removed"}
+        "Service/gemini-vgpu-metrics": "removed", "Service/gemini-vgpu-plugin-metrics": "removed"}
 
     objects = render(tools, "--set", "metrics.serviceMonitor.enabled=true",
                      "--set", "metrics.serviceMonitor.labels.release=prometheus")

@@ -421,7 +421,8 @@ def test_the_version_the_readme_prints_is_the_packages() -> None:
 def test_every_metric_the_readme_names_is_exported() -> None:
     """Names as the README writes them, `{a,b}` expanded; a counter's `_total` is added by the
     Prometheus client to the name the code declares."""
-    sources = "\n".join(p.read_text() for p in (REPO / "vgpu_runtime").rglob("*.py"))
+    sources = "\n".join(p.read_text() for root in ("vgpu_runtime", "device_plugin")
+                         for p in (REPO / root).rglob("*.py"))
     names = []
     for written in re.findall(r"gemini_vgpu_[a-z_{},]+", README):
         match = re.search(r"\{([a-z_,]+)\}", written)
@@ -429,7 +430,7 @@ def test_every_metric_the_readme_names_is_exported() -> None:
         names += [written.replace(match.group(0), o) if match else written for o in options]
     assert len(names) >= 10
     missing = [n for n in names if f'"{n.removesuffix("_total")}"' not in sources]
-    assert not missing, f"README.md names metrics the daemon does not export: {missing}"
+    assert not missing, f"README.md names metrics no program exports: {missing}"
 
 
 def test_every_environment_variable_the_readme_names_is_read() -> None:

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from vgpu_runtime.common import metrics as common_metrics
 from vgpu_runtime.daemon.telemetry import metrics
 
 DASHBOARD = (Path(__file__).resolve().parents[2]
@@ -14,7 +15,8 @@ SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 
 def exported_families() -> set[str]:
-    return set(re.findall(r'"(gemini_vgpu_[a-z_]+)"', Path(metrics.__file__).read_text()))
+    return set(re.findall(r'"(gemini_vgpu_[a-z_]+)"', Path(metrics.__file__).read_text()
+                          + Path(common_metrics.__file__).read_text()))
 
 
 def test_every_panel_queries_exported_series() -> None:

@@ -94,7 +94,7 @@ def test_every_yaml_file_is_either_an_object_file_or_a_settings_file() -> None:
 def test_manifest_validates_against_the_kubernetes_schema(path: Path) -> None:
     for obj in m.load_objects(path):
         if (obj["apiVersion"], obj["kind"]) in m.CUSTOM_KINDS:
-            continue   # checked in test_servicemonitor_scrapes_the_metrics_service
+            continue   # checked in test_servicemonitor_scrapes_the_metrics_services
         validate(obj)
 
 
@@ -324,13 +324,34 @@ def test_metrics_port_is_one_number_everywhere(base: list[m.Obj], node_ds: m.Obj
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
 
-def test_servicemonitor_scrapes_the_metrics_service(base: list[m.Obj]) -> None:
+def test_the_plugins_metrics_port_is_its_own_and_one_number_everywhere(
+        base: list[m.Obj], node_ds: m.Obj) -> None:
+    port = PluginConfig().metrics_port
+    assert port not in (metrics_port_default(), paths.HOST_METRICS_PORT)
+    plugin = m.containers(node_ds)["device-plugin"]
+    assert plugin["ports"] == [{"name": "plugin-metrics", "containerPort": port,
+                                "protocol": "TCP"}]
+    assert m.env(plugin)["GEMINI_METRICS_PORT"]["value"] == str(port)
+    # Its own Service: scrape configs read one port a Service from its annotations.
+    service = m.find(base, "Service", "gemini-vgpu-plugin-metrics")
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert service["spec"]["ports"] == [{"name": "plugin-metrics", "port": port,
+                                         "targetPort": "plugin-metrics", "protocol": "TCP"}]
+    assert service["spec"]["clusterIP"] == "None"
+    pod_labels = node_ds["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_servicemonitor_scrapes_the_metrics_services(base: list[m.Obj]) -> None:
     (monitor,) = m.load_objects(m.DAEMONSET / "examples" / "monitoring" / "servicemonitor.yaml")
-    service = m.find(base, "Service", "gemini-vgpu-metrics")
-    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
-        "labels"].items()
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    ports = []
+    for name in ("gemini-vgpu-metrics", "gemini-vgpu-plugin-metrics"):
+        service = m.find(base, "Service", name)
+        assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
+            "labels"].items()
+        ports += [p["name"] for p in service["spec"]["ports"]]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ports
 
 
 def test_hook_dir_agrees_between_install_and_plugin(node_ds: m.Obj) -> None:

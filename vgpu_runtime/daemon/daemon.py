@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        # The program this daemon runs in, as its status and gemini_vgpu_build_info name it
+        # (the host daemon sets gemini-host).
+        self.program = "gemini-daemon"
         self.state_dir = Path(config.state_dir)
         self.started_at = time.time()
         self.ready = False   # the first scan is done and the optional parts have started
@@ -366,7 +369,7 @@ class Daemon:
 
     def status(self, _request: dict[str, Any]) -> dict[str, Any]:
         return {
-            "daemon": {"pid": os.getpid(), "version": __version__,
+            "daemon": {"pid": os.getpid(), "version": __version__, "program": self.program,
                        "state_dir": str(self.state_dir), "started_at": self.started_at,
                        "default_limit": self.config.default_limit,
                        "limit_policy": self.config.limit_policy,
