@@ -78,6 +78,7 @@ class Daemon:
         self.slice_counts = SliceCountsFile(self.state_dir)
         self.kube: KubeApi | None = None
         self.metrics: MetricsServer | None = None
+        self.metrics_error: str | None = None   # why the asked port is not served
         self.mqtt: MqttPublisher | None = None
         self.telemetry: MqttTelemetry | None = None
         self._stop = asyncio.Event()
@@ -229,6 +230,7 @@ class Daemon:
                 log.error("metrics port unavailable; running without /metrics", extra={
                     "port": config.metrics_port, "error": str(err)})
                 self.metrics = None
+                self.metrics_error = err.strerror or str(err)
         if config.mqtt_url:
             from vgpu_runtime.daemon.telemetry.events import MqttTelemetry
             from vgpu_runtime.daemon.telemetry.mqtt import MqttPublisher
@@ -364,6 +366,16 @@ class Daemon:
                     "connected": self.mqtt.connected, "published": self.mqtt.published,
                     "queued": len(self.mqtt.queue), "dropped": self.mqtt.dropped}}
 
+    def metrics_status(self) -> dict[str, Any] | None:
+        """The metrics port: None when off; else where it was asked for, the port served
+        (None, with the error, where it could not be had). gemini-run and gemini-vgpu status
+        tell the user from it."""
+        if not self.config.metrics_port:
+            return None
+        return {"address": self.config.metrics_address, "asked": self.config.metrics_port,
+                "port": None if self.metrics is None else self.metrics.port,
+                "error": self.metrics_error}
+
     def telemetry_status(self) -> dict[str, Any]:
         return self.status({})
 
@@ -377,7 +389,7 @@ class Daemon:
                        "token_pages": token_page_kind(),
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
-                       "ready": self.ready},
+                       "ready": self.ready, "metrics": self.metrics_status()},
             "node": self.node_status(),
             "allocations": self.allocations.snapshot(),
             "gpus": self.tokens.snapshot(),
