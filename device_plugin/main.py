@@ -18,6 +18,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.health_events import NvmlXidWatcher, SimulatedControl, recheck_forever
 from device_plugin.healthfile import publish_health
+from device_plugin.metrics import PluginMetrics, serve_port
 from device_plugin.registration import Registrar
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slicecounts import SETTLE_INTERVAL, SliceCounts
@@ -61,9 +62,10 @@ async def serve(config: PluginConfig, backend: Backend,
     syncer = DirectorySyncer()
     allocator = Allocator(config, table, tracker, syncer=syncer,
                           defer=asyncio.get_running_loop().call_soon)
-    devices = DeviceList(table, tracker, counts.draining)
+    metrics = PluginMetrics()
+    devices = DeviceList(table, tracker, counts.draining, metrics)
     allocator.draining = counts.draining
-    service = DevicePluginService(devices, allocator, config.placement)
+    service = DevicePluginService(devices, allocator, config.placement, metrics)
     server = PluginServer(config.plugin_socket, service)
     registrar = Registrar(server, config.kubelet_socket, config.resource_name)
     log.info("starting", extra={
@@ -92,6 +94,8 @@ async def serve(config: PluginConfig, backend: Backend,
 
         watcher = NvmlXidWatcher(getattr(backend, "nvml"), gpus, deliver)  # noqa: B009
         watcher.start()
+    port = (serve_port(metrics, config.metrics_address, config.metrics_port)
+            if config.metrics_port else None)
     try:
         await registrar.run()
     finally:
@@ -102,6 +106,8 @@ async def serve(config: PluginConfig, backend: Backend,
                 await task
         if watcher is not None:
             watcher.stop()
+        if port is not None:
+            port.close()
         await asyncio.to_thread(syncer.close)
     log.info("stopped cleanly")
 

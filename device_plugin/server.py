@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import grpc
 from device_plugin import placement
 from device_plugin.allocator import AllocationError, Allocator
 from device_plugin.health import HealthTracker
+from device_plugin.metrics import GpuRow, PluginMetrics
 from device_plugin.slices import SliceTable, brief_ids
 from device_plugin.socketdir import SocketDirError, why_unbindable
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
@@ -34,17 +36,24 @@ class DeviceList:
     """The advertised devices with their health, and a wake-up for every open stream."""
 
     def __init__(self, table: SliceTable, health: HealthTracker,
-                 draining: frozenset[str] = frozenset()) -> None:
+                 draining: frozenset[str] = frozenset(),
+                 metrics: PluginMetrics | None = None) -> None:
         self.table = table
         self.health = health
         # GPUs waiting to change slice count: Unhealthy to kubelet, so that no new pod lands
         # there (device_plugin.slicecounts); running pods keep their devices.
         self.draining = draining
+        self.metrics = metrics
         self._waiters: set[asyncio.Event] = set()
         self._message = self._build()
         health.on_change(self.changed)
 
     def _build(self) -> api_pb2.ListAndWatchResponse:
+        if self.metrics is not None:
+            self.metrics.set_devices(tuple(
+                GpuRow(gpu.uuid, gpu.model, self.table.count_of(gpu.uuid),
+                       self.health.is_healthy(gpu.uuid), gpu.uuid in self.draining)
+                for gpu in self.table.gpus), lambda: self.streams)
         devices = []
         for item in self.table.all():
             topology = (api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=item.gpu.numa_node)])
@@ -79,10 +88,12 @@ class DeviceList:
 
 
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, devices: DeviceList, allocator: Allocator, policy: str) -> None:
+    def __init__(self, devices: DeviceList, allocator: Allocator, policy: str,
+                 metrics: PluginMetrics | None = None) -> None:
         self.devices = devices
         self.allocator = allocator
         self.policy = policy
+        self.metrics = metrics or PluginMetrics()
         self._closing = asyncio.Event()
 
     def open_streams(self) -> None:
@@ -132,20 +143,28 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                                                               "size": ask.allocation_size})
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if err.exhausted
                         else grpc.StatusCode.INVALID_ARGUMENT)
+                self.metrics.placement_refused(code.name)
                 await context.abort(code, str(err))
             answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Any
                        ) -> api_pb2.AllocateResponse:
+        started = time.perf_counter()
         requests = [list(ask.devices_ids) for ask in request.container_requests]
         try:
             answers = self.allocator.allocate_all(requests)
         except AllocationError as err:
+            self.metrics.refused(err.code.name, len(requests), time.perf_counter() - started)
             log.warning("Allocate rejected", extra={
                 "reason": err.message, "devices": [brief_ids(ids) for ids in requests[:4]],
                 "containers": len(requests)})
             await context.abort(err.code, err.message)
+        except Exception:   # grpc answers UNKNOWN; counted, then raised as it was
+            self.metrics.refused(grpc.StatusCode.UNKNOWN.name, len(requests),
+                                 time.perf_counter() - started)
+            raise
+        self.metrics.allocated(len(answers), time.perf_counter() - started)
         return api_pb2.AllocateResponse(container_responses=answers)
 
     async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest, context: Any

@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.install": 4,
     "vgpu_runtime.hostctl": 4,
     "vgpu_runtime.configmanager": 4,
+    "vgpu_runtime.uninstall": 4,
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,
 }

@@ -132,6 +132,16 @@ def _free(gpus: list[dict[str, Any]], host: bool = False) -> list[str]:
     return _table(rows)
 
 
+def _metrics_line(metrics: dict[str, Any] | None, on_demand: bool) -> str:
+    if metrics is None:
+        return "metrics: off" + (" (gemini-run --metrics-port PORT starts your daemon with "
+                                 "them)" if on_demand else "")
+    if metrics.get("port") is None:
+        return (f"metrics: port {metrics.get('asked')} unavailable ({metrics.get('error')}); "
+                "none served")
+    return f"metrics: http://{metrics.get('address')}:{metrics['port']}/metrics"
+
+
 def render(status: dict[str, Any]) -> str:
     daemon = status["daemon"]
     settings = daemon.get("token_settings", {})
@@ -146,6 +156,8 @@ def render(status: dict[str, Any]) -> str:
     if daemon.get("idle_exit"):   # started on demand (gemini-run)
         lines.append(f"exits after {daemon['idle_exit']:g} s without allocations; stop it now "
                      f"with: gemini-vgpu stop --state-dir {daemon['state_dir']}")
+    if "metrics" in daemon:   # the host daemon's view leaves it out: the port is the operator's
+        lines.append(_metrics_line(daemon["metrics"], bool(daemon.get("idle_exit"))))
     lines.append("")
     lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, " + (
         "FREE MEMORY for its --memory):" if host else

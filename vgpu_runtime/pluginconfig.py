@@ -18,6 +18,8 @@ Defaults that needed a choice:
   recovered GPU to the scheduler quickly without polling the driver hard.
 - recovery_quiet_period 300s: critical XIDs come in bursts (ECC, row remapping, bus errors);
   five minutes without one, with a working probe, is strong evidence the fault has passed.
+- metrics_port 9403: a port of its own beside the node daemon's 9401 and the host daemon's
+  9402 (and clear of DCGM exporter's 9400, often on the same GPU nodes).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, ClassVar
 
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.config import ConfigError, setting
+from vgpu_runtime.common.metrics import PLUGIN_PORT
 from vgpu_runtime.contracts import paths
 
 DEFAULT_SOCKET_NAME = "gemini-vgpu.sock"
@@ -46,14 +49,6 @@ def _file_name(value: Any) -> str:
     return name
 
 
-def _resource_name(value: Any) -> str:
-    name = cfg.text(value)
-    domain, slash, short = name.partition("/")
-    if not slash or not domain or not short or "/" in short:
-        raise ValueError(f"expected <domain>/<name> such as gemini.ai/vgpu, got {value!r}")
-    return name
-
-
 @dataclass(frozen=True)
 class PluginConfig:
     SECTION: ClassVar[str] = "devicePlugin"
@@ -63,8 +58,7 @@ class PluginConfig:
     state_dir: str = cfg.node_setting("state_dir")
     socket_name: str = setting(DEFAULT_SOCKET_NAME,
                                "file name of the plugin's socket in the kubelet dir", _file_name)
-    resource_name: str = setting(paths.RESOURCE_NAME, "extended resource advertised",
-                                 _resource_name)
+    resource_name: str = cfg.node_setting("resource_name")
     slices_per_gpu: int = cfg.node_setting("slices_per_gpu")
     placement: str = setting("best-fit", "GetPreferredAllocation policy: best-fit|spread",
                              cfg.choice(*PLACEMENTS), "POLICY")
@@ -79,7 +73,7 @@ class PluginConfig:
                                   cfg.size, "SIZE")
     device_list_strategy: str = setting("cdi", "how a container gets its GPU: envvar|cdi|"
                                         "device-nodes", cfg.choice(*STRATEGIES), "STRATEGY")
-    cdi_kind: str = setting("nvidia.com/gpu", "CDI kind of the GPU devices", _resource_name,
+    cdi_kind: str = setting("nvidia.com/gpu", "CDI kind of the GPU devices", cfg.resource_name,
                             "KIND")
     injection: str = setting("ld-preload", "how the interposer is loaded: ld-preload (env), "
                              "preload-file (a mounted /etc/ld.so.preload) or both",
@@ -94,6 +88,10 @@ class PluginConfig:
     recovery_quiet_period: float = setting(300.0, "seconds without a critical XID before an "
                                            "unhealthy GPU may recover", cfg.number(minimum=0),
                                            "SECONDS")
+    metrics_port: int = setting(PLUGIN_PORT, "HTTP port of the plugin's /metrics (0 = off; the "
+                                "node daemon's is 9401)", cfg.integer(0, 65535), "PORT")
+    metrics_address: str = setting("0.0.0.0", "address the metrics port listens on", cfg.text,
+                                   "ADDRESS")
     log_level: str = setting("info", "debug|info|warning|error",
                              cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = setting("json", "json|text", cfg.choice("json", "text"), "FORMAT")

@@ -29,6 +29,15 @@ in another pid namespace than the gemini-run commands and could not tell who is 
 
 Signals: SIGTERM, SIGHUP and a SIGINT sent with kill() are forwarded to COMMAND. A Ctrl-C typed
 at the terminal already reaches COMMAND (same process group), so it is not sent twice.
+
+Metrics: the daemon started here serves none unless asked (--metrics-port PORT, or
+GEMINI_RUN_METRICS_PORT), and then on 127.0.0.1 only. Off by default because every user of a
+machine has a daemon of their own: one default port would go to whichever started first (and a
+Kubernetes node's daemon holds 9401), so a port is something each user, or their administrator,
+picks. A TCP port rather than a private Unix socket, because that is what Prometheus and curl
+scrape; local because the figures are one user's. The daemon is shared by the user's commands
+and keeps the port it was started with: a command that asks for another, or finds the port taken,
+says so on stderr and runs all the same (gemini-vgpu status shows what is served).
 """
 
 from __future__ import annotations
@@ -67,6 +76,10 @@ PROG = "gemini-run"
 ENV_STATE_DIR = paths.ENV_STATE_DIR
 ENV_SIMULATE = "GEMINI_SIMULATE_GPUS"
 ENV_HOOK_LIBRARY = "GEMINI_HOOK_LIBRARY"
+# Not the daemon's own GEMINI_METRICS_PORT: a node container may set that one, and a user's
+# daemon must not take a port because an environment meant for another program names it.
+ENV_METRICS_PORT = "GEMINI_RUN_METRICS_PORT"
+METRICS_ADDRESS = "127.0.0.1"
 RUN_LOCK_NAME = paths.RUN_LOCK_NAME
 DAEMON_LOG_NAME = "scheduler.log"
 DAEMON_START_TIMEOUT = 15.0
@@ -112,6 +125,7 @@ class Request:
     hook_library: str | None
     command: list[str]
     state_dir_named: bool = False   # by --state-dir or GEMINI_STATE_DIR, not the default
+    metrics_port: int = 0           # the daemon started here serves /metrics there; 0: none
 
 
 def _share(text: str) -> Share:
@@ -131,6 +145,13 @@ def _size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
     return size
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 1 to 65535 (0 = off), got "
+                                         f"{text!r}")
+    return int(text)
 
 
 def _count(text: str) -> int:
@@ -162,6 +183,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
     parser.add_argument("--hook-library", default=None, metavar="PATH",
                         help=f"interposer to preload (env {ENV_HOOK_LIBRARY}; default: the "
                              "installed versioned library)")
+    parser.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                        help=f"your daemon serves Prometheus /metrics on 127.0.0.1:PORT when "
+                             f"this command starts it (env {ENV_METRICS_PORT}; default 0, "
+                             "off); pick a port of your own: each user has a daemon")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...")
     args = parser.parse_args(argv)
     command = list(args.command)
@@ -178,12 +203,19 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
     if args.limit is not None and args.limit < args.share:
         parser.error(f"--limit {args.limit:g} is below --share {args.share:g}: the cap on a "
                      "share cannot be less than the share guaranteed")
+    metrics_port = args.metrics_port
+    if metrics_port is None and os.environ.get(ENV_METRICS_PORT):
+        try:
+            metrics_port = _port(os.environ[ENV_METRICS_PORT])
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"{ENV_METRICS_PORT}: {err}")
     named = args.state_dir or os.environ.get(ENV_STATE_DIR)
     return Request(
         gpu=args.gpu, share=args.share, limit=args.limit, memory=args.memory,
         state_dir=Path(named or paths.default_state_dir()), overcommit=args.overcommit,
         simulate_gpus=simulate, hook_library=args.hook_library or os.environ.get(
-            ENV_HOOK_LIBRARY), command=command, state_dir_named=bool(named))
+            ENV_HOOK_LIBRARY), command=command, state_dir_named=bool(named),
+        metrics_port=metrics_port or 0)
 
 
 def check_command(command: list[str]) -> None:
@@ -342,7 +374,8 @@ def _unblock_signals() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
 
 
-def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Popen[bytes] | None:
+def ensure_daemon(state_dir: Path, simulate_gpus: int | None, metrics_port: int = 0
+                  ) -> subprocess.Popen[bytes] | None:
     """Start gemini-daemon detached (new session) unless one holds the lock already."""
     if daemon_lock.is_held(state_dir):
         return None
@@ -358,9 +391,10 @@ def ensure_daemon(state_dir: Path, simulate_gpus: int | None) -> subprocess.Pope
     with open(log_fd, "ab") as log, open(os.devnull, "rb") as devnull:
         # A second daemon started by a racing gemini-run exits at once on the lock: harmless.
         return subprocess.Popen(
-            # No metrics port: a node's own daemon may hold 9401 already.
+            # Metrics only where asked (the module's docstring says why).
             [sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(state_dir),
-             "--metrics-port", "0", "--idle-exit", f"{DAEMON_IDLE_EXIT:g}", *simulate],
+             "--metrics-port", str(metrics_port), "--metrics-address", METRICS_ADDRESS,
+             "--idle-exit", f"{DAEMON_IDLE_EXIT:g}", *simulate],
             stdin=devnull, stdout=log, stderr=log, cwd="/", env=env, start_new_session=True,
             preexec_fn=_unblock_signals)
 
@@ -382,7 +416,7 @@ def wait_for_channel(record: AllocationRecord, daemon: subprocess.Popen[bytes] |
                 raise RunError(f"gemini-daemon will not serve the allocation: {refused}")
         if daemon is None and not daemon_lock.is_held(state_dir):
             # The running daemon exited (idle_exit) before it saw the record: start one.
-            daemon = ensure_daemon(state_dir, request.simulate_gpus)
+            daemon = ensure_daemon(state_dir, request.simulate_gpus, request.metrics_port)
         if daemon is not None and daemon.poll() is not None and not daemon_lock.is_held(
                 state_dir):
             raise RunError(f"gemini-daemon exited with status {daemon.returncode}; see "
@@ -404,6 +438,31 @@ def daemon_refusal(state_dir: Path, record: AllocationRecord) -> str | None:
     for bad in status.get("corrupt_records", []) if isinstance(status, dict) else []:
         if Path(str(bad.get("path"))).name == f"{record.id}.json":
             return str(bad.get("error"))
+    return None
+
+
+def metrics_note(state_dir: Path, asked: int) -> str | None:
+    """What the user should know of the metrics port they asked for, from the running daemon's
+    status; None when it serves that port (or cannot be asked: the command runs regardless)."""
+    try:
+        status = client.request(state_dir, "status", timeout=2.0)
+        daemon = status["daemon"]
+        served = daemon.get("metrics")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    stop = f"gemini-vgpu stop --state-dir {state_dir}"
+    if served is None:
+        return (f"your daemon (pid {daemon.get('pid')}) was started without metrics and keeps "
+                f"running so; for /metrics on port {asked}, run {stop} once none of your "
+                "commands runs, then run again")
+    if served.get("asked") != asked:
+        return (f"your daemon (pid {daemon.get('pid')}) serves metrics on port "
+                f"{served.get('port') or served.get('asked')}, not {asked}: it keeps the port it "
+                f"was started with ({stop} once none of your commands runs, to change it)")
+    if served.get("port") is None:
+        return (f"metrics port {asked} is unavailable ({served.get('error')}), another program "
+                f"or user holds it: your daemon runs without /metrics; pick another port "
+                f"({stop} once none of your commands runs, then run again)")
     return None
 
 
@@ -530,6 +589,12 @@ def run(request: Request) -> int:
     # The machine's host daemon serves every user where an administrator installed it.
     host = hoststate.find_host(request.state_dir if request.state_dir_named else None)
     if host is not None:
+        if request.metrics_port:
+            marker = hoststate.read_marker(host)
+            port = f" on port {marker.metrics_port}" if marker and marker.metrics_port else ""
+            print(f"{PROG}: note: --metrics-port is for a daemon of your own; the host daemon "
+                  f"serves this machine and its metrics{port} are the administrator's",
+                  file=sys.stderr, flush=True)
         return run_on_host(request, host, library)
     gpus = discover(request)
     prepare_state_dir(request.state_dir)
@@ -548,8 +613,12 @@ def run(request: Request) -> int:
             record = build_record(request, gpu, library)
             Path(record.channel_dir).mkdir(mode=0o700)
             allocation.write_record(request.state_dir, record)
-        daemon = ensure_daemon(request.state_dir, request.simulate_gpus)
+        daemon = ensure_daemon(request.state_dir, request.simulate_gpus, request.metrics_port)
         wait_for_channel(record, daemon, request)
+        note = metrics_note(request.state_dir, request.metrics_port) \
+            if request.metrics_port else None
+        if note is not None:
+            print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
         return supervise(request.command, child_environment(record, library))
     except Interrupted as stop:
         return 128 + stop.signo

@@ -7,7 +7,8 @@ Usage: scripts/cluster/cluster.py up|down|status|env|build [--state DIR]
   build   builds what is missing into the cache (GEMINI_CLUSTER_CACHE, default
           /root/.cache/gemini-cluster): Kubernetes 1.34 (kube-apiserver, kube-controller-manager,
           kube-scheduler, kubelet, kube-proxy, kubectl), etcd, containerd + ctr + the runc shim,
-          the CNI plugins, each from the Go module beside this file, and the pause image. A
+          the CNI plugins, Helm 4 (helm, for the chart in daemonset/chart/), each from the Go
+          module beside this file, and the pause image. A
           cache directory's name carries its module's version and a hash of go.mod/go.sum, so
           binaries are reused exactly while the module is unchanged.
   up      build, then certificates and kubeconfigs (RBAC on), etcd, the API server, the
@@ -168,6 +169,10 @@ def cni_bin() -> Path:
     return build_dir("cni", HERE / "cni", "github.com/containernetworking/plugins") / "bin"
 
 
+def helm_bin() -> Path:
+    return build_dir("helm", HERE / "helm", "helm.sh/helm/v4") / "bin"
+
+
 def pause_archive() -> Path:
     digest = hashlib.sha256((HERE / "images" / "pause.c").read_bytes()).hexdigest()[:10]
     return CACHE / f"pause-{digest}.oci.tar"
@@ -194,6 +199,11 @@ def build_all() -> None:
     go_build(HERE / "cni", cni_bin(),
              [(f"github.com/containernetworking/plugins/{path}", name)
               for name, path in CNI_PLUGINS.items()])
+    # `helm version` names the release built, as the project's own release build does.
+    helm_version = module_require(HERE / "helm", "helm.sh/helm/v4")
+    go_build(HERE / "helm", helm_bin(), [("helm.sh/helm/v4/cmd/helm", "helm")],
+             f"-X helm.sh/helm/v4/internal/version.version={helm_version} "
+             "-X helm.sh/helm/v4/internal/version.gitTreeState=clean")
     if not pause_archive().is_file():
         build_pause(pause_archive())
     if not workload_archive().is_file():
@@ -605,7 +615,8 @@ def up(state: Path) -> None:
     write_sysctl("net.ipv4.ip_forward", "1")
     write_sysctl("net.bridge.bridge-nf-call-iptables", "1")
     (state / "bin.json").write_text(json.dumps({"k8s": str(k8s_bin()),
-                                                "containerd": str(containerd_bin())}))
+                                                "containerd": str(containerd_bin()),
+                                                "helm": str(helm_bin())}))
     ip = host_ip()
     make_pki(state, ip)
     pki = state / "pki"
@@ -829,6 +840,7 @@ def env_json(state: Path) -> dict[str, str]:
     return {"kubeconfig": str(state / "admin.kubeconfig"), "state": str(state),
             "kubectl": str(started_bin(state, "k8s", k8s_bin()) / "kubectl"),
             "ctr": str(started_bin(state, "containerd", containerd_bin()) / "ctr"),
+            "helm": str(started_bin(state, "helm", helm_bin()) / "helm"),
             "containerd_socket": str(state / "containerd" / "containerd.sock"),
             "node": NODE_NAME, "cache": str(CACHE), "kubelet_root": str(KUBELET_ROOT),
             "gemini_state": str(GEMINI_STATE), "workload_image": WORKLOAD_IMAGE,

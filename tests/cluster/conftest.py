@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "cluster" / "cluster.py"
 BUILD_IMAGE = REPO / "scripts" / "build-image"
 OVERLAY = REPO / "tests" / "cluster" / "overlay"
+CHART = REPO / "daemonset" / "chart" / "gemini-vgpu"
 IMAGE_WORK = REPO / "build" / "image"
 NODE_IMAGE = "localhost/gemini-vgpu-node:cluster-test"
 NAMESPACE = "gemini-system"
@@ -99,6 +100,33 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float,
             last_error = str(error)[-1500:]
         time.sleep(1)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{last_error}\n{explain()}")
+
+
+@dataclass
+class Tools:
+    """The cluster lane's helm and kubectl, as scripts/cluster/cluster.py builds them."""
+    helm: str
+    kubectl: str
+
+    def helm_run(self, *args: str, check: bool = True,
+                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return run([self.helm, *args], check=check, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tools() -> Tools:
+    """helm and kubectl from the cache, built where it lacks them (cluster.py build); no cluster
+    needs to be up. Fails, saying why, where they cannot be built."""
+    started = time.monotonic()
+    build = subprocess.run([sys.executable, str(SCRIPT), "build"], capture_output=True,
+                           text=True, stdin=subprocess.DEVNULL, timeout=5400)
+    sys.stderr.write(build.stdout)
+    if build.returncode != 0:
+        pytest.fail(f"scripts/cluster/cluster.py build failed ({build.returncode}) after "
+                    f"{time.monotonic() - started:.0f} s:\n{build.stdout[-3000:]}\n"
+                    f"{build.stderr[-5000:]}")
+    env = json.loads(run([sys.executable, str(SCRIPT), "env"]).stdout)
+    return Tools(env["helm"], env["kubectl"])
 
 
 @pytest.fixture(scope="session")
@@ -200,19 +228,33 @@ def explain_node_pod(cluster: Cluster) -> Callable[[], str]:
     return explain
 
 
-@pytest.fixture(scope="session")
-def gemini_node(cluster: Cluster, node_image: str) -> Cluster:
-    """The DaemonSet of tests/cluster/overlay running on the labelled node, its slices
-    advertised."""
+def prepare_node(cluster: Cluster) -> None:
+    """What the node needs before either install: the CDI spec, the opt-in label."""
     write_cdi_spec(cluster)
     cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.enabled=true", "--overwrite")
-    cluster.kubectl("apply", "-k", str(OVERLAY))
+
+
+def wait_node_ready(cluster: Cluster) -> None:
+    """The node pod Ready and its slices advertised by the real kubelet."""
     wait_until("the node DaemonSet's pod Ready", lambda: pod_ready(node_pod(cluster)), 300,
                explain_node_pod(cluster))
     expected = str(SIMULATED_GPUS * SLICES_PER_GPU)
     wait_until(f"gemini.ai/vgpu capacity and allocatable {expected}",
                lambda: vgpu_capacity(cluster) == (expected, expected), 120,
                explain_node_pod(cluster))
+
+
+def install_overlay(cluster: Cluster) -> None:
+    prepare_node(cluster)
+    cluster.kubectl("apply", "-k", str(OVERLAY))
+    wait_node_ready(cluster)
+
+
+@pytest.fixture(scope="session")
+def gemini_node(cluster: Cluster, node_image: str) -> Cluster:
+    """The DaemonSet of tests/cluster/overlay running on the labelled node, its slices
+    advertised."""
+    install_overlay(cluster)
     return cluster
 
 

@@ -239,15 +239,17 @@ def test_reread_sees_the_file_as_it_is_now_with_the_same_flags(tmp_path: Path) -
 
 def test_the_programs_declare_every_shared_setting_in_the_node_section() -> None:
     """One declaration per shared setting: a key both programs read is a node setting (the log
-    settings excepted: each program has its own level), and each program's node keys are
-    NodeSettings' own, with its parser."""
+    and metrics settings excepted: each program has its own level, and its own port), and each
+    program's node keys are NodeSettings' own, with its parser."""
     from vgpu_runtime.daemon.config import DaemonConfig
     from vgpu_runtime.pluginconfig import PluginConfig
 
     node = {f.name: f for f in dataclasses.fields(cfg.NodeSettings)}
     plugin = {f.name: f for f in dataclasses.fields(PluginConfig)}
     daemon = {f.name: f for f in dataclasses.fields(DaemonConfig)}
-    assert (set(plugin) & set(daemon)) - {"log_level", "log_format"} == set(node)
+    own = {"log_level", "log_format", "metrics_port", "metrics_address"}
+    assert (set(plugin) & set(daemon)) - own == set(node)
+    assert PluginConfig().metrics_port != DaemonConfig().metrics_port
     for program in (plugin, daemon):
         for name in node:
             assert program[name].metadata["node"] is True

@@ -153,8 +153,9 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
             assert value("gemini_vgpu_gpu_healthy", gpu) == 1
             assert len(samples["gemini_vgpu_gpu_slices"]) == 2
             from vgpu_runtime import __version__
-            assert value("gemini_vgpu_build_info", {"version": __version__,
-                                                    "interposer": hooklib.library_name()}) == 1
+            assert value("gemini_vgpu_build_info", {
+                "version": __version__, "interposer": hooklib.library_name(),
+                "program": "gemini-daemon"}) == 1
             # gemini-vgpu status reads the same figures from the same snapshot.
             from vgpu_runtime.daemon.channel import client
             answer = client.request(pods.state_dir)

@@ -268,3 +268,29 @@ async def test_a_process_past_the_limit_by_memory_the_hook_never_saw_gets_an_eve
     assert event["involvedObject"]["uid"] == "uid-big"
     assert f"process {me} holds {(limit >> 20) + 512} MiB" in event["message"]
     assert f"limit of {limit >> 20} MiB" in event["message"]
+
+
+async def test_a_renamed_resource_is_advertised_and_bound_from_one_node_file() -> None:
+    """node.resource_name, set once in the node's file, is what the plugin registers with
+    kubelet and what the daemon looks for in PodResources: a pod holding the renamed resource
+    is bound to its allocation."""
+    from vgpu_runtime.devkit.plugin_node import plugin_node
+
+    renamed = "example.com/shared-gpu"
+    async with plugin_node() as node:
+        config = node.root / "node.yaml"
+        config.write_text(f"version: v1\nnode:\n  resource_name: {renamed}\n")
+        await node.start_plugin(args=["--config", str(config)], wait=False)
+        await node.kubelet.wait_until(lambda: node.kubelet.allocatable(renamed) == 20, 15)
+        assert node.kubelet.capacity() == 0    # nothing registered as gemini.ai/vgpu
+        pods = PodNode(node)
+        pod = await node.kubelet.admit_pod("renamed", containers=[("app", 3)],
+                                           resource=renamed)
+        try:
+            await pods.start_daemon(*FAST, "--config", str(config))
+            record = await until(lambda: pods.bound_record(pod, "app"), 10, "app bound")
+            assert pods.binding_of(pod, "app") == Binding(record.id,
+                                                          PodRef("default", "renamed", "app", ""))
+        finally:
+            if pods.daemon is not None:
+                assert pods.daemon.stop() == 0, pods.daemon.logs()

@@ -131,7 +131,8 @@ def test_the_host_daemon_has_its_own_metrics_port(root_dir: Path) -> None:
         daemon.wait_ready()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
-        assert "gemini_vgpu_build_info" in text
+        assert 'program="gemini-host"' in next(
+            line for line in text.splitlines() if line.startswith("gemini_vgpu_build_info{"))
         marker = json.loads(paths.host_marker(daemon.state_dir).read_text())
         assert marker["metrics_port"] == port and marker["group"] == "root"
     finally:

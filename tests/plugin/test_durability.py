@@ -143,7 +143,7 @@ async def test_record_answered_for_survives_sigkill_right_after_the_answer(
     kubelet = FakeKubelet(kubelet_dir)
     await kubelet.start()
     args = [sys.executable, "-m", "device_plugin.main", "--simulate-gpus", "2",
-            "--kubelet-dir", str(kubelet_dir), "--state-dir", str(state)]
+            "--kubelet-dir", str(kubelet_dir), "--state-dir", str(state), "--metrics-port", "0"]
     ids = [f"{simulated_uuid(1)}::{n}" for n in (4, 2, 7)]
     request = api_pb2.AllocateRequest(container_requests=[
         api_pb2.ContainerAllocateRequest(devices_ids=ids)])

@@ -52,7 +52,7 @@ async def _advertise(short: Path) -> tuple[list[api_pb2.Device], api_pb2.Allocat
     install_hook(paths.default_hook_dir(short / "state"))   # Allocate refuses without it
     proc = subprocess.Popen([sys.executable, "-m", "device_plugin.main", "--kubelet-dir",
                              str(kubelet_dir), "--state-dir", str(short / "state"),
-                             "--slices-per-gpu", "10"], cwd=REPO)
+                             "--slices-per-gpu", "10", "--metrics-port", "0"], cwd=REPO)
     try:
         await asyncio.wait_for(kubelet.registered.wait(), 30)
         socket = f"unix://{kubelet_dir / 'gemini-vgpu.sock'}"

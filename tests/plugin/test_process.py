@@ -31,7 +31,8 @@ async def test_process_registers_streams_health_and_stops_on_sigterm(short_dir: 
     await kubelet.start()
     proc = _start("--simulate-gpus", "2", "--kubelet-dir", str(kubelet_dir),
                   "--state-dir", str(short_dir / "state"), "--simulate-control-dir", str(control),
-                  "--health-recheck-interval", "0.05", "--recovery-quiet-period", "0.5")
+                  "--health-recheck-interval", "0.05", "--recovery-quiet-period", "0.5",
+                  "--metrics-port", "0")
     try:
         await asyncio.wait_for(kubelet.registered.wait(), 20)
         socket = kubelet_dir / "gemini-vgpu.sock"

@@ -24,7 +24,8 @@ def start_plugin(kubelet_dir: Path, state_dir: Path, log: Path) -> subprocess.Po
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "device_plugin.main", "--simulate-gpus", "1",
-             "--kubelet-dir", str(kubelet_dir), "--state-dir", str(state_dir)],
+             "--kubelet-dir", str(kubelet_dir), "--state-dir", str(state_dir),
+             "--metrics-port", "0"],
             stdout=subprocess.DEVNULL, stderr=out, env=child_env())
 
 

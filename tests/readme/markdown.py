@@ -6,7 +6,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.M | re.S)
+# A fence may be indented (a block inside a list item); its lines keep the indentation.
+FENCE = re.compile(r"^ {0,3}```(\w*)\n(.*?)^ {0,3}```$", re.M | re.S)
 INLINE = re.compile(r"`([^`\n]+)`")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 SHELL = {"bash", "sh", "shell"}

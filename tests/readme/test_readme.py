@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -45,7 +46,11 @@ SUBCOMMANDS = {"gemini-vgpu": ("status", "stop"),
 ADMIN_TOOLS = {"usermod", "systemctl"}
 # Scripts with an argparse --help; the others' flags are looked for in their source.
 HELP_SCRIPTS = {"demo", "build-image"}
-KUBECTL_VERBS = {"apply", "label", "get", "describe"}
+KUBECTL_VERBS = {"apply", "label", "get", "describe", "delete", "kustomize"}
+# helm: the chart's install, upgrade and uninstall, run by tests/cluster/test_chart_install.py
+# with the real Helm (whose help tests/cluster/test_chart.py holds these commands' flags to).
+HELM_VERBS = {"install", "upgrade", "uninstall"}
+CHART = REPO / "daemonset" / "chart" / "gemini-vgpu"
 # Flags of other programs that the README quotes (nvidia-ctk's, pytest's).
 FOREIGN_FLAGS = {"--output"}
 TIMEOUT = 120
@@ -112,8 +117,13 @@ def problems_of(command: md.Command) -> list[str]:
         text = help_text("kubectl", verb)
         return [f"{command.where}: `{command.text}`: kubectl {verb} has no {flag}"
                 for flag in command.flags if flag not in text]
-    if first == "kustomize" and words[1:4] == ("edit", "set", "image"):
-        return []   # run on a copy by tests/rollout/test_manifests.py (the README's step 4)
+    if first == "helm":
+        return helm_problems(command, words)
+    if first == "kustomize" and len(words) > 1:   # not the bare name in prose
+        # kubectl builds kustomizations itself; a kustomize binary is one more tool to install
+        # (Debian has none): the image goes in an `images:` entry (step 4).
+        return [f"{command.where}: `{command.text}` needs a kustomize binary: use kubectl "
+                "kustomize, or an images: entry in the kustomization"]
     if first in ADMIN_TOOLS:
         return []
     if first == "cd":
@@ -124,10 +134,36 @@ def problems_of(command: md.Command) -> list[str]:
     return []   # inline code that only mentions a program's name
 
 
+def helm_problems(command: md.Command, words: tuple[str, ...]) -> list[str]:
+    """A helm command names a verb the tests run, this chart, and values it has."""
+    where = f"{command.where}: `{command.text}`"
+    if not command.in_block and len(words) == 2 and words[1] in HELM_VERBS:
+        return []   # the verb named in prose (`helm uninstall` first runs ...)
+    if len(words) < 3 or words[1] not in HELM_VERBS:
+        return [f"{where}: no rule for this helm command"]
+    problems = []
+    if words[1] != "uninstall" and (len(words) < 4 or (REPO / words[3]).resolve() != CHART):
+        problems.append(f"{where}: the chart is {CHART.relative_to(REPO)}")
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for flag, value in itertools.pairwise(words):
+        if flag == "--set":
+            node: object = values
+            for key in re.sub(r"\[\d+\]", "", value.split("=", 1)[0]).split("."):
+                if not isinstance(node, dict) or key not in node:
+                    problems.append(f"{where}: the chart has no value {value.split('=')[0]}")
+                    break
+                node = node[key]
+    if shutil.which("helm"):
+        text = help_text("helm", words[1])
+        problems += [f"{where}: helm {words[1]} has no {flag}" for flag in command.flags
+                     if flag not in text]
+    return problems
+
+
 def all_commands() -> list[md.Command]:
-    starts = (*PROGRAMS, "scripts/", "./scripts/", "kubectl", "kustomize", "sudo ")
+    starts = (*PROGRAMS, "scripts/", "./scripts/", "kubectl", "kustomize", "helm", "sudo ")
     inline = [c for c in md.inline_commands(README, starts)
-              if program_of(c.argv)[0] in (*PROGRAMS, "kubectl", "kustomize")
+              if program_of(c.argv)[0] in (*PROGRAMS, "kubectl", "kustomize", "helm")
               or script_of(program_of(c.argv)[0]) is not None]
     return md.block_commands(README) + inline
 
@@ -150,7 +186,10 @@ def test_every_flag_the_readme_names_belongs_to_one_of_its_programs() -> None:
                              + [where_flags_live((f"scripts/{s.name}",))
                                 for s in (REPO / "scripts").iterdir()
                                 if s.is_file() and os.access(s, os.X_OK)]))
-    named = set(md.FLAG.findall(README)) - FOREIGN_FLAGS
+    # helm's are held to the real Helm's help in the cluster lane (tests/cluster/test_chart.py),
+    # kubectl's to kubectl's help by test_every_command_uses_only_flags_its_program_has.
+    foreign = {f for c in all_commands() if c.argv[0] in ("helm", "kubectl") for f in c.flags}
+    named = set(md.FLAG.findall(README)) - FOREIGN_FLAGS - foreign
     unknown = sorted(f for f in named
                      if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", known))
     assert not unknown, f"flags in README.md that no program has: {unknown}"
@@ -382,7 +421,8 @@ def test_the_version_the_readme_prints_is_the_packages() -> None:
 def test_every_metric_the_readme_names_is_exported() -> None:
     """Names as the README writes them, `{a,b}` expanded; a counter's `_total` is added by the
     Prometheus client to the name the code declares."""
-    sources = "\n".join(p.read_text() for p in (REPO / "vgpu_runtime").rglob("*.py"))
+    sources = "\n".join(p.read_text() for root in ("vgpu_runtime", "device_plugin")
+                         for p in (REPO / root).rglob("*.py"))
     names = []
     for written in re.findall(r"gemini_vgpu_[a-z_{},]+", README):
         match = re.search(r"\{([a-z_,]+)\}", written)
@@ -390,7 +430,7 @@ def test_every_metric_the_readme_names_is_exported() -> None:
         names += [written.replace(match.group(0), o) if match else written for o in options]
     assert len(names) >= 10
     missing = [n for n in names if f'"{n.removesuffix("_total")}"' not in sources]
-    assert not missing, f"README.md names metrics the daemon does not export: {missing}"
+    assert not missing, f"README.md names metrics no program exports: {missing}"
 
 
 def test_every_environment_variable_the_readme_names_is_read() -> None:

@@ -29,8 +29,13 @@ def is_settings_file(path: Path) -> bool:
     return path.name == "kustomization.yaml" or "config" in path.relative_to(DAEMONSET).parts
 
 
+# The Helm chart: templates, not objects (tests/cluster/test_chart.py renders and checks them).
+CHART = DAEMONSET / "chart" / "gemini-vgpu"
+
+
 def yaml_files() -> list[Path]:
-    return sorted(p for p in DAEMONSET.rglob("*") if p.suffix in (".yaml", ".yml"))
+    return sorted(p for p in DAEMONSET.rglob("*") if p.suffix in (".yaml", ".yml")
+                  and CHART not in p.parents)
 
 
 def object_files() -> list[Path]:

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import re
 import shutil
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,7 @@ def test_every_yaml_file_is_either_an_object_file_or_a_settings_file() -> None:
 def test_manifest_validates_against_the_kubernetes_schema(path: Path) -> None:
     for obj in m.load_objects(path):
         if (obj["apiVersion"], obj["kind"]) in m.CUSTOM_KINDS:
-            continue   # checked in test_servicemonitor_scrapes_the_metrics_service
+            continue   # checked in test_servicemonitor_scrapes_the_metrics_services
         validate(obj)
 
 
@@ -120,7 +121,7 @@ def test_kustomize_builds_and_every_object_validates(root: Path,
     objects = built[root]
     kinds = sorted({o["kind"] for o in objects})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "Namespace",
-                     "Service", "ServiceAccount"]
+                     "Role", "RoleBinding", "Service", "ServiceAccount"]
     for obj in objects:
         validate(obj)
         if obj["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -325,13 +326,34 @@ def test_metrics_port_is_one_number_everywhere(base: list[m.Obj], node_ds: m.Obj
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
 
-def test_servicemonitor_scrapes_the_metrics_service(base: list[m.Obj]) -> None:
+def test_the_plugins_metrics_port_is_its_own_and_one_number_everywhere(
+        base: list[m.Obj], node_ds: m.Obj) -> None:
+    port = PluginConfig().metrics_port
+    assert port not in (metrics_port_default(), paths.HOST_METRICS_PORT)
+    plugin = m.containers(node_ds)["device-plugin"]
+    assert plugin["ports"] == [{"name": "plugin-metrics", "containerPort": port,
+                                "protocol": "TCP"}]
+    assert m.env(plugin)["GEMINI_METRICS_PORT"]["value"] == str(port)
+    # Its own Service: scrape configs read one port a Service from its annotations.
+    service = m.find(base, "Service", "gemini-vgpu-plugin-metrics")
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
+    assert service["spec"]["ports"] == [{"name": "plugin-metrics", "port": port,
+                                         "targetPort": "plugin-metrics", "protocol": "TCP"}]
+    assert service["spec"]["clusterIP"] == "None"
+    pod_labels = node_ds["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_servicemonitor_scrapes_the_metrics_services(base: list[m.Obj]) -> None:
     (monitor,) = m.load_objects(m.DAEMONSET / "examples" / "monitoring" / "servicemonitor.yaml")
-    service = m.find(base, "Service", "gemini-vgpu-metrics")
-    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
-        "labels"].items()
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    ports = []
+    for name in ("gemini-vgpu-metrics", "gemini-vgpu-plugin-metrics"):
+        service = m.find(base, "Service", name)
+        assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
+            "labels"].items()
+        ports += [p["name"] for p in service["spec"]["ports"]]
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ports
 
 
 def test_hook_dir_agrees_between_install_and_plugin(node_ds: m.Obj) -> None:
@@ -366,18 +388,41 @@ def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> Non
                 assert container["image"] == f"ghcr.io/gemini-ai/vgpu-node:{__version__}"
 
 
-def test_the_readmes_kustomize_step_replaces_every_image(tmp_path: Path) -> None:
-    """What `kustomize edit set image ghcr.io/gemini-ai/vgpu-node=REF:TAG@DIGEST` writes into
-    daemonset/kustomization.yaml (README step 4) reaches all three containers."""
+def readme_images_entries() -> dict[str, str]:
+    """The `images:` entry each README shows for pointing kustomize at a pushed image (README.md
+    step 4, a yaml block; daemonset/README.md step 3, a heredoc appended to the kustomization),
+    with its placeholders filled in as an operator would."""
+    found = {}
+    for name, path in (("README.md", REPO / "README.md"),
+                       ("daemonset/README.md", m.DAEMONSET / "README.md")):
+        text = path.read_text()
+        blocks = re.findall(r"^( *)```(\w*)\n(.*?)^ *```$", text, re.M | re.S)
+        bodies = [textwrap.dedent(body) for _, _, body in blocks]
+        entries = [body for body in bodies if re.search(r"^images:$", body, re.M)]
+        if name == "daemonset/README.md":
+            heredocs = [re.search(r"<<'EOF'.*?\n(.*?)^EOF$", e, re.M | re.S) for e in entries]
+            entries = [h.group(1) for h in heredocs if h]
+        assert len(entries) == 1, f"{name}: expected one block with an images: entry"
+        found[name] = entries[0]
+    return found
+
+
+@pytest.mark.parametrize("readme", ["README.md", "daemonset/README.md"])
+def test_the_readmes_images_entry_replaces_every_image(readme: str, tmp_path: Path) -> None:
+    """The `images:` entry the README tells operators to add to daemonset/kustomization.yaml
+    reaches all four containers, by digest, with kubectl's own kustomize (no kustomize
+    binary)."""
+    entry = readme_images_entries()[readme]
     if m.kustomize_command() is None:
         pytest.skip("neither kubectl nor kustomize is installed")
+    digest = "sha256:" + "0123456789abcdef" * 4
+    entry = (entry.replace("<version>", __version__).replace("sha256:...", digest)
+             .replace("sha256:D", digest).replace("REGISTRY", "registry.example.com/gemini"))
+    assert yaml.safe_load(entry)["images"][0]["name"] == "ghcr.io/gemini-ai/vgpu-node"
     tree = tmp_path / "daemonset"
     shutil.copytree(REPO / "daemonset", tree)
-    digest = "sha256:" + "0123456789abcdef" * 4
     with open(tree / "kustomization.yaml", "a") as top:
-        top.write("images:\n- digest: " + digest + "\n  name: ghcr.io/gemini-ai/vgpu-node\n"
-                  "  newName: registry.example.com/gemini/vgpu-node\n  newTag: " + __version__
-                  + "\n")
+        top.write(entry)
     (daemonset,) = [o for o in m.build(tree) if o["kind"] == "DaemonSet"]
     pod = daemonset["spec"]["template"]["spec"]
     images = {c["image"] for c in pod["containers"] + pod["initContainers"]}

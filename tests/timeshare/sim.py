@@ -1,11 +1,29 @@
 """A discrete-event model of one GPU shared through the token scheduler, for the tests.
 
 Each tenant runs a loop: launch a burst of `per_sync` kernels, synchronise, spend `cpu_gap`
-on the host, repeat. Like the hook, a tenant launches only while it holds a valid token;
-launches are asynchronous, so a burst started before expiry may run past it (overuse), which
-the tenant reports with its next request. The GPU runs one tenant's work at a time and pays
-`handoff` whenever it switches tenants. Like the daemon, the model releases an idle holder
-(no launch for `idle_release`) and calls tick() at the scheduler's deadlines.
+on the host, repeat: GPU-bound with no gap, launch-bound (busy fraction < 1) with one. Like
+the hook, a tenant launches only while it holds a valid token of its own (with co-scheduling
+several tenants hold one at once); launches are asynchronous, so a burst started before expiry
+may run past it (overuse), which the tenant reports with its next request.
+
+The GPU is an engine that runs one piece of work at a time, in launch order across tenants (a
+burst queued behind another tenant's waits for it), as the fake driver's shared engine
+(FAKE_CUDA_ENGINE) and a time-sliced GPU between contexts do. So busy time is additive: every
+busy instant belongs to one tenant, the device's utilisation is the sum of the tenants' parts,
+and co-holders that ask for more than the GPU has contend for it rather than each running at
+its own rate. (Proportional sharing, MPS-like, would give each co-holder a fraction of every
+instant: a tenant's busy time would then depend on a speed-up model of its kernels, and the
+scheduler's charge, busy fraction x time held, could not be checked against it.) The engine
+pays `handoff` when it switches to a tenant whose token passed (the token's handoff cost), and
+`co_switch` (0, as the fake engine) between the pieces of tenants that hold the GPU together.
+
+Like the daemon, the model releases an idle holder (no launch for `idle_release` after its
+sync) only while it holds alone (channel/tokens.py: co-holders' quotas bound any wait), calls
+tick() at the scheduler's deadlines and, with co-scheduling on and two tenants or more,
+feeds the scheduler the device's utilisation as channel/gpu_busy.py does: a sample of each
+`SAMPLE_PERIOD` on a fixed grid (NVML's, and the fake engine sampler's) covering the period
+before its end, delivered `sample_lag` after it (the daemon reads every SAMPLE_INTERVAL, at its
+own phase), as observe_utilization(end - SAMPLE_PERIOD, end, busy) followed by tick().
 """
 
 from __future__ import annotations
@@ -14,8 +32,10 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
-from vgpu_runtime.timeshare.policy import Grant, TimeshareSettings, TokenScheduler
+from vgpu_runtime.daemon.channel.gpu_busy import SAMPLE_INTERVAL, SAMPLE_PERIOD
+from vgpu_runtime.timeshare.policy import Decision, Grant, TimeshareSettings, TokenScheduler
 
 
 @dataclass(frozen=True)
@@ -26,8 +46,13 @@ class Workload:
     warmup: float = 0.0    # > 0: a first burst this long (a warm-up), synced, then idle
     idle_until: float = 0.0   # after the warm-up: host idle until this time, then the loop
 
+    def __post_init__(self) -> None:
+        if self.kernel <= 0 or self.per_sync < 1 or self.cpu_gap < 0:
+            raise ValueError(f"need kernel > 0, per_sync >= 1, cpu_gap >= 0: {self}")
+
     def alone_rate(self) -> float:
-        """Fraction of time the GPU works for this tenant when it has the GPU to itself."""
+        """Fraction of time the GPU works for this tenant when it has the GPU to itself: its
+        busy fraction (1 where GPU-bound)."""
         burst = self.kernel * self.per_sync
         return burst / (burst + self.cpu_gap)
 
@@ -52,10 +77,17 @@ class SimTenant:
 
 class Simulation:
     def __init__(self, config: TimeshareSettings, handoff: float = 0.0005,
-                 idle_release: float = 0.002) -> None:
+                 idle_release: float = 0.002, co_switch: float = 0.0,
+                 sample_lag: float = 0.0) -> None:
+        if not 0 <= sample_lag < SAMPLE_INTERVAL:
+            raise ValueError(f"need 0 <= sample_lag < {SAMPLE_INTERVAL}, got {sample_lag}")
         self.scheduler = TokenScheduler(config, 0.0)
         self.handoff = handoff
         self.idle_release = idle_release
+        self.co_switch = co_switch
+        self.sample_lag = sample_lag
+        self.samples: list[tuple[float, float]] = []   # (period end, busy) fed to the scheduler
+        self._sampling = False
         self.tenants: dict[str, SimTenant] = {}
         self.now = 0.0
         self.gpu_free = 0.0
@@ -88,23 +120,37 @@ class Simulation:
                 observe()
         self.now = until
 
+    def tick_due(self, within: float = 1e-6) -> bool:
+        """A tick() is due now (within rounding): the state seen between two events of one
+        instant is not settled yet."""
+        return self._tick_at is not None and self._tick_at <= self.now + within
+
     def share(self, name: str, start: float, end: float) -> float:
         """Achieved share: throughput in [start, end) over the tenant's throughput alone."""
         tenant = self.tenants[name]
         return tenant.work_between(start, end) / (end - start) / tenant.workload.alone_rate()
 
+    def busy(self, name: str, start: float, end: float) -> float:
+        """Busy share: the part of [start, end) the engine ran the tenant's work."""
+        return self.tenants[name].work_between(start, end) / (end - start)
+
+    def utilization(self, start: float, end: float) -> float:
+        """The device's utilisation over [start, end), as NVML reads it: the part some work
+        ran (the engine runs one piece at a time, so the tenants' parts add up)."""
+        return sum(t.work_between(start, end) for t in self.tenants.values()) / (end - start)
+
     # ---- the scheduler's side ----
 
-    def _apply(self, grant: Grant | None) -> None:
-        if grant is None:
-            return
-        self.grants.append(grant)
-        tenant = self.tenants[grant.tenant]
-        tenant.expires_at = grant.expires_at
-        tenant.released_at = None
-        if tenant.blocked:
-            tenant.blocked = False
-            self.at(self.now, lambda: self._launch(tenant))
+    def apply(self, decision: Decision) -> None:
+        """Every grant a decision made reaches its tenant (a blocked one launches at once)."""
+        for grant in decision.granted:
+            self.grants.append(grant)
+            tenant = self.tenants[grant.tenant]
+            tenant.expires_at = grant.expires_at
+            tenant.released_at = None
+            if tenant.blocked:
+                tenant.blocked = False
+                self.at(self.now, partial(self._launch, tenant))
 
     def _schedule_tick(self) -> None:
         deadline = self.scheduler.next_deadline(self.now)
@@ -116,26 +162,46 @@ class Simulation:
         def tick() -> None:
             if self._tick_at == deadline:
                 self._tick_at = None
-            self._note_release_of_holder()
-            self._apply(self.scheduler.tick(self.now).grant)
+            self._note_revocations()
+            self.apply(self.scheduler.tick(self.now))
 
         self.at(deadline, tick)
 
-    def _note_release_of_holder(self) -> None:
-        holder = self.scheduler.holder
-        if holder and self.now >= holder.expires_at + self.scheduler.config.revoke_grace:
-            self.tenants[holder.tenant].released_at = self.now
+    def _note_revocations(self) -> None:
+        for grant in self.scheduler.grants.values():
+            if self.now >= grant.expires_at + self.scheduler.config.revoke_grace:
+                self.tenants[grant.tenant].released_at = self.now
+
+    def _start_sampling(self) -> None:
+        """The daemon's sampler runs while co-scheduling is on and the GPU has two tenants."""
+        if self._sampling or not self.scheduler.config.co_schedule:
+            return
+        self._sampling = True
+        first = (int(self.now / SAMPLE_PERIOD) + 1) * SAMPLE_PERIOD
+        self.at(first + self.sample_lag, lambda: self._sample(first))
+
+    def _sample(self, end: float) -> None:
+        if len(self.scheduler.tenants) < 2:
+            self._sampling = False
+            return
+        busy = min(1.0, self.utilization(end - SAMPLE_PERIOD, end))
+        self.samples.append((end, busy))
+        self.scheduler.observe_utilization(end - SAMPLE_PERIOD, end, busy)
+        self.apply(self.scheduler.tick(self.now))
+        following = end + SAMPLE_PERIOD
+        self.at(following + self.sample_lag, lambda: self._sample(following))
 
     # ---- a tenant's loop (the hook's side) ----
 
     def _join(self, tenant: SimTenant) -> None:
-        self._apply(self.scheduler.add(tenant.name, tenant.request, tenant.limit,
-                                          self.now).grant)
+        self.apply(self.scheduler.add(tenant.name, tenant.request, tenant.limit, self.now))
+        if len(self.scheduler.tenants) >= 2:
+            self._start_sampling()
         self._launch(tenant)
 
     def _holds(self, tenant: SimTenant) -> bool:
-        holder = self.scheduler.holder
-        return bool(holder and holder.tenant == tenant.name and self.now < holder.expires_at)
+        grant = self.scheduler.grants.get(tenant.name)
+        return grant is not None and self.now < grant.expires_at
 
     def _launch(self, tenant: SimTenant) -> None:
         if tenant.stopped:
@@ -145,15 +211,17 @@ class Simulation:
             return
         # Token expired or never held: report when our work ended and ask again (blocking).
         tenant.blocked = True
-        self._apply(self.scheduler.request(
+        self.apply(self.scheduler.request(
             tenant.name, self.now, burst_hint=tenant.workload.kernel * tenant.workload.per_sync,
-            work_end=tenant.last_work_end).grant)
+            work_end=tenant.last_work_end))
 
     def _run_burst(self, tenant: SimTenant) -> None:
         wl = tenant.workload
         start = max(self.now, self.gpu_free)
         if self.gpu_last not in (None, tenant.name):
-            start += self.handoff
+            # Between co-holders' pieces no token passed: the engine switches contexts only.
+            co_held = self.gpu_last in self.scheduler.grants and len(self.scheduler.grants) > 1
+            start += self.co_switch if co_held else self.handoff
         warming = wl.warmup > 0 and not tenant.warmed
         end = start + (wl.warmup if warming else wl.kernel * wl.per_sync)
         tenant.work.append((start, end))
@@ -170,13 +238,14 @@ class Simulation:
             self.at(end + self.idle_release, lambda: self._idle_check(tenant, end))
 
     def _idle_check(self, tenant: SimTenant, since: float) -> None:
-        holder = self.scheduler.holder
-        if holder and holder.tenant == tenant.name and tenant.last_work_end == since:
+        # The daemon checks an idle holder only while it holds alone.
+        grants = self.scheduler.grants
+        if list(grants) == [tenant.name] and tenant.last_work_end == since:
             tenant.released_at = self.now
-            self._apply(self.scheduler.release(tenant.name, self.now).grant)
+            self.apply(self.scheduler.release(tenant.name, self.now))
 
     def stop(self, name: str) -> None:
         """The tenant's process dies: its connection closes and the daemon removes it."""
         tenant = self.tenants[name]
         tenant.stopped = True
-        self._apply(self.scheduler.remove(name, self.now).grant)
+        self.apply(self.scheduler.remove(name, self.now))

@@ -128,7 +128,7 @@ def test_limit_change_at_run_time() -> None:
     sim.add("a", 0.3, 0.3, LOADS["matmul-2048-stream"])
     sim.run(20.0)
     assert abs(sim.share("a", 10.0, 20.0) - 0.30) <= 0.02
-    sim._apply(sim.scheduler.set_limit("a", 0.6, sim.now).grant)
+    sim.apply(sim.scheduler.set_limit("a", 0.6, sim.now))
     sim.run(40.0)
     assert abs(sim.share("a", 30.0, 40.0) - 0.60) <= 0.02
 
@@ -188,7 +188,7 @@ def test_flooding_does_not_delay_others() -> None:
 
     def flood() -> None:
         for _ in range(50):
-            flooded._apply(flooded.scheduler.request("b", flooded.now).grant)
+            flooded.apply(flooded.scheduler.request("b", flooded.now))
         if flooded.now < 12.0:
             flooded.at(flooded.now + 0.0005, flood)
 

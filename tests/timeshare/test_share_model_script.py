@@ -62,11 +62,38 @@ def test_shares_on_the_modelled_gpu_land_near_their_requests(tmp_path: Path) -> 
     assert "| 2048 | 0.30 / 0.70 |" in table and "load average" in table
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_co_case_shares_the_engine_and_charges_busy_time(tmp_path: Path) -> None:
+    """The co case, its pair that fits the GPU, in 3 s: co-held, each tenant runs near its
+    busy fraction alone and is charged about what it ran; taking turns, each gets only its
+    request of that (a scheduler that never co-granted, or charged co-held time in full, or a
+    bench that gave each tenant its own engine, fails one of these)."""
+    out = tmp_path / "model.json"
+    proc = run_script("--cases", "co", "--co-mixes", "fit", "--duration", "3", "--json",
+                      str(out), timeout=140)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    co = json.loads(out.read_text())["co"]
+    on, off = (co[f"launch-0.3 + launch-0.3 0.3/0.7 co {mode}"] for mode in ("on", "off"))
+    assert on["tenants"][0]["window"]["co_grants"] > 0
+    assert off["tenants"][0]["window"]["co_grants"] == 0
+    for alone, got, tenant in zip(on["alone_busy"], on["achieved_busy"], on["tenants"],
+                                  strict=True):
+        assert 0.2 <= alone <= 0.45, on["alone_busy"]
+        assert got >= 0.8 * alone, (on["alone_busy"], on["achieved_busy"])
+        assert abs(tenant["daemon"]["achieved"] - got) <= 0.08, tenant["daemon"]
+    # Taking turns, the engine ran one at a time: together about one tenant's busy fraction.
+    assert sum(off["achieved_busy"]) <= 0.75 * sum(on["achieved_busy"]), (off, on)
+    assert on["tenants"][0]["engine_busy"] == pytest.approx(sum(on["achieved_busy"]), abs=0.05)
+    assert "| launch-0.3 + launch-0.3 | on |" in proc.stdout
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--mixes", "3/x"], "slices of 10"),
     (["--mixes", "6/7"], "at most 10"),
     (["--loads", "4096"], "unknown load"),
     (["--cases", "nonsense"], "unknown case"),
+    (["--co-mixes", "fit,nonsense"], "unknown co mix"),
     (["--duration", "0"], "must be positive"),
 ])
 def test_bad_arguments_are_refused_and_the_results_file_kept(

@@ -171,6 +171,15 @@ def optional(parse: Parser) -> Parser:
     return parse_optional
 
 
+def resource_name(value: Any) -> str:
+    """<domain>/<name>, as an extended resource or a CDI kind is named."""
+    name = text(value)
+    domain, slash, short = name.partition("/")
+    if not slash or not domain or not short or "/" in short:
+        raise ValueError(f"expected <domain>/<name> such as gemini.ai/vgpu, got {value!r}")
+    return name
+
+
 # ---- the node section ----
 
 @dataclass(frozen=True)
@@ -180,6 +189,9 @@ class NodeSettings:
                              "node state directory (allocation records, channels)", text, "DIR")
     slices_per_gpu: int = setting(10, "devices (slices) advertised per GPU",
                                   integer(1, paths.MAX_SLICES_PER_GPU), "N")
+    # The plugin advertises it; the daemon finds the pods holding it in kubelet's PodResources.
+    resource_name: str = setting(paths.RESOURCE_NAME, "extended resource the slices are "
+                                 "advertised as", resource_name, "NAME")
     simulate_gpus: int = setting(0, "simulate N GPUs instead of using NVML (0 = NVML)",
                                  integer(0, 256), "N")
     simulate_model: str = setting("Simulated NVIDIA H200", "model name of simulated GPUs", text,

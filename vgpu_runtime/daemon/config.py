@@ -131,6 +131,13 @@ class DaemonConfig:
     node_name: str = cfg.setting(
         default_node_name(), "this node's Kubernetes name (default $NODE_NAME, else the host "
         "name)", cfg.text, "NAME")
+    pod_name: str | None = cfg.setting(
+        None, "this daemon's own pod (the DaemonSet sets it from the downward API): as it stops "
+        "it asks whether the pod's DaemonSet is being deleted, an uninstall, and if so removes "
+        "what it put on the node but what running pods use (daemon/uninstall.py); unset: never",
+        cfg.optional(cfg.text), "NAME")
+    pod_namespace: str | None = cfg.setting(
+        None, "the namespace of pod_name", cfg.optional(cfg.text), "NAMESPACE")
     pod_resources_socket: str = cfg.setting(
         paths.DEFAULT_POD_RESOURCES_SOCKET, "kubelet PodResources socket", cfg.text, "PATH")
     pod_resources_interval: float = cfg.setting(
@@ -162,6 +169,9 @@ class DaemonConfig:
     simulate_gpus: int = cfg.node_setting(
         "simulate_gpus", help="simulated GPUs for labels and metrics instead of NVML")
     simulate_model: str = cfg.node_setting("simulate_model")
+    resource_name: str = cfg.node_setting(
+        "resource_name", help="extended resource whose devices PodResources lists for the "
+        "allocations' pods (the plugin's)")
     # ---- per-process memory (the context charge) ----
     process_memory: str = cfg.setting(
         "auto", "per-process GPU memory figures for the context charge: auto (NVML when it "

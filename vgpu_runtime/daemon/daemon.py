@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        # The program this daemon runs in, as its status and gemini_vgpu_build_info name it
+        # (the host daemon sets gemini-host).
+        self.program = "gemini-daemon"
         self.state_dir = Path(config.state_dir)
         self.started_at = time.time()
         self.ready = False   # the first scan is done and the optional parts have started
@@ -63,7 +66,7 @@ class Daemon:
         self.allocations = Allocations(config, self.tokens, self.bindings, self.troubles,
                                        self.allocation_event)
         self.pods = PodWatch(
-            config, PodResourcesLister(config.pod_resources_socket, paths.RESOURCE_NAME,
+            config, PodResourcesLister(config.pod_resources_socket, config.resource_name,
                                        config.pod_resources_min_interval),
             None, self.allocations.records, self.bindings.get, self.allocations.bind,
             self.allocations.collect, self.allocation_event)
@@ -76,6 +79,7 @@ class Daemon:
         self.slice_counts = SliceCountsFile(self.state_dir)
         self.kube: KubeApi | None = None
         self.metrics: MetricsServer | None = None
+        self.metrics_error: str | None = None   # why the asked port is not served
         self.mqtt: MqttPublisher | None = None
         self.telemetry: MqttTelemetry | None = None
         self._stop = asyncio.Event()
@@ -147,10 +151,18 @@ class Daemon:
                         "(the C path was removed; BENCHMARKS.md, \"One token implementation\"); "
                         "drop the setting, it goes in the next release",
                         extra={"token_path": self.config.token_path})
+        uninstalling: str | None = None
+        kept: dict[str, str] = {}
+        pods: list[str] = []
         try:
             await self._poll()
+            uninstalling = await self._uninstalling()
+            if uninstalling is not None:
+                kept, pods = await self._collect_unheld(uninstalling)
         finally:
-            await self.shutdown()
+            await self.shutdown(keep_kube=uninstalling is not None)
+        if uninstalling is not None:
+            await self._clear_node(uninstalling, kept, pods)
 
     async def _poll(self) -> None:
         """Sync every poll_interval (or when woken) until stopped, or idle for idle_exit."""
@@ -219,6 +231,7 @@ class Daemon:
                 log.error("metrics port unavailable; running without /metrics", extra={
                     "port": config.metrics_port, "error": str(err)})
                 self.metrics = None
+                self.metrics_error = err.strerror or str(err)
         if config.mqtt_url:
             from vgpu_runtime.daemon.telemetry.events import MqttTelemetry
             from vgpu_runtime.daemon.telemetry.mqtt import MqttPublisher
@@ -246,7 +259,81 @@ class Daemon:
         if self.telemetry is not None:
             self.telemetry.allocation_event(event, record, more, binding)
 
-    async def shutdown(self) -> None:
+    # ---- uninstall (daemon/uninstall.py) ----
+
+    async def _uninstalling(self) -> str | None:
+        """Why this stop is an uninstall (the pod's DaemonSet gone or being deleted), or None:
+        whenever that cannot be told, None, so nothing is removed."""
+        name, namespace = self.config.pod_name, self.config.pod_namespace
+        if self.kube is None or not name or not namespace:
+            return None
+        try:
+            owner = await self.kube.pod_owner(namespace, name)
+            if owner is None or owner[0] != "DaemonSet":
+                return None
+            state = await self.kube.daemonset_state(namespace, owner[1])
+            return None if state == "standing" else f"DaemonSet {namespace}/{owner[1]} {state}"
+        except Exception as err:
+            log.warning("cannot tell whether the DaemonSet is being deleted; the node's state "
+                        "stays", extra={"error": str(err)})
+            return None
+
+    async def _collect_unheld(self, why: str) -> tuple[dict[str, str], list[str]]:
+        """Collect the allocations no running pod holds; the others are kept: id -> why, and
+        the pods ("namespace/name") that hold them."""
+        listing = (await self.pods.lister.listing() if self.pods.lister.available()
+                   else None)
+        kept: dict[str, str] = {}
+        pods: set[str] = set()
+        for record in self.allocations.records():
+            if record.origin != "kubelet" or not record.device_ids:
+                kept[record.id] = f"not a pod's allocation ({record.origin})"
+                continue
+            if listing is None or not listing.ok:
+                kept[record.id] = ("PodResources gave no answer"
+                                   f"{f' ({listing.error})' if listing else ''}: its pod may run")
+                continue
+            owner = listing.owner_of(record.device_ids)
+            if owner is not None:
+                pods.add(f"{owner.namespace}/{owner.name}")
+                kept[record.id] = f"pod {owner.namespace}/{owner.name} is running"
+                continue
+            await self.allocations.collect(record.id, f"uninstall ({why}); no pod holds it")
+        log.info("uninstall: allocations of running pods kept, the others collected",
+                 extra={"reason": why, "kept": sorted(kept), "pods": sorted(pods)})
+        return kept, sorted(pods)
+
+    async def _clear_node(self, why: str, kept: dict[str, str], pods: list[str]) -> None:
+        """Remove the state directory's entries no kept allocation uses and the daemon's node
+        labels, then say what went and what stayed in an Event on the Node."""
+        from vgpu_runtime.daemon import uninstall
+
+        assert self.kube is not None
+        node = self.config.node_name
+        try:
+            cleanup = uninstall.clean_state(self.state_dir, kept)
+            try:
+                labels = uninstall.node_labels_to_remove(await self.kube.node_labels(node))
+                if labels:
+                    await self.kube.patch_node_labels(node, labels)
+            except Exception as err:
+                cleanup.kept["(node labels)"] = f"cannot be removed: {err}"
+            message = cleanup.message(pods)
+            log.info("uninstalled from this node", extra={
+                "reason": why, "removed": cleanup.removed, "kept": cleanup.kept})
+            try:
+                uid = (await self.kube.node(node)).uid
+                await self.kube.post_node_event(node, uid, uninstall.REASON, message,
+                                                kind="Normal")
+            except Exception as err:
+                log.warning("cannot post the uninstall Event on the node",
+                            extra={"error": str(err), "event": message})
+        finally:
+            self.kube.close()
+
+    async def shutdown(self, keep_kube: bool = False) -> None:
+        """Stop everything; the API client stays open where `keep_kube` (an uninstall's last
+        words), to be closed by whoever asked."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -255,7 +342,7 @@ class Daemon:
         await self.pods.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.kube is not None:
+        if self.kube is not None and not keep_kube:
             self.kube.close()
         await self.control.close()
         await self.allocations.close("gemini-daemon stopping")
@@ -280,12 +367,22 @@ class Daemon:
                     "connected": self.mqtt.connected, "published": self.mqtt.published,
                     "queued": len(self.mqtt.queue), "dropped": self.mqtt.dropped}}
 
+    def metrics_status(self) -> dict[str, Any] | None:
+        """The metrics port: None when off; else where it was asked for, the port served
+        (None, with the error, where it could not be had). gemini-run and gemini-vgpu status
+        tell the user from it."""
+        if not self.config.metrics_port:
+            return None
+        return {"address": self.config.metrics_address, "asked": self.config.metrics_port,
+                "port": None if self.metrics is None else self.metrics.port,
+                "error": self.metrics_error}
+
     def telemetry_status(self) -> dict[str, Any]:
         return self.status({})
 
     def status(self, _request: dict[str, Any]) -> dict[str, Any]:
         return {
-            "daemon": {"pid": os.getpid(), "version": __version__,
+            "daemon": {"pid": os.getpid(), "version": __version__, "program": self.program,
                        "state_dir": str(self.state_dir), "started_at": self.started_at,
                        "default_limit": self.config.default_limit,
                        "limit_policy": self.config.limit_policy,
@@ -293,7 +390,7 @@ class Daemon:
                        "token_pages": token_page_kind(),
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
-                       "ready": self.ready},
+                       "ready": self.ready, "metrics": self.metrics_status()},
             "node": self.node_status(),
             "allocations": self.allocations.snapshot(),
             "gpus": self.tokens.snapshot(),

@@ -1,11 +1,14 @@
 """The README's first command (gemini-demo, through scripts/demo): a node advertising and
-admitting vGPUs.
+admitting vGPUs, then two programs sharing one GPU.
 
-Starts the real device plugin against the kubelet emulator in a temporary directory (real GPUs
-when NVML finds any, otherwise two simulated ones), shows the node's capacity, admits pods of 3,
-5 and 4 slices, and shows a pod that fits the node's free count but no single GPU refused.
+Admission: starts the real device plugin against the kubelet emulator in a temporary directory
+(real GPUs when NVML finds any, otherwise two simulated ones), shows the node's capacity, admits
+pods of 3, 5 and 4 slices, and shows a pod that fits the node's free count but no single GPU
+refused. Sharing (sharedemo.py): two programs under gemini-run share a simulated GPU through the
+real daemon and interposer over the fake CUDA driver; their shares and memory converge, live, to
+what they asked for, and each is refused an allocation past its memory limit.
 
-    gemini-demo [--simulate-gpus N] [--keep]
+    gemini-demo [--simulate-gpus N] [--only admission|sharing] [--keep]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from vgpu_runtime.common import cli
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod, describe_node
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
+from vgpu_runtime.devkit.sharedemo import run_sharing
 
 SLICES_PER_GPU = 10
 SAMPLE_PODS = (("train-a", 3), ("infer-b", 5), ("notebook-c", 4))
@@ -144,21 +148,42 @@ async def run_demo(root: Path, simulate_gpus: int) -> int:
         print(f"\n  plugin stopped (exit status {code})")
 
 
+PARTS = ("admission", "sharing")
+
+
+def sharing(root: Path) -> int:
+    """The sharing part; a program that fails to start is said in one line, not a traceback."""
+    try:
+        run_sharing(root, heading)
+    except (RuntimeError, OSError, ValueError) as err:
+        print(f"  the sharing part failed: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # The docstring's first sentence, whole (it runs over two lines).
     parser = argparse.ArgumentParser(
         description=" ".join((__doc__ or "").split("\n\n")[0].split()) or None)
     parser.add_argument("--simulate-gpus", type=int, default=None,
                         help="use N simulated GPUs (default: real GPUs if NVML finds any, else 2)")
+    parser.add_argument("--only", choices=PARTS, default=None,
+                        help="run one part: admission (the plugin and kubelet) or sharing (two "
+                             "programs on one GPU, live); default both")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     cli.add_version(parser)
     args = parser.parse_args(argv)
     simulate = args.simulate_gpus
-    if simulate is None:
+    if simulate is None and args.only != "sharing":
         simulate = 0 if nvml_gpu_count() > 0 else 2
     root = Path(tempfile.mkdtemp(prefix="gemini-demo-", dir="/tmp"))
     try:
-        return asyncio.run(run_demo(root, simulate))
+        code = 0
+        if args.only in (None, "admission"):
+            code = asyncio.run(run_demo(root, simulate or 0))
+        if code == 0 and args.only in (None, "sharing"):
+            code = sharing(root)
+        return code
     except KeyboardInterrupt:
         return 130
     finally:

@@ -50,10 +50,14 @@ launch-bound jobs fill each other's idle gaps, as under time-slicing, and a ligh
 inference loop) fills a GPU-bound one's, while two that may be GPU-bound never share, so their
 shares stay exact where they contend. A co-held grant is charged its busy fraction of its time
 (what the tenant used of the GPU; in full where unmeasured); an exclusive grant is charged in
-full (it kept everyone else out). Figures that go stale while co-held at saturation mean
-exclusive turns, which measure them again. Only the first in line is ever co-granted, so a
-tenant that must wait for an exclusive turn is never passed over: the holders drain within a
-quota and it is granted.
+full (it kept everyone else out). A co-held tenant ran all it launched, kept waiting by nobody:
+when its grant ends it starts no further behind than the least advanced other active tenant,
+as one back from idle (a light co-holder left behind would otherwise be the floor that pins
+every other lead, and the largest request would win every turn). Figures that go stale while
+co-held at saturation mean exclusive turns, which measure them again. Only the first in line
+is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
+holders drain within a quota and it is granted. A capped tenant that gains credit while others
+hold is woken then (`next_deadline`): it may fit beside them.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -375,11 +379,18 @@ class TokenScheduler:
         return self._decided(now, self._dispatch(now), tuple(revoked))
 
     def next_deadline(self, now: float) -> float | None:
-        """When tick() must run next: a revocation, or a limited tenant becoming eligible."""
+        """When tick() must run next: a revocation, or a limited tenant becoming eligible (with
+        co-scheduling, while others hold too: it may fit beside them)."""
+        wakes = []
         if self.grants:
-            return min(g.expires_at for g in self.grants.values()) + self.config.revoke_grace
-        wakes = [self._eligible_at(t, now) for t in self.tenants.values()
-                 if t.waiting_since is not None]
+            wakes.append(min(g.expires_at for g in self.grants.values())
+                         + self.config.revoke_grace)
+        if not self.grants:
+            wakes += [self._eligible_at(t, now) for t in self.tenants.values()
+                      if t.waiting_since is not None]
+        elif self.config.co_schedule:
+            wakes += [at for t in self.tenants.values() if t.waiting_since is not None
+                      and (at := self._eligible_at(t, now)) > now]
         return min(wakes) if wakes else None
 
     # ---- views ----
@@ -452,6 +463,11 @@ class TokenScheduler:
             start = grant.granted_at
             self._charge(state, start, start + busy * (end - start))
             self._shared.append((start, end))
+            # It ran all it launched, kept waiting by nobody: like idle time, its lag behind
+            # the others is not banked (left behind, it would pin every other lead).
+            floor = self._floor(exclude=tenant, idle_too=False)
+            if floor is not None:
+                state.vtime = max(state.vtime, floor)
         else:
             self._charge(state, grant.granted_at, end)
         self._held_for(tenant, grant.granted_at, end)
@@ -542,9 +558,11 @@ class TokenScheduler:
         for t in waiting:
             if t not in eligible:
                 t.vtime = max(t.vtime, floor)   # waiting at its limit banks nothing either
-        # The lead of those that wait is bounded against every active tenant, the holder too.
+        # The lead of those that wait is bounded against every active tenant, the holders too
+        # (a tenant waiting at its limit, just raised to the eligible ones, as well: a holder
+        # may be further behind than they are).
         active = self._floor(exclude=None, idle_too=False)
-        for t in eligible:
+        for t in waiting:
             self._bound_lead(t, active)
         first = min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
         if self.grants and not self._fits(first, now):

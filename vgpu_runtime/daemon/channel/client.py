@@ -367,8 +367,8 @@ def request(state_dir: str | Path, op: str = "status", timeout: float = 5.0,
 
 
 TENANT_SAMPLE_FIELDS = ("achieved", "wait_p50_ms", "wait_p99_ms", "revocations", "burst_ms",
-                        "quota_ms")
-GPU_SAMPLE_FIELDS = ("grants", "preemptions", "idle_releases", "window_s")
+                        "quota_ms", "busy")
+GPU_SAMPLE_FIELDS = ("grants", "preemptions", "idle_releases", "co_grants", "window_s")
 
 
 def token_sample(state_dir: str | Path, owner_pids: list[int]) -> dict[str, Any]:

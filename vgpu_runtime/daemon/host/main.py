@@ -95,6 +95,7 @@ def make_layout(state: Path) -> None:
 async def serve(config: HostConfig, gpus: list[GpuInfo], gid: int) -> None:
     # The node daemon inside claims no GPU per allocation: the host daemon holds them all.
     daemon = Daemon(dataclasses.replace(config, gpu_lock_dir=None))
+    daemon.program = "gemini-host"
     host = HostServer(daemon, config, gpus, gid)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

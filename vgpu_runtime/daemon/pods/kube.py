@@ -6,6 +6,10 @@
     PATCH /api/v1/nodes/{node}                    gemini.ai/* labels (as GPU feature discovery)
     GET   /api/v1/nodes?watch=true&fieldSelector=metadata.name={node}   (gemini-config-manager)
     POST  /api/v1/namespaces/default/events       an Event on this node
+    GET   /apis/apps/v1/namespaces/{ns}/daemonsets/{name}   whether its own DaemonSet is being
+                                                  deleted (an uninstall), as the daemon stops
+    DELETE /apis/apps/v1/namespaces/{ns}/daemonsets/{name}  propagationPolicy=Foreground: the
+                                                  chart's pre-delete hook (gemini-uninstall)
 
 The client is synchronous (urllib3), so every call runs in a worker thread and never stalls the
 event loop that serves the channels. `kubernetes` is imported only here, and only when the
@@ -66,6 +70,7 @@ class KubeApi:
         self._client = client
         self._api: Any = client.ApiClient(configuration)
         self.core = client.CoreV1Api(self._api)
+        self.apps = client.AppsV1Api(self._api)
 
     async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException
@@ -84,6 +89,55 @@ class KubeApi:
                                name, namespace)
         meta = pod.metadata
         return PodInfo(meta.uid or "", dict(meta.annotations or {}))
+
+    async def pod_owner(self, namespace: str, name: str) -> tuple[str, str] | None:
+        """The (kind, name) of the pod's controller (ownerReferences' controller: true)."""
+        pod = await self._call(f"GET pod {namespace}/{name}", self.core.read_namespaced_pod,
+                               name, namespace)
+        for owner in pod.metadata.owner_references or []:
+            if owner.controller:
+                return str(owner.kind), str(owner.name)
+        return None
+
+    async def daemonset_state(self, namespace: str, name: str) -> str:
+        """"standing", "deleting" (marked for deletion: a foreground delete keeps it until its
+        pods are gone) or "gone" (404)."""
+        from kubernetes.client.exceptions import ApiException
+
+        def call() -> Any:
+            return self.apps.read_namespaced_daemon_set(name, namespace,
+                                                        _request_timeout=REQUEST_TIMEOUT)
+        try:
+            found = await asyncio.to_thread(call)
+        except ApiException as err:
+            if err.status == 404:
+                return "gone"
+            raise KubeError(f"GET daemonset {namespace}/{name}: HTTP {err.status} "
+                            f"{err.reason}") from None
+        except Exception as err:   # connection refused, timeouts, bad answers
+            raise KubeError(f"GET daemonset {namespace}/{name}: {err}") from None
+        return "standing" if found.metadata.deletion_timestamp is None else "deleting"
+
+    async def delete_daemonset(self, namespace: str, name: str) -> bool:
+        """Delete in the foreground: the DaemonSet stays, marked, until its pods are gone.
+        False if there was none."""
+        c = self._client
+        from kubernetes.client.exceptions import ApiException
+
+        def call() -> Any:
+            return self.apps.delete_namespaced_daemon_set(
+                name, namespace, body=c.V1DeleteOptions(propagation_policy="Foreground"),
+                _request_timeout=REQUEST_TIMEOUT)
+        try:
+            await asyncio.to_thread(call)
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise KubeError(f"DELETE daemonset {namespace}/{name}: HTTP {err.status} "
+                            f"{err.reason}") from None
+        except Exception as err:
+            raise KubeError(f"DELETE daemonset {namespace}/{name}: {err}") from None
+        return True
 
     async def post_event(self, pod: PodRef, node: str, reason: str, message: str,
                          kind: str = "Warning") -> None:

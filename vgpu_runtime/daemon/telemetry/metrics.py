@@ -18,8 +18,10 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
                                                          (over_limit_action kill)
     gemini_vgpu_memory_unhooked_bytes                    charged for processes with no
                                                          connection to the interposer
-    gemini_vgpu_build_info{version,interposer}           1: what runs (the package and the
-                                                         interposer library it hands pods)
+    gemini_vgpu_build_info{version,interposer,program}   1: what runs (the package, the
+                                                         interposer library it serves, and
+                                                         gemini-daemon or gemini-host:
+                                                         common/metrics.py)
 
 The server runs in a thread (prometheus_client's exposition, http.server); each scrape asks the
 event loop for one status snapshot, so the figures are consistent and the loop stays the only
@@ -31,10 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -46,21 +46,18 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from vgpu_runtime import __version__, hooklib
+from vgpu_runtime.common.metrics import MetricsPort, build_info, not_found
 from vgpu_runtime.daemon.telemetry.rows import container_rows, gpu_rows
 
 log = logging.getLogger(__name__)
 
 SCRAPE_TIMEOUT = 2.0
 CONTAINER_LABELS = ["pod", "namespace", "container", "allocation", "gpu"]
+DEFAULT_PROGRAM = "gemini-daemon"
 
 
 def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
-    build = GaugeMetricFamily("gemini_vgpu_build_info", "The package version and the "
-                              "interposer library this daemon serves (always 1)",
-                              labels=["version", "interposer"])
-    build.add_metric([__version__, hooklib.library_name()], 1.0)
-    yield build
+    yield build_info(str(status.get("daemon", {}).get("program", DEFAULT_PROGRAM)))
     gpu_labels = ["gpu", "model"]
     slices = GaugeMetricFamily("gemini_vgpu_gpu_slices", "Slices the GPU is advertised as",
                                labels=gpu_labels)
@@ -145,28 +142,18 @@ def render(status: dict[str, Any]) -> bytes:
 
 
 class MetricsServer:
+    """The daemon's port: every answer is computed on the event loop (the state's one owner)."""
+
     def __init__(self, address: str, port: int, loop: asyncio.AbstractEventLoop,
                  status: Callable[[], dict[str, Any]], ready: Callable[[], bool]) -> None:
         self.loop = loop
         self.status = status
         self.ready = ready
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                server._handle(self)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass   # scrapes are not worth a log line each
-
-        self.httpd = ThreadingHTTPServer((address, port), Handler)
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics",
-                                        daemon=True)
+        self.server = MetricsPort(address, port, self.answer)
+        self.port = self.server.port
 
     def start(self) -> None:
-        self._thread.start()
+        self.server.start()
         log.info("metrics served", extra={"port": self.port})
 
     def _on_loop(self, fn: Callable[[], Any]) -> Any:
@@ -174,29 +161,20 @@ class MetricsServer:
             return fn()
         return asyncio.run_coroutine_threadsafe(call(), self.loop).result(SCRAPE_TIMEOUT)
 
-    def _handle(self, request: BaseHTTPRequestHandler) -> None:
-        path = request.path.split("?", 1)[0]
+    def answer(self, path: str) -> tuple[int, str, bytes]:
         try:
             if path == "/metrics":
-                body, ctype, code = render(self._on_loop(self.status)), CONTENT_TYPE_LATEST, 200
-            elif path == "/healthz":
+                return 200, CONTENT_TYPE_LATEST, render(self._on_loop(self.status))
+            if path == "/healthz":
                 self._on_loop(lambda: None)
-                body, ctype, code = b"ok\n", "text/plain", 200
-            elif path == "/readyz":
-                ready = bool(self._on_loop(self.ready))
-                body = b"ready\n" if ready else b"not ready: records not served yet\n"
-                ctype, code = "text/plain", 200 if ready else 503
-            else:
-                body, ctype, code = b"not found: try /metrics, /healthz, /readyz\n", \
-                    "text/plain", 404
+                return 200, "text/plain", b"ok\n"
+            if path == "/readyz":
+                if self._on_loop(self.ready):
+                    return 200, "text/plain", b"ready\n"
+                return 503, "text/plain", b"not ready: records not served yet\n"
         except (FutureTimeout, RuntimeError) as err:
-            body, ctype, code = f"event loop not answering: {err!r}\n".encode(), "text/plain", 503
-        request.send_response(code)
-        request.send_header("Content-Type", ctype)
-        request.send_header("Content-Length", str(len(body)))
-        request.end_headers()
-        request.wfile.write(body)
+            return 503, "text/plain", f"event loop not answering: {err!r}\n".encode()
+        return not_found("/metrics, /healthz, /readyz")
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.close()

@@ -6,6 +6,11 @@
     PATCH /api/v1/nodes/{name}        merge or strategic-merge patch of metadata.labels
     GET   /api/v1/nodes?watch=true&fieldSelector=metadata.name={name}&resourceVersion=N
                                       MODIFIED events, chunked, until timeoutSeconds
+    GET    /apis/apps/v1/namespaces/{ns}/daemonsets/{name}
+    DELETE /apis/apps/v1/namespaces/{ns}/daemonsets/{name}   Foreground marks it for deletion
+                                      (deletionTimestamp) until the test ends it
+                                      (`finish_deletion`, the garbage collector's part); any
+                                      other propagation removes it at once
 
 Objects are built with the official client's models and serialized by its ApiClient, so the
 daemon's client parses exactly what a real API server would send. Every request is recorded
@@ -29,6 +34,7 @@ _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)$")
 _EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
 _NODES = "/api/v1/nodes"
+_DAEMONSET = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/daemonsets/([^/]+)$")
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -40,6 +46,8 @@ class FakeApiServer:
     def __init__(self) -> None:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
+        self.daemonsets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.deletes: list[tuple[str, str, dict[str, Any] | None]] = []   # ns, name, options
         self.events: list[dict[str, Any]] = []
         self.patches: list[tuple[str, str, dict[str, Any]]] = []   # node, content type, body
         self.requests: list[tuple[str, str]] = []
@@ -48,6 +56,7 @@ class FakeApiServer:
         self.changed = threading.Condition(self.lock)   # notified on every node change
         self._version = 0
         self.fail_all = False    # answer 503 to everything (API server away)
+        self.fail_posts = False  # answer 503 to every POST (Events refused)
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,6 +68,9 @@ class FakeApiServer:
 
             def do_PATCH(self) -> None:
                 fake._handle(self, "PATCH")
+
+            def do_DELETE(self) -> None:
+                fake._handle(self, "DELETE")
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -93,11 +105,35 @@ class FakeApiServer:
     # ---- objects ----
 
     def add_pod(self, namespace: str, name: str, uid: str,
-                annotations: dict[str, str] | None = None) -> None:
+                annotations: dict[str, str] | None = None,
+                daemonset: str | None = None) -> None:
+        """A pod; `daemonset` names its controller (ownerReferences, controller: true)."""
+        owners = None if daemonset is None else [k8s.V1OwnerReference(
+            api_version="apps/v1", kind="DaemonSet", name=daemonset, uid=f"uid-{daemonset}",
+            controller=True, block_owner_deletion=True)]
         pod = k8s.V1Pod(api_version="v1", kind="Pod", metadata=k8s.V1ObjectMeta(
-            name=name, namespace=namespace, uid=uid, annotations=annotations or {}))
+            name=name, namespace=namespace, uid=uid, annotations=annotations or {},
+            owner_references=owners))
         with self.lock:
             self.pods[(namespace, name)] = _api.sanitize_for_serialization(pod)
+
+    def add_daemonset(self, namespace: str, name: str) -> None:
+        labels = {"app.kubernetes.io/name": name}
+        daemonset = k8s.V1DaemonSet(
+            api_version="apps/v1", kind="DaemonSet",
+            metadata=k8s.V1ObjectMeta(name=name, namespace=namespace, uid=f"uid-{name}"),
+            spec=k8s.V1DaemonSetSpec(
+                selector=k8s.V1LabelSelector(match_labels=labels),
+                template=k8s.V1PodTemplateSpec(
+                    metadata=k8s.V1ObjectMeta(labels=labels),
+                    spec=k8s.V1PodSpec(containers=[k8s.V1Container(name="node")]))))
+        with self.lock:
+            self.daemonsets[(namespace, name)] = _api.sanitize_for_serialization(daemonset)
+
+    def finish_deletion(self, namespace: str, name: str) -> None:
+        """The garbage collector's part of a foreground delete: its pods gone, it goes."""
+        with self.lock:
+            self.daemonsets.pop((namespace, name), None)
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
         node = k8s.V1Node(api_version="v1", kind="Node",
@@ -166,12 +202,27 @@ class FakeApiServer:
 
     def _answer(self, method: str, path: str, raw: bytes, ctype: str
                 ) -> tuple[int, dict[str, Any]]:
-        if self.fail_all:
+        if self.fail_all or (self.fail_posts and method == "POST"):
             return 503, _status(503, "ServiceUnavailable", "fake API server told to fail")
         try:
             body = json.loads(raw) if raw else None
         except json.JSONDecodeError as err:
             return 400, _status(400, "BadRequest", f"body is not JSON: {err}")
+        if (m := _DAEMONSET.match(path)) and method in ("GET", "DELETE"):
+            key = (m.group(1), m.group(2))
+            daemonset = self.daemonsets.get(key)
+            if daemonset is None:
+                return 404, _status(404, "NotFound",
+                                    f'daemonsets.apps "{m.group(2)}" not found')
+            if method == "DELETE":
+                self.deletes.append((*key, body))
+                policy = (body or {}).get("propagationPolicy")
+                if policy == "Foreground":
+                    daemonset["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+                    daemonset["metadata"]["finalizers"] = ["foregroundDeletion"]
+                else:
+                    del self.daemonsets[key]
+            return 200, daemonset
         if method == "GET" and (m := _POD.match(path)):
             pod = self.pods.get((m.group(1), m.group(2)))
             if pod is None:

@@ -235,7 +235,7 @@ class KubeletEmulator:
             except AllocationError as err:
                 pod.phase, pod.reason = FAILED, protocol.ADMISSION_ERROR_REASON
                 pod.message = f"Allocate failed due to {err}, which is unexpected"
-                log.info("pod rejected", extra={"pod": name, "message": pod.message})
+                log.info("pod rejected", extra={"pod": name, "error": pod.message})
             self._write_checkpoint()
         if pod.admitted:
             for container in pod.containers.values():

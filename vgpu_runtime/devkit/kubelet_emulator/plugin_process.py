@@ -34,7 +34,10 @@ class PluginProcess:
             sys.executable, "-m", "device_plugin.main",
             "--kubelet-dir", str(kubelet_dir), "--state-dir", str(state_dir),
             "--slices-per-gpu", str(slices), "--simulate-control-dir", str(self.control_dir),
-            *(["--simulate-gpus", str(gpus)] if gpus else []), *args,
+            *(["--simulate-gpus", str(gpus)] if gpus else []),
+            # No metrics port unless `args` names one: plugins of parallel runs would race for
+            # 9403 (the last flag wins).
+            "--metrics-port", "0", *args,
         ]
         self.process: asyncio.subprocess.Process | None = None
         self._log: IO[bytes] | None = None
