@@ -51,8 +51,7 @@ LAYERS: dict[str, int] = {
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,
 }
-# Rule: the contracts name what the build made and never build it (the build writes the
-# interposer's name beside the library; hooklib reads it), so they import neither.
+# Rule: the contracts name what the build made, never build it: they import neither of these.
 CONTRACTS = "vgpu_runtime.contracts"
 CONTRACTS_NEVER_IMPORT = ("vgpu_runtime.hook", "vgpu_runtime.hooklib")
 # The plugin sits beside the daemon, joined to it only by the allocation record: it may import

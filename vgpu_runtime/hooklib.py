@@ -28,8 +28,7 @@ def library_name() -> str:
     """`libgemini-hook.so.<version>-<digest>`: the name every program gives the interposer (in
     LD_PRELOAD, records, the installed file). A file of that name is never rewritten: running
     pods keep the library they started with across upgrades."""
-    # Rule: the build writes the name once, beside the library; the installed package reads it,
-    # and only a source tree (no such file) asks the build. The contracts never import the build.
+    # Rule: the build writes the name once, beside the library; only a source tree asks the build.
     record = PACKAGE_LIB_DIR / build.NAME_FILE
     try:
         name = record.read_text().strip()
