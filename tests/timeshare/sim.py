@@ -249,3 +249,21 @@ class Simulation:
         tenant = self.tenants[name]
         tenant.stopped = True
         self.apply(self.scheduler.remove(name, self.now))
+
+
+FILL_EPS = 1e-9
+
+
+def water_fill(requests: list[float], ceilings: list[float]) -> list[float]:
+    """The GPU shared by requests up to each ceiling: each gets min(request, ceiling) and what
+    is left goes to those below their ceiling, in proportion to their requests."""
+    got = [min(r, c) for r, c in zip(requests, ceilings, strict=True)]
+    for _ in range(len(got)):
+        spare = 1.0 - sum(got)
+        open_ = [i for i in range(len(got)) if got[i] < ceilings[i] - FILL_EPS]
+        if spare <= FILL_EPS or not open_:
+            break
+        weight = sum(requests[i] for i in open_)
+        for i in open_:
+            got[i] = min(ceilings[i], got[i] + spare * requests[i] / weight)
+    return got

@@ -44,7 +44,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.timeshare.sim import Simulation, Workload
+from tests.timeshare.sim import Simulation, Workload, water_fill
 from vgpu_runtime.timeshare.policy import Tenant, TimeshareSettings
 
 HANDOFF = 0.0005
@@ -74,21 +74,6 @@ class Member:
     request: int     # in tenths; scaled when they add up to more than 10
     capped: bool     # limit = request (where the requests fit)
     kind: str        # a key of KINDS
-
-
-def water_fill(requests: list[float], ceilings: list[float]) -> list[float]:
-    """The GPU shared by requests up to each ceiling: each gets min(request, ceiling) and what
-    is left goes to those below their ceiling, in proportion to their requests."""
-    got = [min(r, c) for r, c in zip(requests, ceilings, strict=True)]
-    for _ in range(len(got)):
-        spare = 1.0 - sum(got)
-        open_ = [i for i in range(len(got)) if got[i] < ceilings[i] - EPS]
-        if spare <= EPS or not open_:
-            break
-        weight = sum(requests[i] for i in open_)
-        for i in open_:
-            got[i] = min(ceilings[i], got[i] + spare * requests[i] / weight)
-    return got
 
 
 def counted(tenant: Tenant, now: float, config: TimeshareSettings) -> float:

@@ -29,13 +29,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.timeshare.sim import Simulation, Workload
+from tests.timeshare.sim import Simulation, Workload, water_fill
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
 HANDOFF = 0.0005
 SETTLE = 2.0       # seconds after the debt is paid back before the share window opens
 WINDOW = 10.0
-EPS = 1e-9
 # (kernel seconds, kernels per sync): 8192-like bursts of 4, sync-each, long streams.
 LOADS = [(0.0017, 4), (0.004, 1), (0.0017, 16)]
 
@@ -53,17 +52,8 @@ def entitled(requests: list[float], limits: list[float]) -> list[float]:
     each limit (water-filling)."""
     total = sum(requests)
     scale = 1.0 / total if total > 1.0 else 1.0
-    got = [r * scale for r in requests]
-    caps = [max(limit, g) for limit, g in zip(limits, got, strict=True)]
-    for _ in range(len(got)):
-        spare = 1.0 - sum(got)
-        open_ = [i for i in range(len(got)) if got[i] < caps[i] - EPS]
-        if spare <= EPS or not open_:
-            break
-        weight = sum(requests[i] for i in open_)
-        for i in open_:
-            got[i] = min(caps[i], got[i] + spare * requests[i] / weight)
-    return got
+    scaled = [r * scale for r in requests]
+    return water_fill(scaled, [max(limit, g) for limit, g in zip(limits, scaled, strict=True)])
 
 
 class Checker:
