@@ -6,22 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.containers.node import ContainerNode, start_node, stop_node
-from vgpu_runtime.devkit.kubelet_emulator.runtime import runc_refusal
+from tests.containers.node import ContainerNode, node_on_fake_api
 
 
 @pytest.fixture(scope="module")
 def container_node() -> Iterator[ContainerNode]:
-    reason = runc_refusal()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
-    from vgpu_runtime.devkit.fakeapi import FakeApiServer
-
-    with FakeApiServer() as api:
-        api.add_node("node-1")
-        node = start_node(api)
-        try:
-            yield node
-        finally:
-            stop_node(node)
+    with node_on_fake_api() as node:
+        yield node

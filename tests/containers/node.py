@@ -19,10 +19,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import pytest
 
 from tests.childenv import child_env
 from tests.daemon.helpers import DaemonProcess, wait_for
@@ -40,6 +43,7 @@ from vgpu_runtime.devkit.kubelet_emulator.runtime import (
     ContainerRuntime,
     Rootfs,
     Volume,
+    runc_refusal,
 )
 from vgpu_runtime.gpus.simulated import simulated_uuid
 from vgpu_runtime.hook import build
@@ -301,3 +305,22 @@ def stop_node(node: ContainerNode) -> None:
     finally:
         node.loop.stop()
         shutil.rmtree(node.root, ignore_errors=True)
+
+
+@contextmanager
+def node_on_fake_api(**start: Any) -> Iterator[ContainerNode]:
+    """A module's node (start_node's arguments) on a fake API server holding node-1; skips,
+    saying why, where runc cannot run or the Kubernetes client is missing."""
+    reason = runc_refusal()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
+
+    with FakeApiServer() as api:
+        api.add_node("node-1")
+        node = start_node(api, **start)
+        try:
+            yield node
+        finally:
+            stop_node(node)

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 
-from tests.containers.node import ContainerNode, start_node, stop_node
+from tests.containers.node import ContainerNode, node_on_fake_api
 from tests.daemon.helpers import wait_for
 from vgpu_runtime.devkit.kubelet_emulator import Pod
-from vgpu_runtime.devkit.kubelet_emulator.runtime import runc_refusal
 
 GiB, MiB = 1 << 30, 1 << 20
 KILLED = (137, -9)   # runc run's status for a SIGKILLed container process, or its own
@@ -25,19 +24,8 @@ KILLED = (137, -9)   # runc run's status for a SIGKILLed container process, or i
 
 @pytest.fixture(scope="module")
 def killing_node() -> Iterator[ContainerNode]:
-    reason = runc_refusal()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
-    from vgpu_runtime.devkit.fakeapi import FakeApiServer
-
-    with FakeApiServer() as api:
-        api.add_node("node-1")
-        node = start_node(api, fake_nvml=True, daemon_extra=("--over-limit-action", "kill"))
-        try:
-            yield node
-        finally:
-            stop_node(node)
+    with node_on_fake_api(fake_nvml=True, daemon_extra=("--over-limit-action", "kill")) as node:
+        yield node
 
 
 def gpu_of(node: ContainerNode, allocation: str) -> dict[str, Any]:
