@@ -53,7 +53,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -154,6 +154,18 @@ def _port(text: str) -> int:
     return int(text)
 
 
+def _flag_or_env(parser: argparse.ArgumentParser, flag: int | None, env: str,
+                 convert: Callable[[str], int]) -> int | None:
+    """The flag where given, else the environment variable's value (flags > env); a bad value
+    is a usage error naming the variable."""
+    if flag is not None or not os.environ.get(env):
+        return flag
+    try:
+        return convert(os.environ[env])
+    except argparse.ArgumentTypeError as err:
+        parser.error(f"{env}: {err}")
+
+
 def _count(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive number of GPUs, got {text!r}")
@@ -194,21 +206,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Request:
         command = command[1:]
     if not command:
         parser.error("no COMMAND given: gemini-run [options] -- COMMAND...")
-    simulate = args.simulate_gpus
-    if simulate is None and os.environ.get(ENV_SIMULATE):
-        try:
-            simulate = _count(os.environ[ENV_SIMULATE])
-        except argparse.ArgumentTypeError as err:
-            parser.error(f"{ENV_SIMULATE}: {err}")
+    simulate = _flag_or_env(parser, args.simulate_gpus, ENV_SIMULATE, _count)
     if args.limit is not None and args.limit < args.share:
         parser.error(f"--limit {args.limit:g} is below --share {args.share:g}: the cap on a "
                      "share cannot be less than the share guaranteed")
-    metrics_port = args.metrics_port
-    if metrics_port is None and os.environ.get(ENV_METRICS_PORT):
-        try:
-            metrics_port = _port(os.environ[ENV_METRICS_PORT])
-        except argparse.ArgumentTypeError as err:
-            parser.error(f"{ENV_METRICS_PORT}: {err}")
+    metrics_port = _flag_or_env(parser, args.metrics_port, ENV_METRICS_PORT, _port)
     named = args.state_dir or os.environ.get(ENV_STATE_DIR)
     return Request(
         gpu=args.gpu, share=args.share, limit=args.limit, memory=args.memory,
