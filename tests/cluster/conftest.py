@@ -113,18 +113,24 @@ class Tools:
         return run([self.helm, *args], check=check, timeout=timeout)
 
 
+def cluster_step(verb: str) -> None:
+    """scripts/cluster/cluster.py VERB (build, up: long when cold), its output passed on; a
+    failure fails the test with the output's tail and the time it took."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(SCRIPT), verb], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=5400)
+    sys.stderr.write(done.stdout)
+    if done.returncode != 0:
+        pytest.fail(f"scripts/cluster/cluster.py {verb} failed ({done.returncode}) after "
+                    f"{time.monotonic() - started:.0f} s:\n{done.stdout[-3000:]}\n"
+                    f"{done.stderr[-5000:]}")
+
+
 @pytest.fixture(scope="session")
 def tools() -> Tools:
     """helm and kubectl from the cache, built where it lacks them (cluster.py build); no cluster
     needs to be up. Fails, saying why, where they cannot be built."""
-    started = time.monotonic()
-    build = subprocess.run([sys.executable, str(SCRIPT), "build"], capture_output=True,
-                           text=True, stdin=subprocess.DEVNULL, timeout=5400)
-    sys.stderr.write(build.stdout)
-    if build.returncode != 0:
-        pytest.fail(f"scripts/cluster/cluster.py build failed ({build.returncode}) after "
-                    f"{time.monotonic() - started:.0f} s:\n{build.stdout[-3000:]}\n"
-                    f"{build.stderr[-5000:]}")
+    cluster_step("build")
     env = json.loads(run([sys.executable, str(SCRIPT), "env"]).stdout)
     return Tools(env["helm"], env["kubectl"])
 
@@ -137,14 +143,7 @@ def cluster() -> Iterator[Cluster]:
     reuse = subprocess.run([sys.executable, str(SCRIPT), "status"], capture_output=True,
                            stdin=subprocess.DEVNULL).returncode == 0
     if not reuse:
-        started = time.monotonic()
-        up = subprocess.run([sys.executable, str(SCRIPT), "up"], capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, timeout=5400)
-        sys.stderr.write(up.stdout)
-        if up.returncode != 0:
-            pytest.fail(f"scripts/cluster/cluster.py up failed ({up.returncode}) after "
-                        f"{time.monotonic() - started:.0f} s:\n{up.stdout[-3000:]}\n"
-                        f"{up.stderr[-5000:]}")
+        cluster_step("up")
     env = json.loads(run([sys.executable, str(SCRIPT), "env"]).stdout)
     try:
         yield Cluster(env)
