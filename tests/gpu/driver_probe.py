@@ -75,6 +75,17 @@ class Sampler(threading.Thread):
         return peak
 
 
+def make_primary_context_current(cuda: ctypes.CDLL) -> ctypes.c_int:
+    """cuInit, then device 0's primary context retained and made current (the context charge
+    the probes' first step reports); returns device 0's handle."""
+    assert cuda.cuInit(0) == 0
+    device, ctx = ctypes.c_int(), ctypes.c_void_p()
+    assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    return device
+
+
 def stats() -> dict[str, int]:
     out = HookStats()
     assert ctypes.CDLL(None).gemini_hook_stats(ctypes.byref(out)) == 0
@@ -90,11 +101,7 @@ def main(files: list[str]) -> int:
         print(json.dumps({"step": step, "rc": rc, "nvml_peak": sampler.take(),
                           "held": stats()["bytes_held"], **more}), flush=True)
 
-    assert cuda.cuInit(0) == 0
-    device, ctx = ctypes.c_int(), ctypes.c_void_p()
-    assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
-    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
-    assert cuda.cuCtxSetCurrent(ctx) == 0
+    device = make_primary_context_current(cuda)
     report("context", 0)
 
     def limit(which: int) -> int:

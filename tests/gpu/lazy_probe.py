@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from tests.gpu.driver_probe import GiB, Sampler, global_ptx, stats
+from tests.gpu.driver_probe import GiB, Sampler, global_ptx, make_primary_context_current, stats
 
 
 def main() -> int:
@@ -27,11 +27,7 @@ def main() -> int:
                           "nvml_now": sampler.figure(), "held": stats()["bytes_held"],
                           **more}), flush=True)
 
-    assert cuda.cuInit(0) == 0
-    device, ctx = ctypes.c_int(), ctypes.c_void_p()
-    assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
-    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
-    assert cuda.cuCtxSetCurrent(ctx) == 0
+    make_primary_context_current(cuda)
     report("context", 0)
     library = ctypes.c_void_p()
     rc = cuda.cuLibraryLoadData(ctypes.byref(library), global_ptx(3 * GiB), None, None, 0, None,
