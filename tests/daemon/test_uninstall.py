@@ -148,6 +148,13 @@ async def node_with_pods(pods: PodNode, api: FakeApiServer) -> tuple[Any, Any]:
     return running, ended
 
 
+async def pods_deleted(pods: PodNode, *names: str) -> None:
+    """Delete pods of namespace ml, then wait past the daemon's last PodResources answer."""
+    for name in names:
+        await pods.node.kubelet.delete_pod(name, "ml")
+    await asyncio.sleep(0.5)
+
+
 def stop(pods: PodNode) -> str:
     """Stop the daemon (SIGTERM, as kubelet does); its log."""
     assert pods.daemon is not None
@@ -180,8 +187,7 @@ async def test_an_uninstall_keeps_a_running_pods_allocation_and_says_so(
     running, ended = await node_with_pods(pods, api)
     kept: AllocationRecord = pods.record_of(running, "main")   # type: ignore[assignment]
     done: AllocationRecord = pods.record_of(ended, "main")     # type: ignore[assignment]
-    await pods.node.kubelet.delete_pod("done", "ml")
-    await asyncio.sleep(0.5)   # past the daemon's last PodResources answer
+    await pods_deleted(pods, "done")
     # The hook's foreground delete: the DaemonSet stays, marked, while its pods stop.
     api.daemonsets[(NAMESPACE, DAEMONSET)]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00Z"
     logs = await asyncio.to_thread(stop, pods)
@@ -203,9 +209,7 @@ async def test_an_uninstall_keeps_a_running_pods_allocation_and_says_so(
 async def test_an_uninstall_with_no_pod_left_empties_the_state_directory(
         pods: PodNode, api: FakeApiServer) -> None:
     await node_with_pods(pods, api)
-    for name in ("train", "done"):
-        await pods.node.kubelet.delete_pod(name, "ml")
-    await asyncio.sleep(0.5)
+    await pods_deleted(pods, "train", "done")
     api.finish_deletion(NAMESPACE, DAEMONSET)   # a background delete: already gone
     await asyncio.to_thread(stop, pods)
     assert list(pods.state_dir.iterdir()) == []
@@ -216,9 +220,7 @@ async def test_an_uninstall_with_no_pod_left_empties_the_state_directory(
 async def test_an_event_that_cannot_be_posted_is_logged_and_the_node_cleared_still(
         pods: PodNode, api: FakeApiServer) -> None:
     await node_with_pods(pods, api)
-    for name in ("train", "done"):
-        await pods.node.kubelet.delete_pod(name, "ml")
-    await asyncio.sleep(0.5)
+    await pods_deleted(pods, "train", "done")
     api.finish_deletion(NAMESPACE, DAEMONSET)
     api.fail_posts = True
     logs = await asyncio.to_thread(stop, pods)
