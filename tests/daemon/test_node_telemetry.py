@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import urllib.error
-import urllib.request
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from tests import scrape
+from tests.scrape import fetch, free_port
 from vgpu_runtime import __version__, hooklib
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
@@ -21,20 +18,6 @@ if TYPE_CHECKING:
     from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def fetch(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
 
 
 def kubelet_posts_node_status(pods: PodNode, api: FakeApiServer) -> None:
@@ -93,14 +76,6 @@ async def test_describe_node_capacity_health_and_kubelet_restart(
     assert "Capacity:\n  gemini.ai/vgpu:  20" in describe_node(api.node("node-1"))
 
 
-def _samples(text: str) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
-
-
 async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
     kubelet = pods.node.kubelet
     port = free_port()
@@ -130,7 +105,7 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
                 b.release_token(0)
             status, text = fetch(f"{base}/metrics")
             assert status == 200
-            samples = _samples(text)
+            samples = scrape.samples(text)
             labels = {"pod": "a", "namespace": "ml", "container": "main",
                       "allocation": first.id, "gpu": first.gpus[0].uuid}
 
