@@ -50,10 +50,10 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vgpu_runtime.common.atomicfile import (
     STALE_TEMP_AGE,
@@ -77,6 +77,8 @@ BINDING_VERSION = 1
 ORIGINS = ("kubelet", "gemini-run")
 # The wire carries a memory limit as a uint64 (gemini_wire.h): a larger one could never be sent.
 MAX_MEMORY_LIMIT = (1 << 64) - 1
+
+T = TypeVar("T")   # what a scanned file reads as
 
 
 class RecordError(ValueError):
@@ -382,16 +384,21 @@ def read_record_bytes(path: str | Path) -> bytes | None:
         raise RecordError(f"cannot read allocation record {path}: {err.strerror}") from None
 
 
-def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord | RecordError]]:
-    """Every record file, parsed; a bad one yields its error instead of stopping the scan."""
-    directory = paths.allocations_dir(state_dir)
+def _scan(directory: Path, read: Callable[[Path], T]) -> Iterator[tuple[Path, T | RecordError]]:
+    """Every *.json file of `directory` (none where it is missing), read in name order; a bad
+    one yields its error instead of stopping the scan."""
     if not directory.is_dir():
         return
     for path in sorted(directory.glob("*.json")):
         try:
-            yield path, read_record(path)
+            yield path, read(path)
         except RecordError as err:
             yield path, err
+
+
+def scan_records(state_dir: str | Path) -> Iterator[tuple[Path, AllocationRecord | RecordError]]:
+    """Every record file, parsed; a bad one yields its error instead of stopping the scan."""
+    return _scan(paths.allocations_dir(state_dir), read_record)
 
 
 # ---- ending an allocation: the one place records are deleted ----
@@ -501,14 +508,7 @@ def read_binding(path: str | Path) -> Binding:
 
 
 def scan_bindings(state_dir: str | Path) -> Iterator[tuple[Path, Binding | RecordError]]:
-    directory = paths.bindings_dir(state_dir)
-    if not directory.is_dir():
-        return
-    for path in sorted(directory.glob("*.json")):
-        try:
-            yield path, read_binding(path)
-        except RecordError as err:
-            yield path, err
+    return _scan(paths.bindings_dir(state_dir), read_binding)
 
 
 def remove_binding(state_dir: str | Path, allocation_id: str) -> bool:
