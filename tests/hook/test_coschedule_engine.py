@@ -2,9 +2,11 @@
 fake GPU (the fake driver's shared engine, FAKE_CUDA_ENGINE), the real daemon measuring them
 from the engine's utilisation as NVML's samples (devkit/fakecuda/engine.py).
 
-Each tenant is launch-bound: a 1 ms kernel, a sync, 0.5 ms of host time, again (scripts/model/
-tenant.py's infer shape), so alone it keeps the GPU busy about 60 % of the time (it launches
-again within the daemon's idle release of its last launch: it holds its turns whole). Taking
+Each tenant is launch-bound: a 1 ms kernel, a sync, 1 ms of host time, again (scripts/model/
+tenant.py's infer shape), so alone it keeps the GPU busy about half the time (it launches again
+within the daemon's idle release of its last launch: it holds its turns whole). Two such figures
+sum well under the daemon's co_room of 1.25; at 0.5 ms of host time they measured 0.6 to 0.64
+each on a loaded CI machine, and the pair no longer fit. Taking
 exclusive turns, each one's idle gaps are lost to the other; held together, they fill each
 other's gaps."""
 
@@ -28,7 +30,7 @@ from vgpu_runtime.gpus.simulated import simulated_uuid
 
 REPO = Path(__file__).resolve().parents[2]
 TENANT = REPO / "scripts" / "model" / "tenant.py"
-KERNEL_NS, THINK_S = 1_000_000, 0.0005
+KERNEL_NS, THINK_S = 1_000_000, 0.001
 LEAD, WINDOW = 4.0, 4.0
 
 pytestmark = pytest.mark.slow
@@ -77,11 +79,11 @@ def test_launch_bound_tenants_fill_each_others_gaps_on_one_contended_gpu(
     with tempfile.TemporaryDirectory(prefix="gm-") as short:
         apart = run_pair(hooked, Path(short) / "off", "off")
         together = run_pair(hooked, Path(short) / "on", "on")
-    # Exclusive turns: never co-held. Together: co-held, measured near 0.6 each.
+    # Exclusive turns: never co-held. Together: co-held, measured near 0.5 each.
     assert apart["gpu"]["co_grants"] == 0
     assert together["gpu"]["co_grants"] > 0, json.dumps(together, indent=1)
     figures = [t["busy"] for t in together["gpu"]["tenants"] if t["busy"] is not None]
-    assert figures and all(0.45 <= f <= 0.85 for f in figures), together["gpu"]["tenants"]
+    assert figures and all(0.3 <= f <= 0.85 for f in figures), together["gpu"]["tenants"]
     # More work done in the same window, and each tenant keeps at least its share's worth of
     # what the pair did apart (neither is starved to make room for the other).
     assert sum(together["requests"]) >= 1.2 * sum(apart["requests"]), (apart, together)
