@@ -137,7 +137,8 @@ class FakeApiServer:
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
         node = k8s.V1Node(api_version="v1", kind="Node",
-                          metadata=k8s.V1ObjectMeta(name=name, labels=labels or {}),
+                          metadata=k8s.V1ObjectMeta(name=name, uid=f"uid-{name}",
+                                                    labels=labels or {}),
                           status=k8s.V1NodeStatus(capacity={}, allocatable={}))
         with self.lock:
             self.nodes[name] = _api.sanitize_for_serialization(node)
