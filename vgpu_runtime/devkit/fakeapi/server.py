@@ -170,7 +170,8 @@ class FakeApiServer:
 
     def events_for(self, namespace: str, name: str) -> list[dict[str, Any]]:
         with self.lock:
-            return [e for e in self.events if e["involvedObject"]["namespace"] == namespace
+            # A Node's Events have no involvedObject namespace.
+            return [e for e in self.events if e["involvedObject"].get("namespace") == namespace
                     and e["involvedObject"]["name"] == name]
 
     def node_events(self, name: str) -> list[dict[str, Any]]:
