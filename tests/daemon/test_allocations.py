@@ -24,8 +24,9 @@ from vgpu_runtime.common import config as cfg
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.contracts.share import Share
-from vgpu_runtime.daemon.allocations import Allocations
+from vgpu_runtime.daemon.allocations import Allocations, NoPods
 from vgpu_runtime.daemon.bindings import PodBindings
+from vgpu_runtime.daemon.channel.reconcile import UNATTRIBUTED_REASON
 from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.troubles import Troubles
@@ -197,29 +198,60 @@ async def test_with_gpu_locks_each_gpu_served_is_held_host_wide_until_none_is_on
         served.tokens.close()
 
 
-async def test_a_process_of_no_allocation_on_a_served_gpu_is_listed_never_charged(
+class NodeEvents(NoPods):
+    """The pod watch's part that posts Events on the Node, recorded."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, str]] = []
+
+    def post_node_event(self, reason: str, message: str) -> None:
+        self.posted.append((reason, message))
+
+
+async def until_equal(read: Any, want: Any, what: str) -> None:
+    for _ in range(100):
+        if read() == want:
+            return
+        await asyncio.sleep(0.05)
+    assert read() == want, what
+
+
+async def test_a_process_of_no_allocation_on_a_served_gpu_is_listed_and_reported_never_charged(
         state_dir: Path) -> None:
     """NVML reconciliation through the served allocations: a process on the GPU of a served
-    allocation that belongs to none is what status shows as unattributed."""
+    allocation that belongs to none is what status shows as unattributed, and gets one Event
+    on the Node while it is listed, not one per reading; another such process gets its own."""
     figures = state_dir.parent / "figures.json"
     served = Served(state_dir, "--process-memory", "simulated", "--process-memory-file",
                     str(figures), "--process-memory-interval", "0.05")
+    node = NodeEvents()
+    served.allocations.pods = node
     stray = subprocess.Popen(["sleep", "60"])   # no mount, no pod, no gemini-run: no allocation
+    other = subprocess.Popen(["sleep", "60"])
     try:
         figures.write_text(json.dumps({UUID_A: {str(stray.pid): 300 * MiB}}))
         assert served.allocations.unattributed() == []
         make_record(served.state_dir)
         await served.allocations.sync()
         want = [{"gpu": UUID_A, "pid": stray.pid, "process_bytes": 300 * MiB}]
-        for _ in range(100):
-            if served.allocations.unattributed() == want:
-                break
-            await asyncio.sleep(0.05)
-        assert served.allocations.unattributed() == want
+        await until_equal(served.allocations.unattributed, want, "the stray listed")
         (snapshot,) = served.allocations.snapshot()
         assert snapshot["gpus"][0]["memory_used"] == 0   # nobody charged for it
+        await asyncio.sleep(0.3)                          # several readings: one Event
+        ((reason, message),) = node.posted
+        assert reason == UNATTRIBUTED_REASON == "GPUMemoryOfNoAllocation"
+        assert message.startswith(f"process {stray.pid} (sleep) holds 300 MiB "
+                                  f"({300 * MiB} bytes) on GPU {UUID_A}"), message
+        assert "belongs to none of them" in message, message
+        figures.write_text(json.dumps({UUID_A: {str(stray.pid): 300 * MiB,
+                                                str(other.pid): 100 * MiB}}))
+        await until_equal(lambda: len(node.posted), 2, "the other's Event")
+        assert node.posted[1][1].startswith(f"process {other.pid} (sleep) holds 100 MiB")
+        await asyncio.sleep(0.3)
+        assert len(node.posted) == 2, node.posted
     finally:
-        stray.kill()
-        stray.wait()
+        for process in (stray, other):
+            process.kill()
+            process.wait()
         await served.allocations.close("test over")
         served.tokens.close()

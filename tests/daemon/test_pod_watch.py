@@ -189,6 +189,30 @@ async def test_invalid_annotations_make_warning_events_and_change_nothing(
     assert record.id not in watch.pods.annotations_pending
 
 
+async def test_a_node_event_names_the_node_by_its_uid_or_as_kubelet_does_without_it(
+        state_dir: Path, api: FakeApiServer, kube: KubeApi) -> None:
+    """The channels' Events on the Node (a process of no allocation): a Warning in namespace
+    default on the Node, with its uid; where the Node cannot be read, its name
+    stands for the uid, as in kubelet's node Events."""
+    watch = Watch(state_dir, kube)
+    for message in ("first", "second"):
+        watch.pods.post_node_event("SomeReason", message)
+    events = await until_true(lambda: len(api.node_events("node-1")) == 2
+                              and api.node_events("node-1"), what="two Events")
+    for event in events:
+        assert event["involvedObject"] == {"kind": "Node", "apiVersion": "v1",
+                                           "name": "node-1", "uid": "uid-node-1"}, event
+        assert event["metadata"]["namespace"] == "default" and event["type"] == "Warning"
+        assert event["reason"] == "SomeReason" and event["source"]["host"] == "node-1", event
+    assert {e["message"] for e in events} == {"first", "second"}
+    with api.lock:
+        del api.nodes["node-1"]      # the Node unreadable (404) to a daemon that never read it
+    Watch(state_dir, kube).pods.post_node_event("SomeReason", "unknown")
+    (unknown,) = await until_true(lambda: [e for e in api.node_events("node-1")
+                                           if e["message"] == "unknown"], what="the Event")
+    assert unknown["involvedObject"]["uid"] == "node-1", unknown
+
+
 async def test_slices_given_to_a_new_pod_rebind_the_allocation_with_its_annotations(
         state_dir: Path, api: FakeApiServer, kube: KubeApi) -> None:
     api.add_pod("default", "first", "uid-first", {"gemini.ai/vgpu-memory": "1GiB",

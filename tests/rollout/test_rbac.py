@@ -99,6 +99,17 @@ def test_the_node_roles_grant_exactly_what_the_daemons_calls_need() -> None:
     assert have == want, (have - want, want - have)
 
 
+def test_events_are_granted_cluster_wide() -> None:
+    """A Node's Events go to namespace default (as kubelet's: a process of no allocation, slices
+    per GPU, the configuration) and a pod's to the pod's namespace; a Role in the daemon's own
+    namespace would let neither through, so the grant is the ClusterRole's."""
+    cluster, namespaced = node_roles()
+    assert ("", "events", "create") in grants(cluster)
+    assert ("", "events", "create") not in grants(namespaced)
+    source = KUBE.read_text()
+    assert re.search(r'create_namespaced_event,\s*"default"', source), "node Events' namespace"
+
+
 def test_the_namespaced_role_is_the_one_daemonset_by_name() -> None:
     (rule,) = m.find(m.load_objects(BASE_RBAC), "Role", "gemini-vgpu-node")["rules"]
     assert rule["resourceNames"] == ["gemini-vgpu-node"]

@@ -1,11 +1,12 @@
 """NVML reconciliation for processes that never connect: a CUDA program that loads libcuda with
-dlmopen (tests/security/bypass.py), so the interposer preloaded in front of it never sees a
-call, allocates past its container's limit. The real daemon reads NVML's running-process list
-(pynvml over the fake libnvidia-ml, whose list is what each fake libcuda copy of every process
-holds: FAKE_CUDA_PROCESSES), attributes the process to its allocation (its parents lead to
-gemini-run; or its mount namespace has the pod's channel at /run/gemini), charges it, reports
-it within 2 s and, with over_limit_action=kill, kills it. A process of no allocation on the
-same GPU is reported, never charged nor killed.
+dlmopen, or drops LD_PRELOAD and loads it plainly (tests/security/bypass.py, its two ways), so
+the interposer preloaded in front of it never sees a call, allocates past its container's
+limit. The real daemon reads NVML's running-process list (pynvml over the fake libnvidia-ml,
+whose list is what each fake libcuda copy of every process holds: FAKE_CUDA_PROCESSES),
+attributes the process to its allocation (its parents lead to gemini-run; or its mount
+namespace has the pod's channel at /run/gemini), charges it, reports it within 2 s and, with
+over_limit_action=kill, kills it. A process of no allocation on the same GPU is reported (a
+Warning Event on the Node, through the fake API server), never charged nor killed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -32,8 +33,12 @@ from tests.hook.conftest import Hooked
 from tests.hook.tokenkit import in_pod
 from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.channel.reconcile import UNATTRIBUTED_REASON
 from vgpu_runtime.daemon.telemetry.metrics import render
 from vgpu_runtime.gpus.simulated import simulated_uuid
+
+if TYPE_CHECKING:
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                                 reason="needs root and unshare(1) (a pod's mount namespace)")
@@ -42,6 +47,8 @@ GiB, MiB = 1 << 30, 1 << 20
 UUID = simulated_uuid(0)
 BYPASS = Path(__file__).with_name("bypass.py")
 REPORT_WITHIN = 2.0   # seconds from the allocation to the report (the issue's bound)
+NODE = "node-1"
+WAYS = {"dlmopen": (), "unpreloaded": ("--unpreloaded",)}   # bypass.py's ways around the hook
 
 
 @dataclass
@@ -65,7 +72,7 @@ class Node:
         return gpu
 
 
-def start_node(hooked: Hooked, *args: str) -> Node:
+def start_node(hooked: Hooked, *args: str, interval: float = 1.0) -> Node:
     root = Path(tempfile.mkdtemp(prefix="s28u-"))   # short: socket paths
     state_dir, processes = root / "state", root / "processes"
     state_dir.mkdir()
@@ -75,7 +82,7 @@ def start_node(hooked: Hooked, *args: str) -> Node:
     env = [f"{k}={v}" for k, v in node.driver_env().items()]
     node.daemon = DaemonProcess(
         state_dir, "--simulate-gpus", "1", "--process-memory", "nvml",
-        "--process-memory-interval", "1", *args, wrap=("env", *env)).wait_ready()
+        "--process-memory-interval", str(interval), *args, wrap=("env", *env)).wait_ready()
     return node
 
 
@@ -131,15 +138,17 @@ def pod_record(node: Node, limit: int = GiB) -> AllocationRecord:
     return record
 
 
+@pytest.mark.parametrize("way", sorted(WAYS))
 def test_a_process_of_gemini_run_that_bypasses_the_hook_is_charged_and_reported_in_2_s(
-        node: Node) -> None:
-    """The H200 scenario on the fake: `gemini-run --memory 1GiB -- bypass.py 3GiB`."""
+        node: Node, way: str) -> None:
+    """The H200 scenario on the fake: `gemini-run --memory 1GiB -- bypass.py 3GiB`, the
+    driver loaded with dlmopen or, LD_PRELOAD dropped, as any program loads it."""
     env = child_env()
     env.update(node.driver_env())
     run = subprocess.Popen(
         [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(node.state_dir),
          "--simulate-gpus", "1", "--hook-library", str(node.hooked.hook), "--memory", "1GiB",
-         "--", sys.executable, str(BYPASS), str(3 * GiB)],
+         "--", sys.executable, str(BYPASS), *WAYS[way], str(3 * GiB)],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
@@ -147,7 +156,9 @@ def test_a_process_of_gemini_run_that_bypasses_the_hook_is_charged_and_reported_
         line = run.stdout.readline()
         allocated = time.monotonic()
         assert line, run.stderr.read() if run.stderr else ""
-        pid = json.loads(line)["pid"]
+        started = json.loads(line)
+        assert started["way"] == way and started["rc"] == 0, started
+        pid = started["pid"]
         (entry,) = node.daemon.status()["allocations"]
         assert entry["origin"] == "gemini-run" and entry["owner_pid"] == run.pid
         record_id = entry["id"]
@@ -214,6 +225,55 @@ def test_kill_takes_the_process_that_bypasses_the_hook_and_spares_the_rest(
     finally:
         end(stray)
         end(hooked)
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    pytest.importorskip("kubernetes", reason="the fake API server uses the official client")
+    from vgpu_runtime.devkit.fakeapi import FakeApiServer
+
+    with FakeApiServer() as server:
+        server.add_node(NODE)
+        yield server
+
+
+def test_a_process_of_no_allocation_on_a_shared_gpu_gets_one_event_on_the_node(
+        hooked: Hooked, api: FakeApiServer) -> None:
+    """A process that bypasses the hook in no pod and no gemini-run command, on a GPU that an
+    allocation shares: a Warning Event on the Node naming the process and what it holds, once
+    however many readings see it, and nobody charged."""
+    node = start_node(hooked, "--kubernetes", "true", "--kube-api-url", api.url,
+                      "--node-name", NODE, "--pod-resources-socket", "/nonexistent/kubelet.sock",
+                      interval=0.2)
+    try:
+        record = pod_record(node)
+        stray, pid, allocated = bypass(node, 2 * GiB)
+        try:
+            def events() -> list[dict[str, Any]]:
+                return [e for e in api.node_events(NODE) if e["reason"] == UNATTRIBUTED_REASON]
+            (event,) = wait_for(events, 5, "the Event on the Node")
+            took = time.monotonic() - allocated
+            time.sleep(1.0)                    # five readings more: still the one Event
+            assert events() == [event], events()
+            held = 2 * GiB + 64 * MiB          # the allocation + the context
+            assert event["involvedObject"] == {"kind": "Node", "apiVersion": "v1",
+                                               "name": NODE, "uid": f"uid-{NODE}"}, event
+            assert event["metadata"]["namespace"] == "default", event
+            assert event["type"] == "Warning" and event["source"]["host"] == NODE, event
+            message = event["message"]
+            assert message.startswith(f"process {pid} ("), message
+            assert f"holds {held >> 20} MiB ({held} bytes) on GPU {UUID}" in message, message
+            assert "belongs to none of them" in message, message
+            assert node.daemon.status()["unattributed"] == [
+                {"gpu": UUID, "pid": pid, "process_bytes": held}]
+            assert node.gpu(record)["memory_used"] == 0   # nobody charged for it
+            assert [e for e in api.events if e["involvedObject"]["kind"] != "Node"] == []
+            assert took < REPORT_WITHIN, f"reported {took:.2f} s after the allocation"
+            print(f"Event on the Node {took:.2f} s after the allocation")
+        finally:
+            end(stray)
+    finally:
+        stop_node(node)
 
 
 # A hooked program in the pod: 200 MiB through the interposer, then waits.

@@ -9,7 +9,8 @@ allocation on it, and lets it go once none is left on it (gpuclaims.py).
 
 Each channel joins NVML reconciliation itself (channel/process_memory.py's charger, one per
 daemon); the processes it finds on the served GPUs that belong to no allocation are read here
-(`unattributed`), for status and the metrics.
+(`unattributed`), for status and the metrics, and reported through the pod watch as Events on
+the Node.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ class PodSide(Protocol):
 
     def post_pod_event(self, pod: PodRef, reason: str, message: str) -> None: ...
 
+    def post_node_event(self, reason: str, message: str) -> None: ...
+
     def bind_timeout(self) -> float: ...
 
 
@@ -57,6 +60,9 @@ class NoPods:
         pass
 
     def post_pod_event(self, pod: PodRef, reason: str, message: str) -> None:
+        pass
+
+    def post_node_event(self, reason: str, message: str) -> None:
         pass
 
     def bind_timeout(self) -> float:
@@ -78,6 +84,10 @@ class Allocations:
         self.corrupt: dict[str, str] = {}   # record path -> why it is not served
         self.claims = ServedGpus(config.gpu_lock_dir)   # gemini-run's daemons: host-wide
         self._lock = asyncio.Lock()   # a sync and a collection never interleave
+        # Reconciliation's reports on processes of no allocation go to whichever pod watch
+        # the daemon gives later.
+        charger_for(tokens, config).reconciler.node_event = (
+            lambda reason, message: self.pods.post_node_event(reason, message))
 
     def records(self) -> list[AllocationRecord]:
         return [c.record for c in self.channels.values()]

@@ -70,6 +70,15 @@ def identify(pid: int, proc: Path = PROC) -> ProcessId | None:
     return ProcessId(pid, int(fields[19])) if fields and len(fields) > 19 else None
 
 
+def command_of(pid: int, proc: Path = PROC) -> str:
+    """The process's command name (/proc/<pid>/comm, at most 15 bytes, the process's own
+    choice), or "" if there is none: it names a process in a report, never decides anything."""
+    try:
+        return (proc / str(pid) / "comm").read_text(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def parent_of(pid: int, proc: Path = PROC) -> int:
     fields = _stat_fields(pid, proc)
     return int(fields[1]) if fields and len(fields) > 1 else 0

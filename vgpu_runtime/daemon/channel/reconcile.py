@@ -23,8 +23,11 @@ whose connection is down), then judges every allocation on every GPU once per re
   The default is report: NVML's figure holds memory the hook accounts for a moment later (a
   context being made, a module loading), and a kill loses work; killing needs CAP_KILL in the
   DaemonSet for another uid's process.
-* A process of no allocation on one of the allocations' GPUs is logged once and listed in the
-  status (`unattributed`, and the GPU's metric); nobody is charged for it.
+* A process of no allocation on one of the allocations' GPUs is listed in the status
+  (`unattributed`, and the GPU's metric) and reported once per process and GPU while NVML lists
+  it, as a process past the limit is once per episode: a warning and, with the Kubernetes API
+  on, a Warning Event on the Node (UNATTRIBUTED_REASON; there is no pod to put it on). Nobody is
+  charged for it and it is never killed: whose it is, nobody here knows.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ Figures = dict[str, dict[int, int]]
 UNHOOKED_GRACE = 0.25   # seconds from a process's first sighting without a connection to its charge
 REPORT, KILL = "report", "kill"
 OVER_LIMIT_ACTIONS = (REPORT, KILL)
+UNATTRIBUTED_REASON = "GPUMemoryOfNoAllocation"   # the Node Event's reason
+NodeEvent = Callable[[str, str], None]   # (reason, message): a Warning Event on the Node
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ class Reconciler:
         self._said: set[Hashable] = set()    # processes logged once: unconnected, unattributed
         self._killing: dict[tuple[str, int], ProcessId] = {}  # killed, still on NVML's list
         self.unattributed: list[dict[str, Any]] = []
+        self.node_event: NodeEvent = lambda reason, message: None   # the daemon sets it
 
     def add(self, channel: Reconciled) -> None:
         self.channels[channel.record.id] = channel
@@ -142,8 +148,7 @@ class Reconciler:
                 index = indexes.get((owner, uuid)) if owner else None
                 if owner is None or index is None:
                     unattributed.append({"gpu": uuid, "pid": pid, "process_bytes": used})
-                    self._say_once(("unattributed", process), "a process of no allocation "
-                                   "uses a shared GPU", gpu=uuid, pid=pid, process_bytes=used)
+                    self._unattributed(process, uuid, used)
                     continue
                 charges[Unhooked(process)] = (owner, index, used)
                 self._say_once(process, "a process uses the GPU without the interposer (no "
@@ -194,7 +199,24 @@ class Reconciler:
             self._killing[key] = process
         channel.killed(gpu, blamed, failure)
 
-    def _say_once(self, key: Hashable, message: str, **fields: Any) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.warning(message, extra=fields)
+    def _unattributed(self, process: ProcessId, uuid: str, used: int) -> None:
+        """Report a process of no allocation on a served GPU, once while NVML lists it there."""
+        command = attribution.command_of(process.pid, self.proc)
+        if self._say_once(("unattributed", process, uuid), "a process of no allocation uses "
+                          "a shared GPU", gpu=uuid, pid=process.pid, command=command,
+                          process_bytes=used):
+            named = f"process {process.pid}" + (f" ({command})" if command else "")
+            self.node_event(UNATTRIBUTED_REASON,
+                            f"{named} holds {used >> 20} MiB ({used} bytes) on GPU {uuid}, "
+                            "which allocations of this node share, and belongs to none of them "
+                            "(no pod's container, no gemini-run command): no allocation is "
+                            "charged for it and no limit holds it")
+
+    def _say_once(self, key: Hashable, message: str, **fields: Any) -> bool:
+        """Log `message` unless `key` was logged while its process stayed listed; True if
+        logged now."""
+        if key in self._said:
+            return False
+        self._said.add(key)
+        log.warning(message, extra=fields)
+        return True

@@ -15,6 +15,8 @@ with the record's entitlement and the new pod's annotations. The same pod holdin
 init container's slices replayed to an app container, restarts) keeps everything.
 
 An invalid annotation is ignored with a Warning Event on the pod (reason InvalidVgpuAnnotation).
+The channels' Events go through here too: on the pod (a process past its memory limit) and on
+the Node (a process of no allocation on a shared GPU).
 When the API cannot be reached the pod is bound with the defaults, and the annotations are
 tried again on later passes.
 
@@ -72,6 +74,7 @@ class PodWatch:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_listing_ok: bool | None = None
+        self._node_uid = ""   # the Node's, once read
 
     def poke(self) -> None:
         """Something wants binding now (a new record, a waiting hello)."""
@@ -86,6 +89,12 @@ class PodWatch:
         """A Warning Event on a pod, posted in the background; nothing without Kubernetes."""
         if self.kube is not None:
             self._spawn(self._post(pod, reason, message))
+
+    def post_node_event(self, reason: str, message: str) -> None:
+        """A Warning Event on this node, posted in the background; nothing without
+        Kubernetes."""
+        if self.kube is not None:
+            self._spawn(self._post_node(reason, message))
 
     async def run(self) -> None:
         while True:
@@ -198,6 +207,20 @@ class PodWatch:
             await self.kube.post_event(pod, self.config.node_name, reason, message)
         except Exception as err:
             log.warning("cannot post event", extra={"pod": pod.name, "error": str(err)})
+
+    async def _post_node(self, reason: str, message: str) -> None:
+        """With the Node's uid once read; until then (the GET failed) the node's name stands
+        for it, as in kubelet's own node Events, which `kubectl describe node` finds too."""
+        assert self.kube is not None
+        node = self.config.node_name
+        try:
+            if not self._node_uid:
+                with contextlib.suppress(Exception):
+                    self._node_uid = (await self.kube.node(node)).uid
+            await self.kube.post_node_event(node, self._node_uid or node, reason, message)
+        except Exception as err:
+            log.warning("cannot post event", extra={"node": node, "reason": reason,
+                                                    "error": str(err)})
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)

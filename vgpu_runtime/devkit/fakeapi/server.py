@@ -137,7 +137,8 @@ class FakeApiServer:
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
         node = k8s.V1Node(api_version="v1", kind="Node",
-                          metadata=k8s.V1ObjectMeta(name=name, labels=labels or {}),
+                          metadata=k8s.V1ObjectMeta(name=name, uid=f"uid-{name}",
+                                                    labels=labels or {}),
                           status=k8s.V1NodeStatus(capacity={}, allocatable={}))
         with self.lock:
             self.nodes[name] = _api.sanitize_for_serialization(node)
@@ -169,7 +170,8 @@ class FakeApiServer:
 
     def events_for(self, namespace: str, name: str) -> list[dict[str, Any]]:
         with self.lock:
-            return [e for e in self.events if e["involvedObject"]["namespace"] == namespace
+            # A Node's Events have no involvedObject namespace.
+            return [e for e in self.events if e["involvedObject"].get("namespace") == namespace
                     and e["involvedObject"]["name"] == name]
 
     def node_events(self, name: str) -> list[dict[str, Any]]:
