@@ -3,10 +3,12 @@ clients' setups and the frames they read."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,12 @@ from vgpu_runtime.devkit.daemon_process import (
     wait_for,
     wait_served,
 )
+from vgpu_runtime.devkit.podnode import PodNode
 
 REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["REPO", "UUID_A", "UUID_B", "DaemonProcess", "MiB", "control_path",
-           "daemon_with_bystander", "make_record", "read_until_closed", "socket_of",
+           "daemon_with_bystander", "list_passes", "make_record", "read_until_closed", "socket_of",
            "split_frames", "wait_for", "wait_served"]
 
 UUID_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
@@ -79,3 +82,19 @@ def split_frames(received: bytes) -> list[Any]:
         frames.append(wire.decode(received[:header.length], wire.SUPPORTED_VERSIONS))
         received = received[header.length:]
     return frames
+
+
+async def list_passes(pods: PodNode, after: float = 0.0) -> None:
+    """Wait `after` seconds (a grace the daemon times on its own clock), then until the daemon
+    has begun two more PodResources Lists: the first began after the wait, so its pass was
+    judged, and its answer is the one a later look reuses, by the time the second begins
+    (passes run one at a time). Counting passes, not seconds, keeps a check of what must NOT
+    happen from passing unexercised on a slow box."""
+    async def lists() -> int:
+        return int((await pods.status())["node"]["pod_resources_lists"])
+    await asyncio.sleep(after)
+    begun = await lists()
+    deadline = time.monotonic() + 10
+    while await lists() < begun + 2:
+        assert time.monotonic() < deadline, "the daemon began no two PodResources Lists in 10 s"
+        await asyncio.sleep(0.02)

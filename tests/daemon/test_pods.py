@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tests.daemon.helpers import list_passes
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.contracts.share import Share
@@ -29,24 +30,6 @@ def _hello(record: AllocationRecord) -> tuple[float, HelloReply]:
     with ChannelClient(paths.channel_socket(record.channel_dir), timeout=15) as client:
         reply = client.hello()
     return time.monotonic() - start, reply
-
-
-async def _lists(pods: PodNode) -> int:
-    """PodResources Lists the daemon has begun (a failed or empty one counts)."""
-    return int((await pods.status())["node"]["pod_resources_lists"])
-
-
-async def _passes(pods: PodNode, after: float = 0.0) -> None:
-    """Wait `after` seconds (a grace the daemon times on its own clock), then until the daemon
-    has begun two more Lists: the first began after the wait, so its pass was judged by the
-    time the second begins (passes run one at a time). Counting passes, not seconds, keeps a
-    check of what must NOT happen from passing unexercised on a slow box."""
-    await asyncio.sleep(after)
-    begun = await _lists(pods)
-    deadline = time.monotonic() + 10
-    while await _lists(pods) < begun + 2:
-        assert time.monotonic() < deadline, "the daemon began no two Lists in 10 s"
-        await asyncio.sleep(0.02)
 
 
 def _connections(pods: PodNode, allocation_id: str) -> int:
@@ -95,7 +78,7 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
     hello = asyncio.ensure_future(asyncio.to_thread(_hello, record))
     await until(lambda: _connections(pods, record.id), 10, "the hello's connection")
-    await _passes(pods)                                # Lists that do not name the pod yet
+    await list_passes(pods)                                # Lists that do not name the pod yet
     assert not hello.done(), "hello answered before the pod was known"
     pod.phase = "Running"
     _, reply = await asyncio.wait_for(hello, 10)
@@ -171,7 +154,7 @@ async def test_ended_pod_is_collected_after_the_grace_period(pods: PodNode) -> N
     await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
     await kubelet.delete_pod("done")
     deleted = time.monotonic()
-    await _passes(pods)                                # it saw the pod gone ...
+    await list_passes(pods)                                # it saw the pod gone ...
     assert record.id in pods.records() or time.monotonic() - deleted >= 1.0, (
         "collected before the grace period")
     await until(lambda: record.id not in pods.records(), 10, "collection")
@@ -200,17 +183,17 @@ async def test_not_collected_while_list_fails_or_is_empty(pods: PodNode) -> None
     assert record.id in pods.records(), "collected without PodResources"
     # ... a killed one leaves it behind, refusing: failed Lists.
     socket_path.write_text("")
-    await _passes(pods, after=0.6)
+    await list_passes(pods, after=0.6)
     assert record.id in pods.records(), "collected on a failed List"
     # Back, but not knowing its pods yet: an empty List.
     socket_path.unlink()
     await kubelet._pod_resources.start(socket_path)
-    await _passes(pods, after=0.6)
+    await list_passes(pods, after=0.6)
     assert record.id in pods.records(), "collected on an empty List"
     # A whole emulated kubelet restart keeps running pods: still kept.
     kubelet.pods.update(saved)
     await kubelet.restart()
-    await _passes(pods)                                # Lists naming the pod again
+    await list_passes(pods)                                # Lists naming the pod again
     assert record.id in pods.records()
     # The same daemon does collect once the pod is really gone.
     await kubelet.delete_pod("kept")
