@@ -30,8 +30,8 @@ from vgpu_runtime.devkit.podnode import PodNode
 REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["REPO", "UUID_A", "UUID_B", "DaemonProcess", "MiB", "control_path",
-           "daemon_with_bystander", "list_passes", "make_record", "read_until_closed", "socket_of",
-           "split_frames", "wait_for", "wait_served"]
+           "daemon_with_bystander", "list_passes", "make_record", "read_until_closed",
+           "record_scans", "socket_of", "split_frames", "wait_for", "wait_served"]
 
 UUID_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
 
@@ -61,6 +61,14 @@ def daemon_with_bystander(
         bystander.close()
         assert daemon.stop() == 0, daemon.logs()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def record_scans(state_dir: Path, count: int = 2) -> None:
+    """Wait until the daemon has scanned its records `count` more times: each scan serves a
+    record written just before it. For what must NOT happen on a scan: counted, not timed, so a
+    slow box cannot pass it unexercised."""
+    for _ in range(count):
+        wait_served(make_record(state_dir))
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
