@@ -669,7 +669,9 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon_process: Daem
     for got, wanted in zip(achieved, shares, strict=True):
         assert abs(got - wanted) <= 0.05, (achieved, results)
     assert sum(achieved) >= 0.9, achieved   # handoffs between Python processes cost little
-    assert all(t["revocations"] == 0 for t in tenants_of(daemon_process).values())
+    tenants = tenants_of(daemon_process)
+    assert set(tenants) == {r.id for r in records}, tenants
+    assert all(t["revocations"] == 0 for t in tenants.values()), tenants
 
 
 def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProcess,
