@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import shutil
 import socket
 import tempfile
@@ -14,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from vgpu_runtime.contracts import wire
+from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel import client
 from vgpu_runtime.daemon.control import control_socket
 from vgpu_runtime.devkit.daemon_process import (
     UUID_A,
     DaemonProcess,
+    DaemonStatus,
     MiB,
     make_record,
     socket_of,
@@ -31,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 __all__ = ["REPO", "UUID_A", "UUID_B", "DaemonProcess", "MiB", "control_path",
            "daemon_with_bystander", "list_passes", "make_record", "read_until_closed",
-           "record_scans", "socket_of", "split_frames", "wait_for", "wait_served"]
+           "record_scans", "rewrite_scans", "socket_of", "split_frames", "wait_for", "wait_served"]
 
 UUID_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
 
@@ -69,6 +72,18 @@ def record_scans(state_dir: Path, count: int = 2) -> None:
     slow box cannot pass it unexercised."""
     for _ in range(count):
         wait_served(make_record(state_dir))
+
+
+def rewrite_scans(daemon: DaemonStatus, record: AllocationRecord, count: int = 2) -> None:
+    """record_scans where no new channel can be served: `record` (served, of make_record's
+    default GPU) is rewritten with another memory limit before each scan, which applies it."""
+    def applied(limit: int) -> bool:
+        return bool(daemon.allocation(record.id)["gpus"][0]["memory_limit"] == limit)
+
+    for step in range(1, count + 1):
+        limit = 100 * MiB + step * MiB
+        make_record(daemon.state_dir, allocation_id=record.id, gpus=((UUID_A, limit, 0.5),))
+        wait_for(functools.partial(applied, limit), 5, "the rewrite applied")
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
