@@ -23,6 +23,11 @@ _LOCKS = tempfile.mkdtemp(prefix="gm-locks-")
 os.chmod(_LOCKS, 0o1777)   # the shape of /run/lock: tests' other users lock here too
 os.environ.setdefault("GEMINI_GPU_LOCK_DIR", _LOCKS)
 atexit.register(shutil.rmtree, _LOCKS, True)
+# No kubelet's PodResources unless a test gives one (--pod-resources-socket wins): on a machine
+# with a real kubelet (the cluster lane's leaves its socket) every daemon the tests start would
+# otherwise List it, find no pod, and make each kubelet record's hello wait its bind timeout
+# (5 s). The cluster lane starts no daemon here: its DaemonSet sets this in its pod spec.
+os.environ.setdefault("GEMINI_POD_RESOURCES_SOCKET", os.path.join(_LOCKS, "no-kubelet.sock"))
 
 # Test extras that whole modules import at their top.
 OPTIONAL_MODULES = ("hypothesis",)

@@ -57,8 +57,9 @@ def test_c_and_python_agree_on_every_layout(tmp_path: Path) -> None:
     )
     subprocess.run(["gcc", "-o", str(tmp_path / "sizes"), str(source)], check=True)
     out = subprocess.run([str(tmp_path / "sizes")], check=True, capture_output=True, text=True)
-    for line in out.stdout.splitlines():
-        name, size = line.rsplit(" ", 1)
+    sizes = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines())
+    assert sorted(sizes) == structs, out.stdout   # every layout printed: none passes unchecked
+    for name, size in sizes.items():
         assert wire.ffi.sizeof(name) == int(size), name
 
 

@@ -7,7 +7,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ from tests.daemon.helpers import (
     DaemonProcess,
     MiB,
     make_record,
+    record_scans,
     socket_of,
     wait_for,
     wait_served,
@@ -228,7 +228,7 @@ def test_corrupt_record_is_logged_once_and_skipped(daemon: DaemonProcess,
     wait_for(lambda: len(daemon.status()["corrupt_records"]) == 2, 5, "corrupt records listed")
     assert not socket_of(wrong_uuid).exists()
     wait_for(lambda: daemon.logs().count("skipping") >= 2, 2, "log lines")
-    time.sleep(0.3)  # several polls
+    record_scans(state_dir)
     lines = daemon.logs().splitlines()
     assert len([line for line in lines if str(bad) in line]) == 1
     logs = "\n".join(lines)

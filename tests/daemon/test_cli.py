@@ -17,6 +17,7 @@ from tests.daemon.helpers import (
     DaemonProcess,
     MiB,
     make_record,
+    wait_for,
     wait_served,
 )
 from tests.daemon.inprocess import InProcessDaemon
@@ -216,7 +217,11 @@ def test_idle_exit_waits_for_the_last_allocation(state_dir: Path) -> None:
     daemon = DaemonProcess(state_dir, "--idle-exit", "0.5").wait_ready()
     try:
         wait_served(record)
-        time.sleep(1.5)   # three idle_exit periods with an allocation: it stays
+        time.sleep(0.6)   # past idle_exit with an allocation ...
+        # ... and a scan after it (the one that applies a rewrite): it stays.
+        make_record(state_dir, allocation_id=record.id, gpus=((UUID_A, 200 * MiB, 0.5),))
+        wait_for(lambda: daemon.allocation(record.id)["gpus"][0]["memory_limit"] == 200 * MiB,
+                 5, "the rewrite applied")
         assert daemon.proc.poll() is None, daemon.logs()
         allocation.remove_record(state_dir, record.id)
         assert daemon.proc.wait(15) == 0, daemon.logs()

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,13 @@ from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime.contracts import wire
 from vgpu_runtime.contracts.allocation import AllocationRecord
 from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.channel.process_memory import ContextCharger, charger_for
 from vgpu_runtime.daemon.telemetry.metrics import render
+from vgpu_runtime.devkit.daemon_process import DaemonStatus
 
 C = wire.const
 CONTEXT, POOL = C("GM_MEM_CONTEXT"), C("GM_MEM_POOL")
 INTERVAL = "0.05"
-SEVERAL_READINGS = 0.3   # seconds: six intervals, for what must NOT change
 
 
 class FigureFile:
@@ -89,21 +89,33 @@ def charged(state_dir: Path, figures: FigureFile) -> Iterator[InProcessDaemon]:
     assert proc.stop() == 0, proc.logs()
 
 
-def used(daemon: DaemonProcess, record: AllocationRecord, gpu: int = 0) -> int:
+def used(daemon: DaemonStatus, record: AllocationRecord, gpu: int = 0) -> int:
     return int(daemon.allocation(record.id)["gpus"][gpu]["memory_used"])
 
 
-def wait_used(daemon: DaemonProcess, record: AllocationRecord, expected: int,
+def wait_used(daemon: DaemonStatus, record: AllocationRecord, expected: int,
               gpu: int = 0) -> None:
     wait_for(lambda: used(daemon, record, gpu) == expected, 5.0,
              f"memory_used {expected} (now {used(daemon, record, gpu)})")
+
+
+def charger(daemon: InProcessDaemon) -> ContextCharger:
+    assert daemon.daemon is not None
+    return charger_for(daemon.daemon.tokens, daemon.config)
+
+
+def several_readings(daemon: InProcessDaemon, count: int = 3) -> None:
+    """Wait for `count` more readings of the figures (the first may have begun before), for
+    what must NOT change: counted, not timed, so a slow box cannot pass it unexercised."""
+    begun = charger(daemon).readings
+    wait_for(lambda: charger(daemon).readings >= begun + count, 5.0, f"{count} more readings")
 
 
 def logged(daemon: DaemonProcess, text: str) -> bool:
     return text in daemon.logs()
 
 
-def context_of(daemon: DaemonProcess, record: AllocationRecord, pid: int) -> Any:
+def context_of(daemon: DaemonStatus, record: AllocationRecord, pid: int) -> Any:
     (conn,) = [c for c in daemon.allocation(record.id)["connections"] if c["peer_pid"] == pid]
     return conn["context"]
 
@@ -132,7 +144,7 @@ def test_charge_follows_the_process_figure(charged: DaemonProcess, state_dir: Pa
         wait_used(charged, record, 330 * MiB)
 
 
-def test_hook_number_stands_where_the_pid_has_no_figure(charged: DaemonProcess,
+def test_hook_number_stands_where_the_pid_has_no_figure(charged: InProcessDaemon,
                                                         state_dir: Path,
                                                         figures: FigureFile) -> None:
     record = make_record(state_dir, gpus=((UUID_A, 1000 * MiB, 0.5), (UUID_B, 1000 * MiB, 0.5)))
@@ -144,7 +156,7 @@ def test_hook_number_stands_where_the_pid_has_no_figure(charged: DaemonProcess,
         client.reserve(0, 100 * MiB)
         client.set(0, 50 * MiB, CONTEXT)
         client.set(1, 70 * MiB, CONTEXT)
-        time.sleep(SEVERAL_READINGS)
+        several_readings(charged)
         assert (used(charged, record, 0), used(charged, record, 1)) == (150 * MiB, 70 * MiB)
         assert context_of(charged, record, me)["0"]["from"] == "hook"
         figures.write({UUID_B: {me: 20 * MiB}})        # GPU B (index 1) only
@@ -302,7 +314,9 @@ def test_off_keeps_the_hook_measurement(state_dir: Path, figures: FigureFile) ->
         with ChannelClient(wait_served(record)) as client:
             client.hello()
             client.set(0, 7 * MiB, CONTEXT)
-            time.sleep(SEVERAL_READINGS)
+            # Off: the source, once opened, is none, and nothing is ever read.
+            wait_for(lambda: charger(daemon).opened, 5.0, "the source opened")
+            assert charger(daemon).source is None and charger(daemon).readings == 0
             assert used(daemon, record) == 7 * MiB
     finally:
         assert daemon.stop() == 0, daemon.logs()
@@ -322,7 +336,7 @@ def test_bad_settings_stop_start_up_naming_the_field(state_dir: Path, args: list
 
 
 def test_a_process_past_the_limit_by_undeclared_memory_is_reported_once(
-        charged: DaemonProcess, state_dir: Path, figures: FigureFile) -> None:
+        charged: InProcessDaemon, state_dir: Path, figures: FigureFile) -> None:
     """NVML reconciliation for a connected process: its figure takes the allocation past the
     limit plus over_limit_tolerance (64 MiB) with memory the hook never declared (another API,
     an old entry point): one warning naming the pid, what it holds, what it declared and the
@@ -334,12 +348,12 @@ def test_a_process_past_the_limit_by_undeclared_memory_is_reported_once(
         assert client.reserve(0, 300 * MiB).granted
         figures.write({UUID_A: {me: 1050 * MiB}})       # within the tolerance: not reported
         wait_used(charged, record, 1050 * MiB)
-        time.sleep(SEVERAL_READINGS)
+        several_readings(charged)
         assert charged.allocation(record.id)["gpus"][0]["over_limit"] is None
         figures.write({UUID_A: {me: 1500 * MiB}})       # 1.2 GiB the hook never saw
         wait_for(lambda: charged.allocation(record.id)["gpus"][0]["over_limit"] is not None,
                  5.0, "the report")
-        time.sleep(SEVERAL_READINGS)                    # several readings: still one report
+        several_readings(charged)                       # still one report
         gpu = charged.allocation(record.id)["gpus"][0]
         assert gpu["over_limit"] == {"pid": me, "process_bytes": 1500 * MiB,
                                      "declared_bytes": 300 * MiB, "connected": True,

@@ -148,7 +148,10 @@ def test_a_period_nobody_held_alone_gives_nobody_a_figure(
         busy_file: Path) -> None:
     now = time.monotonic()   # the GPU was busy, but no tenant held it then
     busy_file.write_text(json.dumps({UUID_A: [[now - 0.6, 0.9], [now - 0.4, 0.9]]}))
-    time.sleep(0.6)   # three sampling periods
+    assert daemon.daemon is not None
+    sampler = daemon.daemon.tokens.sampler
+    begun = sampler.readings   # three more: the last two read the file whole and were taken
+    wait_for(lambda: sampler.readings >= begun + 3, 5, "three more readings")
     assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
 
 

@@ -30,6 +30,7 @@ from vgpu_runtime.daemon.pods.podresources import PodListing, PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator
 from vgpu_runtime.devkit.kubelet_emulator.stub_plugin import StubPlugin
+from vgpu_runtime.devkit.podnode import until
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.pods.kube import KubeApi
@@ -133,14 +134,6 @@ async def kube(api: FakeApiServer) -> AsyncIterator[KubeApi]:
     client.close()
 
 
-async def until_true(predicate: Any, timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.01)
-    return value
-
-
 APP = PodRef("default", "app-pod", "app")
 
 
@@ -174,8 +167,8 @@ async def test_invalid_annotations_make_warning_events_and_change_nothing(
     watch = Watch(state_dir, kube)
     watch.lister.holding((PodRef("default", "bad", "app"), SLICES))
     await watch.pods.pass_once()
-    events = await until_true(lambda: len(api.events_for("default", "bad")) >= 2 and
-                              api.events_for("default", "bad"), what="two events")
+    events = await until(lambda: found if len(found := api.events_for("default", "bad")) >= 2
+                         else None, what="two events")
     assert len(events) == 2
     assert {e["reason"] for e in events} == {"InvalidVgpuAnnotation"}
     assert all(e["type"] == "Warning" and e["involvedObject"]["uid"] == "uid-bad"
@@ -355,7 +348,7 @@ async def test_the_lister_reads_owners_and_refuses_failed_or_empty_lists() -> No
         failed = await lister.listing()
         assert not failed.ok and failed.error.startswith("List failed: UNAVAILABLE"), failed
         # gRPC unlinks a stopped server's socket in the background: start after it did.
-        await until_true(lambda: not kubelet.pod_resources_socket.exists(), what="unlink")
+        await until(lambda: not kubelet.pod_resources_socket.exists(), what="unlink")
         await kubelet._pod_resources.start(kubelet.pod_resources_socket)
         deadline = time.monotonic() + 5
         while not (again := await lister.listing()).ok:    # dialled afresh, as passes retry

@@ -6,10 +6,12 @@ collection of an ended pod. The watcher's rules are also test_pod_watch.py's, in
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tests.daemon.helpers import list_passes
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.contracts.allocation import AllocationRecord, Binding, PodRef
 from vgpu_runtime.contracts.share import Share
@@ -28,6 +30,11 @@ def _hello(record: AllocationRecord) -> tuple[float, HelloReply]:
     with ChannelClient(paths.channel_socket(record.channel_dir), timeout=15) as client:
         reply = client.hello()
     return time.monotonic() - start, reply
+
+
+def _connections(pods: PodNode, allocation_id: str) -> int:
+    assert pods.daemon is not None
+    return len(pods.daemon.allocation(allocation_id)["connections"])
 
 
 async def _limit_ppm(pods: PodNode, record: AllocationRecord) -> int:
@@ -70,11 +77,11 @@ async def test_hello_waits_for_the_pod_then_gets_its_annotations(
     assert record is not None and pods.binding_of(pod, "app") is None
     await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
     hello = asyncio.ensure_future(asyncio.to_thread(_hello, record))
-    await asyncio.sleep(1.0)
+    await until(lambda: _connections(pods, record.id), 10, "the hello's connection")
+    await list_passes(pods)                                # Lists that do not name the pod yet
     assert not hello.done(), "hello answered before the pod was known"
     pod.phase = "Running"
-    elapsed, reply = await hello
-    assert 0.9 < elapsed < 4.0
+    _, reply = await asyncio.wait_for(hello, 10)
     assert await _limit_ppm(pods, record) == 500_000
     assert reply.gpus[0].memory_limit == 4 * GiB
     assert pods.binding_of(pod, "app") == Binding(
@@ -147,10 +154,11 @@ async def test_ended_pod_is_collected_after_the_grace_period(pods: PodNode) -> N
     await until(paths.channel_socket(record.channel_dir).exists, 10, "channel")
     await kubelet.delete_pod("done")
     deleted = time.monotonic()
-    await asyncio.sleep(0.5)
-    assert record.id in pods.records(), "collected before the grace period"
+    await list_passes(pods)                                # it saw the pod gone ...
+    assert record.id in pods.records() or time.monotonic() - deleted >= 1.0, (
+        "collected before the grace period")
     await until(lambda: record.id not in pods.records(), 10, "collection")
-    assert time.monotonic() - deleted >= 1.0
+    assert time.monotonic() - deleted >= 1.0           # ... and kept it the grace through
     await until(lambda: not Path(record.channel_dir).exists(), 5, "channel dir removed")
     assert pods.binding_of(pod, "app") is None, "the binding goes with its allocation"
     assert pods.binding_of(stays, "app") is not None
@@ -164,20 +172,28 @@ async def test_not_collected_while_list_fails_or_is_empty(pods: PodNode) -> None
     pod = await kubelet.admit_pod("kept", containers=[("app", 2)])
     await pods.start_daemon(*FAST, "--collect-grace", "0.5")
     record = await until(lambda: pods.bound_record(pod, "app"), 10, "bound")
-    # Kubelet restarting: PodResources away (a failed List), the pod not listed either.
+    # Kubelet restarting: PodResources away, the pod not listed either. A stopped kubelet
+    # removes its socket (no List at all) ...
     saved = dict(kubelet.pods)
+    socket_path = kubelet.pod_resources_socket
     await kubelet._pod_resources.stop()
     kubelet.pods.clear()
-    await asyncio.sleep(1.5)
+    await until(lambda: not socket_path.exists(), 10, "the socket removed")
+    await asyncio.sleep(0.6)                           # the grace; no List to count
+    assert record.id in pods.records(), "collected without PodResources"
+    # ... a killed one leaves it behind, refusing: failed Lists.
+    socket_path.write_text("")
+    await list_passes(pods, after=0.6)
     assert record.id in pods.records(), "collected on a failed List"
     # Back, but not knowing its pods yet: an empty List.
-    await kubelet._pod_resources.start(kubelet.pod_resources_socket)
-    await asyncio.sleep(1.5)
+    socket_path.unlink()
+    await kubelet._pod_resources.start(socket_path)
+    await list_passes(pods, after=0.6)
     assert record.id in pods.records(), "collected on an empty List"
     # A whole emulated kubelet restart keeps running pods: still kept.
     kubelet.pods.update(saved)
     await kubelet.restart()
-    await asyncio.sleep(1.5)
+    await list_passes(pods)                                # Lists naming the pod again
     assert record.id in pods.records()
     # The same daemon does collect once the pod is really gone.
     await kubelet.delete_pod("kept")
@@ -258,9 +274,20 @@ async def test_a_process_past_the_limit_by_memory_the_hook_never_saw_gets_an_eve
     me = os.getpid()
     with ChannelClient(paths.channel_socket(record.channel_dir), timeout=15) as client:
         await asyncio.to_thread(client.hello)
-        figures.write_text(json.dumps({record.gpus[0].uuid: {str(me): limit + (512 << 20)}}))
+
+        def holds(extra: int) -> None:
+            figures.write_text(json.dumps({record.gpus[0].uuid: {str(me): limit + extra}}))
+
+        def charged(extra: int) -> bool:
+            assert pods.daemon is not None
+            return bool(pods.daemon.allocation(record.id)["gpus"][0]["memory_used"]
+                        == limit + extra)
+
+        holds(512 << 20)
         events = await until(lambda: api.events_for("default", "big") or None, 10, "an event")
-        await asyncio.sleep(0.3)                       # several readings: still one event
+        for extra in (600 << 20, 512 << 20):           # later readings, still past the limit:
+            holds(extra)                               # still one event
+            await until(functools.partial(charged, extra), 10, "the reading")
         events = api.events_for("default", "big")
     assert len(events) == 1, events
     event = events[0]

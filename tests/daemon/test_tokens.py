@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -500,28 +501,49 @@ def test_wrong_length_token_frame_is_refused_before_its_body(long_daemon: Daemon
     assert long_daemon.running()
 
 
+class Restart:
+    """One allocation served by a first daemon and a tenant connected to it; `restart` has the
+    tenant take the token and hang up, stops that daemon (its grants voided) and starts a second
+    on the same state directory. Leaving stops whichever daemon runs."""
+
+    def __init__(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True)
+        self.state_dir = state_dir
+        self.record = make_record(state_dir)
+        self.daemon = InProcessDaemon(state_dir).wait_ready()
+        wait_served(self.record)
+        self.tenant = Tenant(self.record)
+
+    def __enter__(self) -> Restart:
+        return self
+
+    def restart(self) -> InProcessDaemon:
+        self.tenant.client.request_token(0)
+        assert self.tenant.page.valid()
+        self.tenant.client.close()
+        assert self.daemon.stop() == 0, self.daemon.logs()
+        assert self.tenant.page.valid_until_ns == 0   # a stopping daemon voids its grants
+        self.daemon = InProcessDaemon(self.state_dir).wait_ready()
+        wait_served(self.record)
+        return self.daemon
+
+    def __exit__(self, *_: object) -> None:
+        self.tenant.close()
+        assert self.daemon.stop() == 0, self.daemon.logs()
+
+
 def test_a_restarted_daemon_hands_out_new_sealed_token_pages_and_keeps_activity_pages(
         state_dir: Path) -> None:
     """A sealed token page dies with its daemon (nobody else can ever write it): the old
     mapping is voided by the stopping daemon and never written again; a hello to the new daemon
     brings a new token page, which it writes. The activity page is a file and keeps its inode,
     so hooks' launches stay visible to the new daemon."""
-    state_dir.mkdir(parents=True)
-    record = make_record(state_dir)
-    first = InProcessDaemon(state_dir).wait_ready()
-    wait_served(record)
-    activity_path = state_dir / "pages" / f"{record.id}.activity.0"
-    activity_inode = activity_path.stat().st_ino
-    tenant = Tenant(record)
-    old_inode = os.fstat(tenant.client.page_fds[0]).st_ino
-    tenant.client.request_token(0)
-    assert tenant.page.valid()
-    tenant.client.close()
-    assert first.stop() == 0
-    assert tenant.page.valid_until_ns == 0   # a stopping daemon voids its grants
-    second = InProcessDaemon(state_dir).wait_ready()
-    try:
-        wait_served(record)
+    with Restart(state_dir) as restart:
+        record, tenant = restart.record, restart.tenant
+        activity_path = state_dir / "pages" / f"{record.id}.activity.0"
+        activity_inode = activity_path.stat().st_ino
+        old_inode = os.fstat(tenant.client.page_fds[0]).st_ino
+        restart.restart()
         assert activity_path.stat().st_ino == activity_inode
         with ChannelClient(wait_served(record)) as again:
             again.hello()
@@ -532,10 +554,6 @@ def test_a_restarted_daemon_hands_out_new_sealed_token_pages_and_keeps_activity_
             assert new_page.valid_until_ns == grant.valid_until_ns
             assert tenant.page.valid_until_ns == 0    # the dead daemon's page stays void
             new_page.close()
-    finally:
-        tenant.page.close()
-        tenant.activity.close()
-        assert second.stop() == 0
 
 
 def test_without_sealing_pages_survive_a_daemon_restart_with_the_same_inode(
@@ -543,34 +561,19 @@ def test_without_sealing_pages_survive_a_daemon_restart_with_the_same_inode(
     """A kernel without F_SEAL_FUTURE_WRITE: token pages are files, as before sealing, and a
     new daemon writes the page an old hook still maps."""
     monkeypatch.setattr(pages, "sealing_unavailable", lambda: "a kernel without the seal")
-    state_dir.mkdir(parents=True)
-    record = make_record(state_dir)
-    first = InProcessDaemon(state_dir).wait_ready()
-    wait_served(record)
-    assert first.status()["daemon"]["token_pages"] == "file"
-    page_path = state_dir / "pages" / f"{record.id}.token.0"
-    inode = page_path.stat().st_ino
-    tenant = Tenant(record)
-    tenant.client.request_token(0)
-    assert tenant.page.valid()
-    tenant.client.close()
-    assert first.stop() == 0
-    assert tenant.page.valid_until_ns == 0   # a stopping daemon voids its grants
-    second = InProcessDaemon(state_dir).wait_ready()
-    try:
-        wait_served(record)
+    with Restart(state_dir) as restart:
+        assert restart.daemon.status()["daemon"]["token_pages"] == "file"
+        page_path = state_dir / "pages" / f"{restart.record.id}.token.0"
+        inode = page_path.stat().st_ino
+        restart.restart()
         assert page_path.stat().st_ino == inode
-        with ChannelClient(wait_served(record)) as again:
+        with ChannelClient(wait_served(restart.record)) as again:
             again.hello()
             grant = again.request_token(0)
             # Read while `again` is still connected: its close hands the token back and the
             # daemon clears the page (that read after the close raced in CI). The page is
             # written before the grant is sent, so this read cannot come too early.
-            assert tenant.page.valid_until_ns == grant.valid_until_ns  # the old mapping sees it
-    finally:
-        tenant.page.close()
-        tenant.activity.close()
-        assert second.stop() == 0
+            assert restart.tenant.page.valid_until_ns == grant.valid_until_ns   # old mapping
 
 
 def test_control_socket_is_private(daemon: DaemonProcess, state_dir: Path) -> None:
@@ -601,9 +604,12 @@ def test_closed_waiter_is_forgotten(long_daemon: DaemonProcess, state_dir: Path)
     try:
         a.client.request_token(0)
         a.busy()
-        gone.client.send_token_request(0)   # waits first ...
-        c.client.send_token_request(0)
-        time.sleep(0.05)
+        def queued(waiter: Tenant) -> bool:
+            return bool(tenants_of(long_daemon)[waiter.record.id]["connections_waiting"] == 1)
+
+        for waiter in (gone, c):            # gone waits first ...
+            waiter.client.send_token_request(0)
+            wait_for(functools.partial(queued, waiter), 5, "the request queued")
         gone.close()                        # ... and leaves while waiting
         a.client.release_token(0)
         c.client.recv_grant()               # the token does not get stuck with the departed
@@ -663,7 +669,9 @@ def test_two_saturating_tenants_get_their_shares_end_to_end(daemon_process: Daem
     for got, wanted in zip(achieved, shares, strict=True):
         assert abs(got - wanted) <= 0.05, (achieved, results)
     assert sum(achieved) >= 0.9, achieved   # handoffs between Python processes cost little
-    assert all(t["revocations"] == 0 for t in tenants_of(daemon_process).values())
+    tenants = tenants_of(daemon_process)
+    assert set(tenants) == {r.id for r in records}, tenants
+    assert all(t["revocations"] == 0 for t in tenants.values()), tenants
 
 
 def test_removing_the_holders_record_hands_the_token_on(long_daemon: DaemonProcess,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.daemon.helpers import list_passes
 from vgpu_runtime import hooklib
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.contracts.allocation import AllocationRecord, GpuShare
@@ -149,10 +150,11 @@ async def node_with_pods(pods: PodNode, api: FakeApiServer) -> tuple[Any, Any]:
 
 
 async def pods_deleted(pods: PodNode, *names: str) -> None:
-    """Delete pods of namespace ml, then wait past the daemon's last PodResources answer."""
+    """Delete pods of namespace ml, then wait until the daemon's last PodResources answer (the
+    one its uninstall reuses) came after."""
     for name in names:
         await pods.node.kubelet.delete_pod(name, "ml")
-    await asyncio.sleep(0.5)
+    await list_passes(pods)
 
 
 def stop(pods: PodNode) -> str:
@@ -252,6 +254,15 @@ def root_logger() -> Iterator[None]:
     root.setLevel(level)
 
 
+@pytest.fixture(autouse=True)
+def quick_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook looks at the DaemonSet every 0.1 s, not every second: what it does between
+    looks is the same, and the tests wait on its looks, not on the clock."""
+    import vgpu_runtime.uninstall
+
+    monkeypatch.setattr(vgpu_runtime.uninstall, "POLL", 0.1)
+
+
 def run_hook(api: FakeApiServer, *args: str) -> int:
     from vgpu_runtime.uninstall import main
 
@@ -266,7 +277,9 @@ async def test_the_hook_deletes_in_the_foreground_and_waits_for_the_pods(
     await until(lambda: api.deletes, 10, "the delete")
     assert api.deletes[0][2] is not None and api.deletes[0][2]["propagationPolicy"] == \
         "Foreground"
-    await asyncio.sleep(1.5)
+    looks = ("GET", f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{DAEMONSET}")
+    await until(lambda: api.requests.count(looks) >= 3, 10,
+                "more looks at the DaemonSet its pods keep")
     assert not hook.done(), "returned while the DaemonSet's pods were still there"
     api.finish_deletion(NAMESPACE, DAEMONSET)
     assert await hook == 0
@@ -282,6 +295,6 @@ def test_the_hook_without_a_daemonset_has_nothing_to_do(
 def test_the_hook_fails_when_the_pods_outlast_its_timeout(
         api: FakeApiServer, capsys: pytest.CaptureFixture[str]) -> None:
     api.add_daemonset(NAMESPACE, DAEMONSET)
-    assert run_hook(api, "--timeout", "2") == 1
+    assert run_hook(api, "--timeout", "1") == 1
     error = capsys.readouterr().err
-    assert "still has pods after 2 s" in error and "--no-hooks" in error
+    assert "still has pods after 1 s" in error and "--no-hooks" in error

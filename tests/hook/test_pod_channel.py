@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -40,6 +39,12 @@ def pod_env(node: DaemonNode, record: AllocationRecord | None = None,
 def gpu_status(node: DaemonNode) -> dict[str, object]:
     (gpu,) = node.daemon.status()["gpus"]
     return gpu  # type: ignore[no-any-return]
+
+
+def granted(node: DaemonNode, what: str) -> None:
+    """Wait until the node's daemon has granted the token (its count starts at 0)."""
+    wait_for(lambda: int(gpu_status(node)["grants"]) > 0, 5,  # type: ignore[call-overload]
+             what)
 
 
 def run_in_pod(hooked: Hooked, node: DaemonNode, code: str, env: dict[str, str],
@@ -213,13 +218,14 @@ def test_the_token_page_descriptor_is_read_only(node: DaemonNode) -> None:
 
 def test_a_daemon_restart_under_a_running_pod_keeps_it_gated_on_the_fast_path(
         hooked: Hooked, node: DaemonNode) -> None:
-    loop = Loop(hooked, pod_env(node), 3.0, pod_channel=node.record.channel_dir)
+    loop = Loop(hooked, pod_env(node), 30.0, pod_channel=node.record.channel_dir,
+                stoppable=True)
     loop.go()
-    time.sleep(1.0)
+    granted(node, "the first daemon grants to the running pod")
     node.restart_daemon()
     # The new daemon (its counters start at 0) gates the running pod.
-    wait_for(lambda: int(gpu_status(node)["grants"]) > 0, 3,  # type: ignore[call-overload]
-             "the new daemon grants to the running pod")
+    granted(node, "the new daemon grants to the running pod")
+    loop.stop()
     result = loop.result()
     stats = result["stats"]
     assert stats["daemon_connects"] == 2, stats        # it said hello to the new daemon
@@ -231,15 +237,16 @@ def test_pages_made_anew_by_a_restarted_daemon_are_mapped_on_the_next_hello(
         hooked: Hooked, node: DaemonNode) -> None:
     """Pages lost with the state directory's pages/ (a new node image, a wiped tmpfs): the
     hook's re-hello brings the new files and the fast path goes on from them."""
-    loop = Loop(hooked, pod_env(node), 3.0, pod_channel=node.record.channel_dir)
+    loop = Loop(hooked, pod_env(node), 30.0, pod_channel=node.record.channel_dir,
+                stoppable=True)
     loop.go()
-    time.sleep(1.0)
+    granted(node, "the first daemon grants to the running pod")
     assert node.daemon.stop() == 0
     shutil.rmtree(node.state_dir / "pages")
     node.daemon = DaemonProcess(node.state_dir).wait_ready()
     wait_served(node.record)
-    wait_for(lambda: int(gpu_status(node)["grants"]) > 0, 5,  # type: ignore[call-overload]
-             "the new daemon grants to the running pod")
+    granted(node, "the new daemon grants to the running pod")
+    loop.stop()
     result = loop.result()
     stats = result["stats"]
     assert stats["daemon_connects"] == 2 and stats["ungated_launches"] == 0, stats
@@ -271,17 +278,19 @@ def test_an_open_gate_dies_with_its_daemon_and_the_next_daemon_gates_the_pod(
     Without that the pod ran ungated beside the second tenant for as long as it lived."""
     node = start_node(1.0)
     try:
-        loop = Loop(hooked, pod_env(node), 6.0, pod_channel=node.record.channel_dir)
+        loop = Loop(hooked, pod_env(node), 30.0, pod_channel=node.record.channel_dir,
+                    stoppable=True)
         loop.go()
-        time.sleep(1.0)
+        wait_for(lambda: len(node.daemon.allocation(node.record.id)["connections"]) == 1, 5,
+                 "the pod connected to the first daemon")
         assert node.daemon.stop(stop) in (0, -signal.SIGKILL), node.daemon.logs()
         node.daemon = DaemonProcess(node.state_dir, *node.daemon_args).wait_ready()
         wait_served(node.record)
-        wait_for(lambda: len(node.daemon.allocation(node.record.id)["connections"]) == 1, 3,
+        wait_for(lambda: len(node.daemon.allocation(node.record.id)["connections"]) == 1, 5,
                  "the pod reconnects to the new daemon while its gate is open")
         node.allocate(0.5)
-        wait_for(lambda: int(gpu_status(node)["grants"]) > 0, 3,  # type: ignore[call-overload]
-                 "the pod asks the new daemon for the token once a second tenant comes")
+        granted(node, "the pod asks the new daemon for the token once a second tenant comes")
+        loop.stop()
         stats = loop.result()["stats"]
         assert stats["daemon_connects"] == 2, stats
         assert stats["ungated_launches"] == 0, stats

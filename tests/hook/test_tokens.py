@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.helpers import wait_for
 from tests.hook.conftest import DaemonNode, Hooked, compile_program, start_node, stop_node
 from tests.hook.tokenkit import Loop, Rival, read_activity_page, read_token_page
 from vgpu_runtime.daemon.channel import client
@@ -400,7 +401,8 @@ def test_a_killed_daemon_leaves_the_program_running_self_gated(
     loop = Loop(hooked, node.env(GEMINI_HOOK_DAEMON_WAIT="0.3"), 1.0)
     try:
         loop.go()
-        time.sleep(0.3)
+        wait_for(lambda: node.daemon.status()["gpus"][0]["grants"] > 0, 5,
+                 "the program gated by the daemon")
         node.daemon.stop(signal.SIGKILL)
         result = loop.result()
     finally:

@@ -133,10 +133,11 @@ def in_pod(channel_dir: str, argv: Sequence[str]) -> list[str]:
 
 
 LOOP = """
-    import sys, time
+    import select, sys, time
     lib = cuda()
     context(lib)
     seconds, sync_each = float(sys.argv[1]), sys.argv[2] == "1"
+    stoppable = sys.argv[3] == "1"
     print("ready", flush=True)
     sys.stdin.readline()
     returns = []
@@ -146,18 +147,23 @@ LOOP = """
         if sync_each:
             lib.cuStreamSynchronize(ctypes.c_void_p(0x77))
         returns.append(time.monotonic_ns())
+        if stoppable and len(returns) % 256 == 0 and select.select([sys.stdin], [], [], 0)[0]:
+            break
     print(json.dumps({"returns": returns, "stats": stats()}), flush=True)
 """
 
 
 class Loop:
     """A hooked process launching (and optionally synchronising) in a loop for `seconds`; with
-    `pod_channel`, inside a pod-like mount namespace with that channel read-only (`in_pod`)."""
+    `pod_channel`, inside a pod-like mount namespace with that channel read-only (`in_pod`).
+    `stoppable`: `stop` ends it sooner (`seconds` is then a bound), for tests that wait on
+    events while it runs instead of giving it a fixed time."""
 
     def __init__(self, hooked: Hooked, env: dict[str, str], seconds: float,
-                 sync_each: bool = False, pod_channel: str | None = None) -> None:
+                 sync_each: bool = False, pod_channel: str | None = None,
+                 stoppable: bool = False) -> None:
         argv = [sys.executable, "-c", PRELUDE + textwrap.dedent(LOOP), str(seconds),
-                "1" if sync_each else "0"]
+                "1" if sync_each else "0", "1" if stoppable else "0"]
         self.proc = subprocess.Popen(
             in_pod(pod_channel, argv) if pod_channel else argv,
             env=hooked.env(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -170,6 +176,10 @@ class Loop:
         assert self.proc.stdin is not None
         self.proc.stdin.write("\n")
         self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        """A stoppable loop ends within 256 launches."""
+        self.go()
 
     def result(self, timeout: float = 30) -> dict[str, Any]:
         out, err = self.proc.communicate(timeout=timeout)

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -449,25 +448,35 @@ def test_a_second_users_daemon_is_refused_naming_the_holder(
 
 def test_concurrent_claims_of_two_users_leave_one_holder(members: Members,
                                                          root_dir: Path) -> None:
+    # Each claims on "go" (all started: a real race) and holds its claim until its stdin
+    # closes (a process's claims end with it), so no claim ends before all have tried.
     claim = f"""
-        import os, sys, time
+        import os, sys
         from vgpu_runtime import gpulock
         claims = gpulock.GpuClaims({str(root_dir / "locks")!r}, os.geteuid())
-        start = float(sys.argv[1])
-        time.sleep(max(0.0, start - time.time()))
+        print("ready", flush=True)
+        sys.stdin.readline()
         try:
             claims.claim("GPU-race")
             print("won", flush=True)
         except gpulock.GpuHeld:
             print("held", flush=True)
-        time.sleep(1.5)
+        sys.stdin.read()
     """
-    at = time.time() + 1.0
     procs = [(user, subprocess.Popen(
-        user.argv([sys.executable, "-c", textwrap.dedent(claim), str(at)]), env=ENV,
-        stdout=subprocess.PIPE, text=True))
+        user.argv([sys.executable, "-c", textwrap.dedent(claim)]), env=ENV,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for user in (members.alice, members.bob) * 4]
-    results = [(user.name, proc.communicate(timeout=30)[0].strip()) for user, proc in procs]
+    for _, proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    for _, proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [(user.name, proc.stdout.readline().strip())   # type: ignore[union-attr]
+               for user, proc in procs]
+    for _, proc in procs:
+        assert proc.communicate(timeout=30)[0] == "" and proc.returncode == 0
     winners = {name for name, said in results if said == "won"}
     assert len(winners) == 1, results   # one user's daemons hold it, the other's are refused
     assert all(said == ("won" if name in winners else "held") for name, said in results)

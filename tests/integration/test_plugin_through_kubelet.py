@@ -165,8 +165,13 @@ async def test_ignored_xid_changes_nothing(node: PluginNode) -> None:
     while event.exists() and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     assert not event.exists(), "the plugin did not consume the event"
-    await asyncio.sleep(0.3)
     assert node.kubelet.allocatable() == 20 and updates == []
+    # A fatal one on the other GPU after it: its update is the first and only one kubelet gets,
+    # and GPU 0 stays healthy through it.
+    plugin.inject({"gpu": 1, "xid": 79})
+    await node.kubelet.wait_until(lambda: updates)
+    assert len(updates) == 1 and node.kubelet.allocatable() == 10
+    assert {d.split("::")[0] for d in node.kubelet.healthy_ids()} == {GPU0}
 
 
 async def test_kubelet_restart_brings_the_plugin_back_within_a_second(node: PluginNode) -> None:

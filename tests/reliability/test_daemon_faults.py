@@ -71,7 +71,10 @@ async def test_daemon_sigkill_with_three_containers_rebuilds_accounting(
             assert used_by(daemon) == held
             for c in running:
                 c.send("launch 4")
-            time.sleep(1.0)                       # contending for the token
+            def contending() -> bool:             # each has held the token
+                tenants = tenants_on_gpu(daemon)
+                return len(tenants) == 3 and all(t["achieved"] for t in tenants)
+            wait_for(contending, 5, "every container holding the token in turn")
             assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
             killed = time.monotonic()
             daemon = DaemonProcess(node.state_dir).wait_ready(timeout=15)

@@ -22,7 +22,13 @@ from pathlib import Path
 import pytest
 
 from tests.childenv import as_user, child_env
-from tests.daemon.helpers import DaemonProcess, make_record, wait_for, wait_served
+from tests.daemon.helpers import (
+    DaemonProcess,
+    make_record,
+    rewrite_scans,
+    wait_for,
+    wait_served,
+)
 from vgpu_runtime.contracts import allocation, paths, wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 from vgpu_runtime.daemon.channel.pages import pages_dir
@@ -280,11 +286,12 @@ def test_a_read_only_state_dir_keeps_what_is_served_and_serves_the_rest_once_wri
         in_mount_namespace_of(daemon, script, channels)
 
     try:
-        kept = connected(wait_served(make_record(state_dir)))
+        served = make_record(state_dir)
+        kept = connected(wait_served(served))
         in_daemons_namespace('mount --bind "$1" "$1" && mount -o remount,bind,ro "$1"')
         late = make_record(state_dir)
         wait_for(lambda: log_lines(daemon, "cannot serve allocation yet"), what="the failure")
-        time.sleep(0.5)   # ten polls: still one line
+        rewrite_scans(daemon, served)   # later scans: still one line
         assert len(log_lines(daemon, "cannot serve allocation yet")) == 1
         assert "Read-only file system" in daemon.logs()
         assert kept.reserve(0, MiB).granted and daemon.proc.poll() is None
