@@ -167,6 +167,34 @@ def node_image(cluster: Cluster) -> str:
     return NODE_IMAGE
 
 
+UPGRADE_IMAGE = NODE_IMAGE + "-upgrade"
+
+
+@pytest.fixture(scope="session")
+def upgrade_image(node_image: str, cluster: Cluster,
+                  tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An image for upgrades: the tracked tree with one comment added to an interposer source
+    (so the interposer's versioned file name differs), built by its own scripts/build-image
+    (the context is the script's tree) and imported into containerd."""
+    tmp = tmp_path_factory.mktemp("upgrade")
+    tree = tmp / "tree"
+    tree.mkdir()
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    subprocess.run(["tar", "-C", str(REPO), "-cf", str(tmp / "tree.tar"), "--null", "-T", "-"],
+                   input="\0".join(f for f in files if f).encode(), check=True)
+    subprocess.run(["tar", "-C", str(tree), "-xf", str(tmp / "tree.tar")], check=True)
+    source = sorted((tree / "vgpu_runtime" / "hook").rglob("*.c"))[0]
+    source.write_text(source.read_text() + "\n/* the cluster test's upgrade */\n")
+    built = run([sys.executable, str(tree / BUILD_IMAGE.relative_to(REPO)), "--work",
+                 str(IMAGE_WORK), "--name", UPGRADE_IMAGE], timeout=3000).stdout
+    archive = next(line.split(" ", 1)[1] for line in built.splitlines()
+                   if line.startswith("archive "))
+    cluster.ctr("images", "import", archive)
+    assert UPGRADE_IMAGE in cluster.ctr("images", "ls", "-q").split()
+    return UPGRADE_IMAGE
+
+
 def write_cdi_spec(cluster: Cluster) -> None:
     """CDI devices for the simulated GPUs, shaped as `nvidia-ctk cdi generate` writes them for
     real ones: the plugin's Allocate names nvidia.com/gpu=<uuid> and containerd resolves it
