@@ -19,6 +19,7 @@ from tests.cluster.conftest import (
     Cluster,
     create,
     environment,
+    node_pod,
     phase,
     report,
     wait_until,
@@ -177,6 +178,37 @@ def test_pods_that_fit_the_node_but_not_one_gpu_are_refused_with_the_readmes_err
     refused = [r for r in rows if r.split()[1:4] == ["Warning", reason, "pod/seven"]]
     assert len(refused) == 1, table
     the_readmes_text(said, refused[0], numbers)
+
+
+def node_config(cluster: Cluster) -> str:
+    """The node's configuration file as the plugin's container reads it."""
+    return cluster.kubectl("exec", "-n", NAMESPACE, "daemonset/gemini-vgpu-node", "-c",
+                           "device-plugin", "--", "cat", "/etc/gemini/node/config.yaml")
+
+
+def test_a_label_naming_a_missing_configuration_is_a_warning_on_the_node(
+        gemini_node: Cluster) -> None:
+    """daemonset/README: a label naming a missing configuration keeps the node's file as it is
+    and posts a Warning Event on the Node (`ConfigNotFound`; `kubectl describe node <node>`)."""
+    cluster = gemini_node
+    before, pod = node_config(cluster), node_pod(cluster)
+    assert pod is not None
+    cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.config=no-such-config",
+                    "--overwrite")
+    try:
+        def warnings() -> list[list[str]]:
+            described = cluster.kubectl("describe", "node", cluster.node)
+            # Type, Reason, Age, From, Message
+            rows = [line.split(None, 4) for line in section(described, "Events").splitlines()]
+            return [r for r in rows if r[:2] == ["Warning", "ConfigNotFound"]]
+        (row,) = wait_until("the ConfigNotFound Event in kubectl describe node", warnings, 60)
+        assert row[3] == "gemini-config-manager", row
+        assert "'no-such-config'" in row[4] and "keeps its current configuration" in row[4], row
+        assert node_config(cluster) == before
+        after = node_pod(cluster)
+        assert after is not None and after["metadata"]["uid"] == pod["metadata"]["uid"]
+    finally:
+        cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.config-")
 
 
 SERVICE_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:gemini-vgpu"
