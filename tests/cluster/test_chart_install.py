@@ -33,6 +33,7 @@ from tests.cluster.conftest import (
     HOOK_PREFIX,
     NAMESPACE,
     OVERLAY,
+    REPO,
     SIMULATED_GPUS,
     SLICES_PER_GPU,
     Cluster,
@@ -159,6 +160,12 @@ def uninstalled_event(cluster: Cluster, before: int) -> str:
         events if len(events := uninstall_events(cluster)) > before else None), 60)
     newest = max(found, key=lambda e: e["metadata"]["creationTimestamp"])
     assert newest["type"] == "Normal" and newest["involvedObject"]["name"] == cluster.node
+    # The README's command shows it.
+    command = ["get", "events", "--field-selector", f"reason={REASON}"]
+    assert f"`kubectl {' '.join(command)}`" in (REPO / "README.md").read_text()
+    table = cluster.kubectl(*command)
+    assert any(row.split()[1:4] == ["Normal", REASON, f"node/{cluster.node}"]
+               for row in table.splitlines()[1:]), table
     return str(newest["message"])
 
 
