@@ -107,6 +107,51 @@ def test_heap_and_printf_fifo_limits_are_charged_and_refused_past_the_limit(
     assert result["over"] == OOM
 
 
+def test_a_heap_reserved_at_the_next_launch_is_charged_when_set_and_uncharged_when_set_back(
+        hooked: Hooked, node: DaemonNode) -> None:
+    """As on the H100 (2026-12-05): a raised heap takes nothing until a launch, so setting it
+    back frees nothing measurable; the charge still falls back to the old value's."""
+    result = run(hooked, node, """
+        before = used()
+        out = {"set": set_limit(2, 300 << 20), "reserved": used() - before, "held": held()}
+        out["back"] = set_limit(2, 8 << 20)
+        out["held_back"] = held()
+        out["again"] = set_limit(2, 300 << 20)
+        lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+        out["reserved_launched"] = used() - before
+        out["held_launched"] = held()
+        out["back_launched"] = set_limit(2, 8 << 20)
+        out["reserved_end"], out["held_end"] = used() - before, held()
+        print(json.dumps(out))
+    """)
+    assert result["set"] == 0 and result["reserved"] == 0 and result["held"] == 292 * MiB
+    assert result["back"] == 0 and result["held_back"] == 0
+    assert result["again"] == 0 and result["reserved_launched"] == 292 * MiB
+    assert result["held_launched"] == 292 * MiB
+    assert result["back_launched"] == 0
+    assert result["reserved_end"] == 0 and result["held_end"] == 0
+
+
+def test_a_stack_that_takes_more_than_its_rule_keeps_its_measured_excess_when_lowered(
+        hooked: Hooked, node: DaemonNode) -> None:
+    """The driver reports 4 SMs and reserves for 8: each value is charged what it took, up
+    and down, not what the rule says."""
+    result = run(hooked, node, """
+        before = used()
+        out = {"up": set_limit(0, 16 << 10)}
+        out["taken_up"], out["held_up"] = used() - before, held()
+        out["down"] = set_limit(0, 8 << 10)
+        out["taken_down"], out["held_down"] = used() - before, held()
+        out["default"] = set_limit(0, 1024)
+        out["taken_default"], out["held_default"] = used() - before, held()
+        print(json.dumps(out))
+    """, FAKE_CUDA_SMS="8", FAKE_CUDA_REPORTED_SMS="4")
+    # 16 KiB x 8 x 2048 = 256 MiB, less the default 1 KiB's 16 MiB the context holds.
+    assert result["up"] == 0 and result["taken_up"] == result["held_up"] == 240 * MiB
+    assert result["down"] == 0 and result["taken_down"] == result["held_down"] == 112 * MiB
+    assert result["default"] == 0 and result["taken_default"] == result["held_default"] == 0
+
+
 def test_a_limit_that_takes_more_than_its_rule_is_measured_and_set_back(
         hooked: Hooked, node: DaemonNode) -> None:
     """The driver reports 1 SM but reserves for 132: the rule lets the call through, the

@@ -733,7 +733,9 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
  * - context limits (cuCtxSetLimit/cuCtxGetLimit, per device): CU_LIMIT_STACK_SIZE reserves
  *   value x SMs x threads per SM (FAKE_CUDA_SMS, default 132, x 2048: an H200), the malloc heap
  *   and the printf FIFO their value; the defaults (1 KiB, 8 MiB, 1 MiB) are part of the
- *   context's cost. A value the device cannot hold is CUDA_ERROR_OUT_OF_MEMORY.
+ *   context's cost. A value the device cannot hold is CUDA_ERROR_OUT_OF_MEMORY. A raised heap
+ *   is reserved at the next launch, not by the call, as on the H100 (driver 580: 1 GiB set and
+ *   set back moved nothing in NVML's figure); a lowered one gives back what it held above.
  *   FAKE_CUDA_REPORTED_SMS makes cuDeviceGetAttribute report another SM count than the one
  *   the stack reservation uses (a driver that reserves more than its rule says).
  * - modules and libraries: a load reserves its image's globals (PTX text: each
@@ -749,6 +751,9 @@ EXPORT CUresult cuGetExportTable(const void **table, const void *id) {
 #define FAKE_SM_THREADS 2048ull
 static uint64_t limit_value[MAX_DEVICES][3] = {
     [0 ... MAX_DEVICES - 1] = {1024, 1ull << 20, 8ull << 20}};   /* stack, printf, heap */
+
+static uint64_t heap_backed[MAX_DEVICES] = {[0 ... MAX_DEVICES - 1] = 8ull << 20};
+static _Atomic int heap_pending;   /* a raised heap that no launch has reserved yet */
 
 static uint64_t fake_sms(void) {
     const char *env = getenv("FAKE_CUDA_SMS");
@@ -794,8 +799,21 @@ EXPORT CUresult cuCtxSetLimit(int limit, size_t value) {
     uint64_t *held = &limit_value[current_device][limit];
     uint64_t before = limit_cost(limit, *held), after = limit_cost(limit, value);
     CUresult result = CUDA_SUCCESS;
-    if (after > before) result = take_memory(current_device, after - before);
-    else used_mem[current_device] -= before - after;
+    if (limit == CU_LIMIT_MALLOC_HEAP_SIZE) {
+        uint64_t *backed = &heap_backed[current_device];
+        if (value > *backed && used_mem[current_device] + (value - *backed) > total_mem)
+            result = CUDA_ERROR_OUT_OF_MEMORY;
+        else if (value > *backed)
+            atomic_store(&heap_pending, 1);
+        else {
+            used_mem[current_device] -= *backed - value;
+            *backed = value;
+        }
+    } else if (after > before) {
+        result = take_memory(current_device, after - before);
+    } else {
+        used_mem[current_device] -= before - after;
+    }
     if (result == CUDA_SUCCESS) *held = value;
     pthread_mutex_unlock(&lock);
     return result;
@@ -912,6 +930,17 @@ static CUresult unload_image(uintptr_t handle) {
 /* A launch: lazily loaded libraries take their memory in the current context now (a library
  * that does not fit stays pending, as if its kernels failed to load). */
 static void load_pending(void) {
+    if (atomic_load_explicit(&heap_pending, memory_order_relaxed) != 0) {
+        pthread_mutex_lock(&lock);   /* a raised heap: reserved now, if it fits */
+        int dev = current_device;
+        if (dev >= 0 && limit_value[dev][CU_LIMIT_MALLOC_HEAP_SIZE] > heap_backed[dev] &&
+            take_memory(dev, limit_value[dev][CU_LIMIT_MALLOC_HEAP_SIZE] - heap_backed[dev]) ==
+                CUDA_SUCCESS) {
+            heap_backed[dev] = limit_value[dev][CU_LIMIT_MALLOC_HEAP_SIZE];
+            atomic_store(&heap_pending, 0);
+        }
+        pthread_mutex_unlock(&lock);
+    }
     if (atomic_load_explicit(&pending_libraries, memory_order_relaxed) == 0) return;
     pthread_mutex_lock(&lock);
     for (int i = 0; current_device >= 0 && i < MAX_MODULES; i++) {

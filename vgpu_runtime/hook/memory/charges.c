@@ -6,8 +6,9 @@
  * undo (a limit set lower, an unload) or with its context (destroy, last primary release,
  * reset), which takes every charge of that context with it.
  *
- * A limit's entry also keeps its base: what the limit held when the hook first saw it, which
- * the context's own charge already measured.
+ * A limit's entry also keeps its base (what the limit held when the hook first saw it, which
+ * the context's own charge already measured) and its drift (what the driver took past its rule
+ * so far; negative where it took less, or takes it later).
  *
  * A plain array under one mutex: these calls are rare (a few per context), never on a launch.
  */
@@ -21,12 +22,13 @@ static struct charge {
     uint32_t what, gpu;
     CUcontext ctx;
     uint64_t bytes, base;
+    int64_t drift;
 } *charges;
 static size_t count, capacity;
 
 /* Books a charge already reserved; -1 (nothing booked) when out of host memory. */
 int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64_t bytes,
-                  uint64_t base) {
+                  uint64_t base, int64_t drift) {
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < count; i++) {
         if (charges[i].what == what && charges[i].handle == handle) {
@@ -34,6 +36,7 @@ int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64
             charges[i].gpu = (uint32_t)gpu;
             charges[i].bytes = bytes;
             charges[i].base = base;
+            charges[i].drift = drift;
             pthread_mutex_unlock(&lock);
             return 0;
         }
@@ -48,15 +51,15 @@ int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64
         charges = grown;
         capacity = grown_capacity;
     }
-    charges[count++] = (struct charge){handle, what, (uint32_t)gpu, ctx, bytes, base};
+    charges[count++] = (struct charge){handle, what, (uint32_t)gpu, ctx, bytes, base, drift};
     pthread_mutex_unlock(&lock);
     return 0;
 }
 
-/* What (what, handle) is charged, taken out of the table; 0 when nothing is. *base (if not
- * NULL) gets the base booked with it, and stays as it was when there is no entry. */
+/* What (what, handle) is charged, taken out of the table; 0 when nothing is. *base and *drift
+ * (if not NULL) get what was booked with it, and stay as they were when there is no entry. */
 uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx,
-                        uint64_t *base) {
+                        uint64_t *base, int64_t *drift) {
     uint64_t bytes = 0;
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < count; i++) {
@@ -65,6 +68,7 @@ uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx
             *gpu = (int)charges[i].gpu;
             if (ctx != NULL) *ctx = charges[i].ctx;
             if (base != NULL) *base = charges[i].base;
+            if (drift != NULL) *drift = charges[i].drift;
             charges[i] = charges[--count];
             break;
         }

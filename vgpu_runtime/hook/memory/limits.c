@@ -13,10 +13,13 @@
  * is in the context's measured charge already, so only more than that is charged:
  * 1. the driver's rule above (the estimate) is reserved BEFORE the call, so a value far past
  *    the limit is refused before the driver reserves anything;
- * 2. the call is measured (measure.c) and the charge settled to what it took, never below the
- *    estimate; where the estimate is a known rule the measurement may add at most the node's
- *    context_max_bytes (device-wide readings see other processes), where there is no rule it
- *    is charged whole;
+ * 2. the call is measured (measure.c), and what it took past what the rule says it takes is
+ *    the limit's drift, kept across calls: the charge is the rule's value plus the drift where
+ *    that is positive. Where the estimate is a known rule the drift adds at most the node's
+ *    context_max_bytes (device-wide readings see other processes); where there is no rule the
+ *    measurement is charged whole. A negative drift is memory the rule counts that the driver
+ *    has not taken: the H100 reserves a raised malloc heap only at a later launch, so setting
+ *    it back frees nothing measurable, and the charge still falls to the old value's rule;
  * 3. a settlement the daemon refuses sets the old value back and returns the error.
  * Limits that hold no device memory (L2 hints, the shared-memory and CIG queries) pass through.
  */
@@ -60,8 +63,30 @@ static int settle(int gpu, uint64_t from, uint64_t to) {
     return 0;
 }
 
-static void book(CUcontext ctx, CUlimit limit, int gpu, uint64_t bytes, uint64_t base) {
-    if (gm_charge_put(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx, ctx, gpu, bytes, base) < 0)
+/* What the rule gives `value` above the base: the least the value is charged. */
+static uint64_t rule_floor(CUlimit limit, size_t value, CUdevice dev, uint64_t base) {
+    uint64_t rule = estimate(limit, value, dev);
+    return rule > base ? rule - base : 0;
+}
+
+/* a - b, saturated to int64_t's range. */
+static int64_t difference(uint64_t a, uint64_t b) {
+    if (a >= b) return a - b > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)(a - b);
+    return b - a > (uint64_t)INT64_MAX ? -INT64_MAX : -(int64_t)(b - a);
+}
+
+/* drift + d, saturated, and never below -floor: the driver cannot hold less than nothing. */
+static int64_t drift_by(int64_t drift, int64_t d, uint64_t floor) {
+    int64_t lowest = floor > (uint64_t)INT64_MAX ? -INT64_MAX : -(int64_t)floor;
+    int64_t sum = d > 0 && drift > INT64_MAX - d ? INT64_MAX
+                : d < 0 && drift < -INT64_MAX - d ? -INT64_MAX : drift + d;
+    return sum < lowest ? lowest : sum;
+}
+
+static void book(CUcontext ctx, CUlimit limit, int gpu, uint64_t bytes, uint64_t base,
+                 int64_t drift) {
+    if (gm_charge_put(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx, ctx, gpu, bytes, base,
+                      drift) < 0)
         gm_warn("out of host memory to book a context limit's %llu bytes; they stay charged "
                 "until exit", (unsigned long long)bytes);
 }
@@ -83,14 +108,15 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     /* The base: what the rule gives the value the context had when the hook first saw this
      * limit. The context's own charge measured that much already; only more is charged. */
     uint64_t base = UINT64_MAX;
+    int64_t drift = 0;
     uint64_t before_call = gm_charge_take(GM_CHARGE_LIMIT + (uint32_t)limit, (uintptr_t)ctx,
-                                          &charged_gpu, NULL, &base);
+                                          &charged_gpu, NULL, &base, &drift);
     if (base == UINT64_MAX) base = estimate(limit, old, dev);
     uint64_t rule = estimate(limit, value, dev);
-    uint64_t floor = rule > base ? rule - base : 0;   /* the least the new value costs */
+    uint64_t floor = rule_floor(limit, value, dev, base);   /* the least the new value costs */
     uint64_t held = before_call > floor ? before_call : floor;
     if (settle(gpu, before_call, held) < 0) {   /* refused before the driver reserves anything */
-        book(ctx, limit, gpu, before_call, base);
+        book(ctx, limit, gpu, before_call, base, drift);
         gm_measure_unlock();
         gm_debug("context limit %d = %zu (%llu bytes) refused before setting", limit, value,
                  (unsigned long long)floor);
@@ -105,29 +131,30 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     gm_free_done(&reading);
     if (result != CUDA_SUCCESS) {
         settle(gpu, held, before_call);
-        book(ctx, limit, gpu, before_call, base);
+        book(ctx, limit, gpu, before_call, base, drift);
         gm_measure_unlock();
         return result;
     }
-    uint64_t charge = floor;
-    if (measured) {
-        /* What the limit holds now: what it held (as charged) plus what the call took. */
-        int64_t taken = (int64_t)(free_before - free_after);
-        uint64_t total = taken < 0 && (uint64_t)(-taken) > before_call
-                             ? 0 : before_call + (uint64_t)taken;
-        uint64_t most = rule > 0 ? floor + gm_setting_context_max_bytes() : UINT64_MAX;
-        charge = total < floor ? floor : total > most ? most : total;
+    int64_t new_drift = drift;
+    if (measured) {   /* what the call took, less what the rule says it takes */
+        uint64_t old_floor = rule_floor(limit, old, dev, base);
+        new_drift = drift_by(drift_by(drift, difference(free_before, free_after), UINT64_MAX),
+                             -difference(floor, old_floor), floor);
     }
+    if (rule == 0 && new_drift < 0) new_drift = 0;   /* no rule: the measurement is the charge */
+    uint64_t most = rule > 0 ? gm_setting_context_max_bytes() : UINT64_MAX;
+    uint64_t past = new_drift <= 0 ? 0 : (uint64_t)new_drift > most ? most : (uint64_t)new_drift;
+    uint64_t charge = floor > UINT64_MAX - past ? UINT64_MAX : floor + past;
     if (settle(gpu, held, charge) < 0) {
         GM_REAL(cuCtxSetLimit)(limit, old);   /* past the limit: give the memory back */
         settle(gpu, held, before_call);
-        book(ctx, limit, gpu, before_call, base);
+        book(ctx, limit, gpu, before_call, base, drift);
         gm_measure_unlock();
         gm_debug("context limit %d = %zu took %llu bytes: past the memory limit, set back to %zu",
                  limit, value, (unsigned long long)charge, old);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    book(ctx, limit, gpu, charge, base);
+    book(ctx, limit, gpu, charge, base, new_drift);
     gm_measure_unlock();
     gm_debug("context limit %d = %zu charged %llu bytes", limit, value,
              (unsigned long long)charge);

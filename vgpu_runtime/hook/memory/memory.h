@@ -32,9 +32,9 @@ GM_HIDDEN void gm_measure_unlock(void);
 #define GM_CHARGE_LIBRARY 2u
 #define GM_CHARGE_LIMIT 16u   /* + the CUlimit */
 GM_HIDDEN int gm_charge_put(uint32_t what, uint64_t handle, CUcontext ctx, int gpu, uint64_t bytes,
-                            uint64_t base);
+                            uint64_t base, int64_t drift);
 GM_HIDDEN uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUcontext *ctx,
-                                  uint64_t *base);
+                                  uint64_t *base, int64_t *drift);
 GM_HIDDEN void gm_charges_context_gone(CUcontext ctx);
 
 /* images.c: the device memory a module image's global variables take, read from the image

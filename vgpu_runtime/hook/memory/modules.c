@@ -91,7 +91,7 @@ static CUresult load_end(struct load *l, CUresult result, uint64_t handle,
                  (unsigned long long)charge);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    if (charge != 0 && gm_charge_put(l->what, handle, l->ctx, l->gpu, charge, 0) < 0)
+    if (charge != 0 && gm_charge_put(l->what, handle, l->ctx, l->gpu, charge, 0, 0) < 0)
         gm_warn("out of host memory to book a module's %llu bytes; they stay charged until "
                 "exit", (unsigned long long)charge);
     gm_measure_unlock();
@@ -175,11 +175,11 @@ static CUresult charged_unload(uint32_t what, uint64_t handle, CUresult (*unload
     if (!gm_active()) return unload(handle);
     int gpu = 0;
     CUcontext ctx = NULL;
-    uint64_t bytes = gm_charge_take(what, handle, &gpu, &ctx, NULL);
+    uint64_t bytes = gm_charge_take(what, handle, &gpu, &ctx, NULL, NULL);
     CUresult result = unload(handle);
     if (bytes == 0) return result;
     if (result == CUDA_SUCCESS) gm_release(gpu, GM_MEM_DEVICE, bytes);
-    else gm_charge_put(what, handle, ctx, gpu, bytes, 0);
+    else gm_charge_put(what, handle, ctx, gpu, bytes, 0, 0);
     return result;
 }
 
