@@ -8,7 +8,9 @@ Usage: scripts/cluster/cluster.py up|down|status|env|build [--state DIR]
           /root/.cache/gemini-cluster): Kubernetes 1.34 (kube-apiserver, kube-controller-manager,
           kube-scheduler, kubelet, kube-proxy, kubectl), etcd, containerd + ctr + the runc shim,
           the CNI plugins, Helm 4 (helm, for the chart in daemonset/chart/), each from the Go
-          module beside this file, and the pause image. A
+          module beside this file, the pause image, and the Prometheus Operator's
+          ServiceMonitor CRD (copied from its Go module, monitoring/, for the chart's
+          ServiceMonitor: `env` names the file; nothing applies it but the test that needs it). A
           cache directory's name carries its module's version and a hash of go.mod/go.sum, so
           binaries are reused exactly while the module is unchanged.
   up      build, then certificates and kubeconfigs (RBAC on), etcd, the API server, the
@@ -72,6 +74,9 @@ BUSYBOX_APPLETS = ("sh", "cat", "env", "ls", "sleep", "grep", "test", "stat", "r
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet",
                 "kube-proxy", "kubectl")
+# The Prometheus Operator's module, for its ServiceMonitor CustomResourceDefinition.
+MONITORING_MODULE = "github.com/prometheus-operator/prometheus-operator"
+SERVICEMONITOR_CRD = "example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml"
 CNI_PLUGINS = {"bridge": "plugins/main/bridge", "host-local": "plugins/ipam/host-local",
                "loopback": "plugins/main/loopback", "portmap": "plugins/meta/portmap"}
 # Start order; `down` stops them in reverse.
@@ -173,6 +178,35 @@ def helm_bin() -> Path:
     return build_dir("helm", HERE / "helm", "helm.sh/helm/v4") / "bin"
 
 
+def monitoring_dir() -> Path:
+    return build_dir("monitoring", HERE / "monitoring", MONITORING_MODULE)
+
+
+def servicemonitor_crd() -> Path:
+    return monitoring_dir() / "servicemonitors.crd.yaml"
+
+
+def copy_servicemonitor_crd() -> None:
+    """The ServiceMonitor CRD out of the Prometheus Operator's module (the Go module proxy,
+    checked against monitoring/go.sum) into the cache; a module's file, not a built binary."""
+    if servicemonitor_crd().is_file():
+        return
+    env = dict(os.environ, GOFLAGS="-mod=readonly")
+    module = json.loads(run(["go", "mod", "download", "-json", MONITORING_MODULE], env=env,
+                            cwd=HERE / "monitoring"))
+    source = Path(module["Dir"]) / SERVICEMONITOR_CRD
+    if not source.is_file():
+        raise ClusterError(f"{MONITORING_MODULE}@{module['Version']} has no {SERVICEMONITOR_CRD}")
+    out = monitoring_dir()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copyfile(source, tmp / servicemonitor_crd().name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    say(f"ServiceMonitor CRD of {MONITORING_MODULE}@{module['Version']} -> {servicemonitor_crd()}")
+
+
 def pause_archive() -> Path:
     digest = hashlib.sha256((HERE / "images" / "pause.c").read_bytes()).hexdigest()[:10]
     return CACHE / f"pause-{digest}.oci.tar"
@@ -204,6 +238,7 @@ def build_all() -> None:
     go_build(HERE / "helm", helm_bin(), [("helm.sh/helm/v4/cmd/helm", "helm")],
              f"-X helm.sh/helm/v4/internal/version.version={helm_version} "
              "-X helm.sh/helm/v4/internal/version.gitTreeState=clean")
+    copy_servicemonitor_crd()
     if not pause_archive().is_file():
         build_pause(pause_archive())
     if not workload_archive().is_file():
@@ -844,7 +879,7 @@ def env_json(state: Path) -> dict[str, str]:
             "containerd_socket": str(state / "containerd" / "containerd.sock"),
             "node": NODE_NAME, "cache": str(CACHE), "kubelet_root": str(KUBELET_ROOT),
             "gemini_state": str(GEMINI_STATE), "workload_image": WORKLOAD_IMAGE,
-            "cdi_dir": str(state / "cdi")}
+            "cdi_dir": str(state / "cdi"), "servicemonitor_crd": str(servicemonitor_crd())}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ cannot start fails the tests, saying why: they never skip. Root only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.scrape import fetch
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.gpus.simulated import SimulatedBackend, simulated_uuid
@@ -165,6 +167,34 @@ def node_image(cluster: Cluster) -> str:
     cluster.ctr("images", "import", archive)
     assert NODE_IMAGE in cluster.ctr("images", "ls", "-q").split()
     return NODE_IMAGE
+
+
+UPGRADE_IMAGE = NODE_IMAGE + "-upgrade"
+
+
+@pytest.fixture(scope="session")
+def upgrade_image(node_image: str, cluster: Cluster,
+                  tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An image for upgrades: the tracked tree with one comment added to an interposer source
+    (so the interposer's versioned file name differs), built by its own scripts/build-image
+    (the context is the script's tree) and imported into containerd."""
+    tmp = tmp_path_factory.mktemp("upgrade")
+    tree = tmp / "tree"
+    tree.mkdir()
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    subprocess.run(["tar", "-C", str(REPO), "-cf", str(tmp / "tree.tar"), "--null", "-T", "-"],
+                   input="\0".join(f for f in files if f).encode(), check=True)
+    subprocess.run(["tar", "-C", str(tree), "-xf", str(tmp / "tree.tar")], check=True)
+    source = sorted((tree / "vgpu_runtime" / "hook").rglob("*.c"))[0]
+    source.write_text(source.read_text() + "\n/* the cluster test's upgrade */\n")
+    built = run([sys.executable, str(tree / BUILD_IMAGE.relative_to(REPO)), "--work",
+                 str(IMAGE_WORK), "--name", UPGRADE_IMAGE], timeout=3000).stdout
+    archive = next(line.split(" ", 1)[1] for line in built.splitlines()
+                   if line.startswith("archive "))
+    cluster.ctr("images", "import", archive)
+    assert UPGRADE_IMAGE in cluster.ctr("images", "ls", "-q").split()
+    return UPGRADE_IMAGE
 
 
 def write_cdi_spec(cluster: Cluster) -> None:
@@ -317,3 +347,71 @@ def cleanup(cluster: Cluster) -> Iterator[None]:
     yield
     cluster.kubectl("delete", "pods", "-n", "default", "-l", "test=cluster", "--wait=true",
                     "--grace-period=1", "--timeout=60s", check=False)
+
+
+SERVICEMONITOR_CRD = "servicemonitors.monitoring.coreos.com"
+
+
+@pytest.fixture
+def servicemonitor_crd(cluster: Cluster) -> Iterator[None]:
+    """The Prometheus Operator's ServiceMonitor CRD (scripts/cluster/cluster.py copies it from
+    the operator's Go module into its cache), applied for one test and deleted after it: the
+    cluster, like most, has no Prometheus Operator otherwise."""
+    cluster.kubectl("apply", "--server-side", "-f", cluster.env["servicemonitor_crd"])
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{SERVICEMONITOR_CRD}",
+                    "--timeout=60s", timeout=90)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", "crd", SERVICEMONITOR_CRD, "--wait=true", "--timeout=120s",
+                        timeout=150, check=False)
+
+
+def ready_urls(cluster: Cluster, namespace: str, service: str,
+               endpoint: dict[str, Any]) -> list[str]:
+    """The URLs of a ServiceMonitor endpoint at a Service's ready EndpointSlice addresses."""
+    urls = []
+    for piece in cluster.get("endpointslices", "-n", namespace, "-l",
+                             f"kubernetes.io/service-name={service}")["items"]:
+        (port,) = [p["port"] for p in piece.get("ports") or [] if p["name"] == endpoint["port"]]
+        urls += [f"http://{a['addresses'][0]}:{port}{endpoint['path']}"
+                 for a in piece.get("endpoints") or [] if a["conditions"].get("ready")]
+    return urls
+
+
+def scrape_urls(cluster: Cluster, monitor: dict[str, Any]) -> list[str]:
+    """What Prometheus would scrape for a ServiceMonitor: for each of its endpoints, the
+    Services its selector picks in the namespaces it names that have a port of that name, at
+    their ready addresses."""
+    spec = monitor["spec"]
+    selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
+    urls = []
+    for namespace in spec["namespaceSelector"]["matchNames"]:
+        services = cluster.get("services", "-n", namespace, "-l", selector)["items"]
+        for endpoint in spec["endpoints"]:
+            named = [s["metadata"]["name"] for s in services
+                     if endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}]
+            assert named, f"no Service selected by {selector} has a port {endpoint['port']}"
+            for service in named:
+                urls += ready_urls(cluster, namespace, service, endpoint)
+    return urls
+
+
+def scrape_url(url: str) -> str:
+    """A target's page; a failure to reach it fails as an assertion (wait_until retries)."""
+    try:
+        status, text = fetch(url)
+    except OSError as err:
+        raise AssertionError(f"{url}: {err}") from None
+    assert status == 200, (url, text[:500])
+    return text
+
+
+def monitor_pages(cluster: Cluster, monitor: dict[str, Any]) -> dict[str, str]:
+    """Each page a ServiceMonitor's targets serve, by URL, once every endpoint has a ready
+    target and each target answers."""
+    urls = wait_until("a ready target for each of the ServiceMonitor's endpoints", lambda: (
+        found if len(found := scrape_urls(cluster, monitor)) == len(
+            monitor["spec"]["endpoints"]) else None), 60)
+    return {url: wait_until(f"{url} answering", functools.partial(scrape_url, url), 60)
+            for url in urls}

@@ -5,7 +5,9 @@ registered with the real kubelet, `kubectl describe node` showing the slices, a 
 pod; `helm uninstall` under it: the hook stops the node pod, whose daemon keeps what the pod
 uses on the host, clears the rest and says so in an Event, and every object of the release goes;
 then, once the pod has ended, an install and an uninstall that leave the node's state directory
-empty and its gemini.ai labels gone.
+empty and its gemini.ai labels gone. Then an install with the chart's ServiceMonitor (the
+Prometheus Operator's CRD applied for it) and `helm upgrade --set image.tag=...` to an image whose
+interposer differs, under a running pod.
 
 The kustomize install of the other cluster tests and this one cannot share the node (one
 plugin per resource, one state directory): a kustomize install found here is removed first and
@@ -13,6 +15,7 @@ applied again afterwards. In file order this runs before the first test that app
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -30,12 +33,14 @@ from tests.cluster.conftest import (
     HOOK_PREFIX,
     NAMESPACE,
     OVERLAY,
+    REPO,
     SIMULATED_GPUS,
     SLICES_PER_GPU,
     Cluster,
     create,
     environment,
     install_overlay,
+    monitor_pages,
     node_pod,
     phase,
     prepare_node,
@@ -46,6 +51,7 @@ from tests.cluster.conftest import (
     wait_until,
     workload,
 )
+from tests.scrape import samples
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.uninstall import REASON
 
@@ -154,6 +160,12 @@ def uninstalled_event(cluster: Cluster, before: int) -> str:
         events if len(events := uninstall_events(cluster)) > before else None), 60)
     newest = max(found, key=lambda e: e["metadata"]["creationTimestamp"])
     assert newest["type"] == "Normal" and newest["involvedObject"]["name"] == cluster.node
+    # The README's command shows it.
+    command = ["get", "events", "--field-selector", f"reason={REASON}"]
+    assert f"`kubectl {' '.join(command)}`" in (REPO / "README.md").read_text()
+    table = cluster.kubectl(*command)
+    assert any(row.split()[1:4] == ["Normal", REASON, f"node/{cluster.node}"]
+               for row in table.splitlines()[1:]), table
     return str(newest["message"])
 
 
@@ -245,3 +257,77 @@ def test_helm_install_upgrade_and_uninstall(node_without_kustomize_install: Clus
     cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s",
                     timeout=150)
     sys.stderr.write("".join(f"helm: {what} {seconds:.0f} s\n" for what, seconds in took.items()))
+
+
+def test_helm_with_a_servicemonitor_and_an_upgrade_to_another_image(
+        node_without_kustomize_install: Cluster, servicemonitor_crd: None, upgrade_image: str,
+        cleanup: None) -> None:
+    """`helm install --set metrics.serviceMonitor.enabled=true` on a cluster with the Prometheus
+    Operator's CRD: the API server accepts the chart's ServiceMonitor (the CRD's schema refuses
+    an invalid one), which selects the metrics Services, whose endpoints are the node pod's
+    daemon and plugin serving /metrics. Then `helm upgrade --set image.tag=...` to an image
+    whose interposer differs: the node pod is replaced, a running pod keeps its interposer, a
+    new pod gets the new one; `helm uninstall` removes the ServiceMonitor with the rest."""
+    cluster = node_without_kustomize_install
+    tag = upgrade_image.rsplit(":", 1)[1]
+    monitoring = ["--set", "metrics.serviceMonitor.enabled=true",
+                  "--set", "metrics.serviceMonitor.labels.release=prometheus"]
+    helm(cluster, "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+         "--create-namespace", "--values", str(VALUES), *monitoring)
+    wait_node_ready(cluster)
+    manifest = [o for o in yaml.safe_load_all(helm(cluster, "get", "manifest", RELEASE,
+                                                   "--namespace", NAMESPACE)) if o]
+    monitor = cluster.get("servicemonitor", "-n", NAMESPACE, "gemini-vgpu")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus", monitor["metadata"]
+    assert monitor["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    # The API server checks a ServiceMonitor against the CRD's schema: accepted means valid.
+    invalid = copy.deepcopy(monitor)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "generation", "managedFields"):
+        invalid["metadata"].pop(key, None)
+    invalid["metadata"]["name"] = "gemini-vgpu-invalid"
+    invalid["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    refused = run([cluster.env["kubectl"], "--kubeconfig", cluster.env["kubeconfig"], "create",
+                   "--dry-run=server", "-f", "-"], input=json.dumps(invalid), check=False)
+    assert refused.returncode != 0 and "interval" in refused.stderr, refused
+    # Every endpoint reaches the node pod: the daemon's metrics and the plugin's.
+    for url, text in monitor_pages(cluster, monitor).items():
+        assert "gemini_vgpu_build_info" in samples(text), (url, text[:1000])
+
+    create(cluster, workload(cluster, "old-hook", 3))
+    wait_until("old-hook Running", lambda: phase(cluster, "old-hook") == "Running", 120)
+    old = environment(report(cluster, "old-hook"))["LD_PRELOAD"]
+    running = cluster.get("pod", "-n", "default", "old-hook")["status"]["containerStatuses"]
+    old_pod = node_pod(cluster)
+    assert old_pod is not None
+
+    helm(cluster, "upgrade", RELEASE, str(CHART), "--namespace", NAMESPACE,
+         "--values", str(VALUES), *monitoring, "--set", f"image.tag={tag}")
+    cluster.kubectl("-n", NAMESPACE, "rollout", "status", "daemonset/gemini-vgpu-node",
+                    "--timeout=300s", timeout=330)
+    wait_node_ready(cluster)
+    new_pod = node_pod(cluster)
+    assert new_pod is not None and new_pod["metadata"]["uid"] != old_pod["metadata"]["uid"]
+    images = {c["name"]: c["image"] for c in new_pod["spec"]["initContainers"]
+              + new_pod["spec"]["containers"]}
+    assert set(images.values()) == {upgrade_image}, images
+
+    create(cluster, workload(cluster, "new-hook", 3))
+    wait_until("new-hook Running", lambda: phase(cluster, "new-hook") == "Running", 120)
+    new = environment(report(cluster, "new-hook"))["LD_PRELOAD"]
+    assert new.startswith(HOOK_PREFIX) and old.startswith(HOOK_PREFIX)
+    assert new != old, "the upgraded image's interposer has the same name"
+    lib = paths.default_hook_dir(Path(cluster.env["gemini_state"]))
+    assert (lib / Path(old).name).is_file() and (lib / Path(new).name).is_file()
+    after = cluster.get("pod", "-n", "default", "old-hook")
+    assert after["status"]["phase"] == "Running"
+    assert after["status"]["containerStatuses"][0]["containerID"] == running[0]["containerID"]
+    assert exec_ok(cluster, "old-hook", "test", "-f", old)
+    assert cluster.get("servicemonitor", "-n", NAMESPACE, "gemini-vgpu")["spec"] == \
+        monitor["spec"]
+
+    cluster.kubectl("delete", "pods", "-n", "default", "old-hook", "new-hook",
+                    "--grace-period=1", "--wait=true", timeout=120)
+    assert "ServiceMonitor" in {o["kind"] for o in manifest}
+    uninstall(cluster, manifest)
+    cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s",
+                    timeout=150)

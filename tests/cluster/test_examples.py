@@ -18,8 +18,10 @@ from tests.cluster.conftest import (
     SIMULATED_GPUS,
     Cluster,
     environment,
+    monitor_pages,
     wait_until,
 )
+from tests.scrape import samples
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.gpus.simulated import simulated_uuid
 
@@ -121,3 +123,18 @@ def test_the_job_on_two_whole_gpus_completes(gemini_node: Cluster, apply: Any) -
     (env,) = reports(gemini_node, "example=job", 1)
     assert sorted(env["CUDA_VISIBLE_DEVICES"].split(",")) == sorted(
         simulated_uuid(i) for i in range(SIMULATED_GPUS)), env
+
+
+def test_the_servicemonitor_example_selects_the_metrics_services(
+        gemini_node: Cluster, servicemonitor_crd: None) -> None:
+    """examples/monitoring/servicemonitor.yaml, for kustomize installs, applied as it is: the
+    API server accepts it (the Prometheus Operator's CRD), and each of its endpoints has a
+    ready target, the node pod's daemon or plugin, serving metrics."""
+    path = EXAMPLES / "monitoring" / "servicemonitor.yaml"
+    gemini_node.kubectl("apply", "-f", str(path))
+    try:
+        pages = monitor_pages(gemini_node, gemini_node.get("-f", str(path)))
+        for url, text in pages.items():
+            assert "gemini_vgpu_build_info" in samples(text), (url, text[:1000])
+    finally:
+        gemini_node.kubectl("delete", "-f", str(path), "--ignore-not-found")

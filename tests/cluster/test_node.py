@@ -13,11 +13,13 @@ import pytest
 from tests.cluster.conftest import (
     HOOK_PREFIX,
     NAMESPACE,
+    REPO,
     SIMULATED_GPUS,
     SLICES_PER_GPU,
     Cluster,
     create,
     environment,
+    node_pod,
     phase,
     report,
     wait_until,
@@ -126,10 +128,30 @@ def test_a_pod_asking_three_slices_is_placed_admitted_and_sees_its_allocation(
     assert "three-slices" in bound, bound
 
 
+def readme_admission_error() -> tuple[str, str]:
+    """The reason and message the README's troubleshooting table gives for a pod that fits the
+    node's free count but no single GPU."""
+    readme = (REPO / "README.md").read_text()
+    row = re.search(r'^\| pod fails with `(\w+)` and "([^"]+)" \|', readme, re.M)
+    assert row, "README's troubleshooting row of the admission error not found"
+    return row.group(1), row.group(2)
+
+
+def the_readmes_text(said: str, text: str, numbers: tuple[int, ...]) -> None:
+    """`text` holds the README's message `said` with its numbers replaced by `numbers`."""
+    pattern = r"(\d+)".join(re.escape(part) for part in re.split(r"\d+", said))
+    found = re.search(pattern, text)
+    assert found, f"the README's {said!r} is not in what the cluster says:\n{text}"
+    assert tuple(int(n) for n in found.groups()) == numbers, (found.group(0), numbers)
+
+
 def test_pods_that_fit_the_node_but_not_one_gpu_are_refused_with_the_readmes_error(
         gemini_node: Cluster, cleanup: None) -> None:
-    """README, troubleshooting: 'no GPU has N free slices' with UnexpectedAdmissionError."""
+    """README, troubleshooting: the pod fails with `UnexpectedAdmissionError` and "no GPU has 7
+    free slices: the most free on one GPU is 6 of 10", as the pod's status, `kubectl get pods`
+    and the Warning Event of `kubectl get events` say it on the real cluster."""
     cluster = gemini_node
+    reason, said = readme_admission_error()
     create(cluster, workload(cluster, "six-a", 6))
     wait_until("six-a Running", lambda: phase(cluster, "six-a") == "Running", 120)
     create(cluster, workload(cluster, "six-b", 6))
@@ -138,13 +160,55 @@ def test_pods_that_fit_the_node_but_not_one_gpu_are_refused_with_the_readmes_err
     # through the plugin refuses it.
     create(cluster, workload(cluster, "seven", 7))
     wait_until("seven Failed", lambda: phase(cluster, "seven") == "Failed", 120)
+    numbers = (7, 4, SLICES_PER_GPU)
     pod = cluster.get("pod", "-n", "default", "seven")
     assert pod["spec"]["nodeName"] == cluster.node
-    assert pod["status"]["reason"] == "UnexpectedAdmissionError", pod["status"]
-    assert "no GPU has 7 free slices" in pod["status"]["message"], pod["status"]
-    events = cluster.kubectl("get", "events", "-n", "default", "--field-selector",
-                             "involvedObject.name=seven")
-    assert "UnexpectedAdmissionError" in events, events
+    assert pod["status"]["reason"] == reason, pod["status"]
+    the_readmes_text(said, pod["status"]["message"], numbers)
+    # `kubectl get pods`: STATUS is the reason.
+    listed = cluster.kubectl("get", "pod", "-n", "default", "seven", "--no-headers").split()
+    assert listed[:3] == ["seven", "0/1", reason], listed
+    # `kubectl get events`: one Warning row of that reason on pod/seven, its message the
+    # README's in kubelet's words ("Allocate failed due to device plugin GetPreferredAllocation
+    # rpc failed with err: rpc error: code = ResourceExhausted desc = ..., which is unexpected").
+    table = cluster.kubectl("get", "events", "-n", "default", "--field-selector",
+                            "involvedObject.name=seven")
+    header, *rows = table.splitlines()
+    assert header.split() == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"], table
+    refused = [r for r in rows if r.split()[1:4] == ["Warning", reason, "pod/seven"]]
+    assert len(refused) == 1, table
+    the_readmes_text(said, refused[0], numbers)
+
+
+def node_config(cluster: Cluster) -> str:
+    """The node's configuration file as the plugin's container reads it."""
+    return cluster.kubectl("exec", "-n", NAMESPACE, "daemonset/gemini-vgpu-node", "-c",
+                           "device-plugin", "--", "cat", "/etc/gemini/node/config.yaml")
+
+
+def test_a_label_naming_a_missing_configuration_is_a_warning_on_the_node(
+        gemini_node: Cluster) -> None:
+    """daemonset/README: a label naming a missing configuration keeps the node's file as it is
+    and posts a Warning Event on the Node (`ConfigNotFound`; `kubectl describe node <node>`)."""
+    cluster = gemini_node
+    before, pod = node_config(cluster), node_pod(cluster)
+    assert pod is not None
+    cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.config=no-such-config",
+                    "--overwrite")
+    try:
+        def warnings() -> list[list[str]]:
+            described = cluster.kubectl("describe", "node", cluster.node)
+            # Type, Reason, Age, From, Message
+            rows = [line.split(None, 4) for line in section(described, "Events").splitlines()]
+            return [r for r in rows if r[:2] == ["Warning", "ConfigNotFound"]]
+        (row,) = wait_until("the ConfigNotFound Event in kubectl describe node", warnings, 60)
+        assert row[3] == "gemini-config-manager", row
+        assert "'no-such-config'" in row[4] and "keeps its current configuration" in row[4], row
+        assert node_config(cluster) == before
+        after = node_pod(cluster)
+        assert after is not None and after["metadata"]["uid"] == pod["metadata"]["uid"]
+    finally:
+        cluster.kubectl("label", "node", cluster.node, "gemini.ai/vgpu.config-")
 
 
 SERVICE_ACCOUNT = f"system:serviceaccount:{NAMESPACE}:gemini-vgpu"

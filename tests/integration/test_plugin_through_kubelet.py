@@ -88,7 +88,13 @@ async def test_pod_fitting_the_node_but_no_single_gpu_is_refused(node: PluginNod
     assert node.kubelet.allocatable() - len(node.kubelet.in_use()) == 8
     refused = await node.kubelet.admit_pod("d", containers=[("main", 7)])
     assert refused.reason == "UnexpectedAdmissionError"
-    assert "7" in refused.message and "one GPU" in refused.message, refused.message
+    # Word for word what the real 1.34 kubelet put in such a pod's status (tests/cluster/
+    # test_node.py): the plugin refuses in GetPreferredAllocation, whose error kubelet wraps.
+    assert refused.message == (
+        "Pod was rejected: Allocate failed due to device plugin GetPreferredAllocation rpc "
+        "failed with err: rpc error: code = ResourceExhausted desc = no GPU has 7 free slices: "
+        "the most free on one GPU is 6 of 10; a request of 7 must fit on one GPU. Ask for "
+        "fewer slices or wait for running pods to finish, which is unexpected"), refused.message
     assert record_files(node.state_dir) == before
     # Not whole GPUs and more than one: refused too, with the rule in the message.
     rest = await node.kubelet.admit_pod("e", containers=[("main", 15)])

@@ -233,8 +233,11 @@ class KubeletEmulator:
                     else:
                         pod.reusable -= set(container.device_ids)
             except AllocationError as err:
+                # kubelet's rejectPod: the Event says the admission message, the pod's status
+                # "Pod was rejected: " and that message (seen on the real 1.34 kubelet).
                 pod.phase, pod.reason = FAILED, protocol.ADMISSION_ERROR_REASON
-                pod.message = f"Allocate failed due to {err}, which is unexpected"
+                pod.message = (f"{protocol.REJECTED_PREFIX}Allocate failed due to {err}, "
+                               "which is unexpected")
                 log.info("pod rejected", extra={"pod": name, "error": pod.message})
             self._write_checkpoint()
         if pod.admitted:
@@ -292,7 +295,9 @@ class KubeletEmulator:
             try:
                 response = await endpoint.stub.GetPreferredAllocation(request)
             except grpc.aio.AioRpcError as err:
-                raise AllocationError(_rpc_text(err)) from None
+                # kubelet wraps this RPC's error (an Allocate error it passes on as it is).
+                raise AllocationError("device plugin GetPreferredAllocation rpc failed with "
+                                      f"err: {_rpc_text(err)}") from None
             preferred: list[str] = []
             for answer in response.container_responses:
                 preferred += list(answer.deviceIDs)

@@ -21,5 +21,7 @@ UNHEALTHY = "Unhealthy"
 # Kubelet dials a registering plugin back with a blocking dial bounded by this.
 DIAL_TIMEOUT_S = 10.0
 ADMISSION_ERROR_REASON = "UnexpectedAdmissionError"
+# What a rejected pod's status message starts with (the Event has the rest alone).
+REJECTED_PREFIX = "Pod was rejected: "
 
 __all__ = ["dp", "dp_grpc", "pr", "pr_grpc"]
