@@ -2,9 +2,8 @@
 
 A machine runs the host daemon (gemini-host: one daemon for every user, installed by an
 administrator) or the node DaemonSet (gemini-install-hook, the device plugin and gemini-daemon),
-never both: both
-use /var/lib/gemini and would count the same GPUs twice. Each refuses to start over the other's
-state, saying so:
+never both: both use /var/lib/gemini and would count the same GPUs twice. Each refuses to start
+over the other's state, saying so:
 
 * the host daemon's mark is <state-dir>/host.json, written by `gemini-host install` and by the
   host daemon when it starts, removed by `gemini-host uninstall` alone (a stopped host daemon is
