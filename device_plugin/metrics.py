@@ -33,23 +33,19 @@ own thread, reads one consistent list without asking the loop.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from vgpu_runtime.common.metrics import MetricsPort, build_info, not_found
-
-log = logging.getLogger(__name__)
+from vgpu_runtime.common.metrics import (
+    MetricsPort,
+    build_info,
+    new_registry,
+    open_port,
+    registry_answer,
+)
 
 PROGRAM = "gemini-device-plugin"
 # Allocate writes one small file and fsyncs it: about a millisecond on local disk; the top
@@ -102,14 +98,10 @@ class _Devices:
 
 
 class PluginMetrics:
-    """The plugin's series in a registry of their own (no process or platform collectors:
-    they would differ between programs and say nothing about GPU sharing)."""
+    """The plugin's series in a registry of their own (common/metrics.py's new_registry)."""
 
     def __init__(self) -> None:
-        # No <name>_created series beside each counter: a series per counter that no panel or
-        # alert reads (the daemon's counters have none either).
-        disable_created_metrics()  # type: ignore[no-untyped-call]
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = new_registry()
         self.served = Counter("gemini_vgpu_plugin_allocations_served",
                               "Container requests Allocate answered (kubelet's replays too)",
                               registry=self.registry)
@@ -125,6 +117,7 @@ class PluginMetrics:
         self._rows: tuple[GpuRow, ...] = ()
         self._streams: Callable[[], int] = lambda: 0
         self.registry.register(_Devices(lambda: self._rows, lambda: self._streams()))
+        self.answer = registry_answer(self.registry)
 
     def allocated(self, containers: int, seconds: float) -> None:
         self.served.inc(containers)
@@ -145,21 +138,8 @@ class PluginMetrics:
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
 
-    def answer(self, path: str) -> tuple[int, str, bytes]:
-        if path == "/metrics":
-            return 200, CONTENT_TYPE_LATEST, self.render()
-        return not_found("/metrics")
-
 
 def serve_port(metrics: PluginMetrics, address: str, port: int) -> MetricsPort | None:
     """Start the port; None, with an error line, where it cannot be had (the plugin serves
     kubelet all the same: metrics are not worth a node without GPUs)."""
-    try:
-        server = MetricsPort(address, port, metrics.answer, name="plugin-metrics")
-    except OSError as err:
-        log.error("metrics port unavailable; running without /metrics",
-                  extra={"port": port, "address": address, "error": str(err)})
-        return None
-    server.start()
-    log.info("metrics served", extra={"port": server.port, "address": address})
-    return server
+    return open_port(metrics.answer, address, port, "plugin-metrics")

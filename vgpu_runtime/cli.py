@@ -132,14 +132,20 @@ def _free(gpus: list[dict[str, Any]], host: bool = False) -> list[str]:
     return _table(rows)
 
 
-def _metrics_line(metrics: dict[str, Any] | None, on_demand: bool) -> str:
+def _metrics_line(metrics: dict[str, Any] | None, on_demand: bool, host: bool = False) -> str:
     if metrics is None:
+        if host:
+            return (f"metrics: off (the host daemon's --metrics-port, in its unit "
+                    f"{hoststate.HOST_UNIT})")
         return "metrics: off" + (" (gemini-run --metrics-port PORT starts your daemon with "
                                  "them)" if on_demand else "")
     if metrics.get("port") is None:
         return (f"metrics: port {metrics.get('asked')} unavailable ({metrics.get('error')}); "
                 "none served")
-    return f"metrics: http://{metrics.get('address')}:{metrics['port']}/metrics"
+    url = f"metrics: http://{metrics.get('address')}:{metrics['port']}/metrics"
+    # The host daemon's port shows every user's allocations (README, "without Kubernetes").
+    return url + (" (the host daemon's, for the operator: every user's allocations)"
+                  if host else "")
 
 
 def render(status: dict[str, Any]) -> str:
@@ -156,8 +162,8 @@ def render(status: dict[str, Any]) -> str:
     if daemon.get("idle_exit"):   # started on demand (gemini-run)
         lines.append(f"exits after {daemon['idle_exit']:g} s without allocations; stop it now "
                      f"with: gemini-vgpu stop --state-dir {daemon['state_dir']}")
-    if "metrics" in daemon:   # the host daemon's view leaves it out: the port is the operator's
-        lines.append(_metrics_line(daemon["metrics"], bool(daemon.get("idle_exit"))))
+    if "metrics" in daemon:
+        lines.append(_metrics_line(daemon["metrics"], bool(daemon.get("idle_exit")), host))
     lines.append("")
     lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, " + (
         "FREE MEMORY for its --memory):" if host else

@@ -15,6 +15,23 @@ is, logs why and posts a Warning Event on the Node. In --oneshot mode, with no f
 yet, that is exit status 1: the pod waits in its init step, and `kubectl describe node` and the
 init container's log say why.
 
+Metrics: the sidecar serves Prometheus' /metrics on its own port, 9404 (--metrics-port; 0 = off;
+none with --oneshot, which exits at once), beside the plugin's 9403 and the daemon's 9401 in the
+node pod:
+    gemini_vgpu_config_manager_configuration_applied{config}  1 while the node's file holds the
+                                                configuration the label names (config: that
+                                                name), 0 while that one cannot be used (the
+                                                file keeps the one before, or none)
+    gemini_vgpu_config_manager_writes_total     the node's file written (another configuration
+                                                chosen, or the chosen one edited)
+    gemini_vgpu_config_manager_errors_total{reason}
+                                                each failure the log reports, by reason: the
+                                                Event's (ConfigNameInvalid, ConfigNotFound,
+                                                ConfigInvalid: once per failure, as the Event),
+                                                WriteFailed, NodeReadFailed, NodeWatchFailed,
+                                                EventFailed (each try)
+    gemini_vgpu_build_info{version,interposer,program}   1 (vgpu_runtime/common/metrics.py)
+
 Exit status: 0 after SIGTERM or a --oneshot that wrote the file, 1 when --oneshot cannot
 choose a configuration, 2 for a configuration error of its own.
 
@@ -35,15 +52,24 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import write_atomic
+from vgpu_runtime.common.metrics import (
+    CONFIG_MANAGER_PORT,
+    build_info,
+    new_registry,
+    open_port,
+    registry_answer,
+)
 from vgpu_runtime.daemon.config import default_node_name
 from vgpu_runtime.daemon.pods.kube import KubeApi, KubeError, NodeInfo
 
@@ -84,9 +110,47 @@ class ManagerConfig:
         cfg.optional(cfg.text), "URL")
     kubeconfig: str | None = cfg.setting(
         None, "kubeconfig file instead of the in-cluster config", cfg.optional(cfg.text), "FILE")
+    metrics_port: int = cfg.setting(
+        CONFIG_MANAGER_PORT, "HTTP port of /metrics (0 = off; none with --oneshot; the "
+        "plugin's is 9403, the node daemon's 9401)", cfg.integer(0, 65535), "PORT")
+    metrics_address: str = cfg.setting("0.0.0.0", "address the metrics port listens on",
+                                       cfg.text, "ADDRESS")
     log_level: str = cfg.setting(
         "info", "log level", cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = cfg.setting("json", "log format", cfg.choice("json", "text"), "FORMAT")
+
+
+class ManagerMetrics:
+    """The series of the module's docstring, in a registry of their own. Counters are
+    prometheus_client's (the node watch's thread counts too); the applied gauge reads one
+    tuple that the event loop replaces whole."""
+
+    def __init__(self) -> None:
+        self.registry = new_registry()
+        self.writes = Counter("gemini_vgpu_config_manager_writes",
+                              "The node's configuration file written (another configuration "
+                              "chosen, or the chosen one edited)", registry=self.registry)
+        self.errors = Counter("gemini_vgpu_config_manager_errors",
+                              "Failures the log reports, by reason (the Event's reason, "
+                              "WriteFailed, NodeReadFailed, NodeWatchFailed, EventFailed)",
+                              ["reason"], registry=self.registry)
+        self.applied: tuple[str, bool] | None = None   # (the wanted name, whether it is held)
+        self.registry.register(self)
+        self.answer = registry_answer(self.registry)
+
+    def failed(self, reason: str) -> None:
+        self.errors.labels(reason=reason).inc()
+
+    def collect(self) -> Iterable[Metric]:
+        yield build_info(PROG)
+        applied = GaugeMetricFamily(
+            "gemini_vgpu_config_manager_configuration_applied",
+            "1 while the node's file holds the configuration its label names (or the "
+            "default), 0 while that one cannot be used", labels=["config"])
+        if self.applied is not None:
+            name, held = self.applied
+            applied.add_metric([name], 1.0 if held else 0.0)
+        yield applied
 
 
 class Unusable(Exception):
@@ -196,9 +260,11 @@ def _tool(argv: Sequence[str]) -> int | None:
 
 
 class ConfigManager:
-    def __init__(self, config: ManagerConfig, kube: KubeApi) -> None:
+    def __init__(self, config: ManagerConfig, kube: KubeApi,
+                 metrics: ManagerMetrics | None = None) -> None:
         self.config = config
         self.kube = kube
+        self.metrics = metrics or ManagerMetrics()
         self.node: NodeInfo | None = None
         self._reported: tuple[str, str] | None = None   # the last Event's reason and message
         self._stopping = asyncio.Event()
@@ -223,6 +289,7 @@ class ConfigManager:
         try:
             payload = read_named(self.config.source_dir, name)
         except Unusable as err:
+            self.metrics.applied = (name, False)
             await self._report(node, err.reason, err.message)
             return False
         self._reported = None
@@ -230,12 +297,16 @@ class ConfigManager:
             try:
                 write_atomic(self.config.output, payload, durable=False)
             except OSError as err:   # retried at the next change or source interval
+                self.metrics.applied = (name, False)
+                self.metrics.failed("WriteFailed")
                 log.error("cannot write the node's configuration", extra={
                     "output": self.config.output, "error": str(err)})
                 return False
+            self.metrics.writes.inc()
             log.info("configuration written", extra={
                 "config": name, "labelled": self.config.label in node.labels,
                 "output": self.config.output})
+        self.metrics.applied = (name, True)
         return True
 
     async def _report(self, node: NodeInfo, reason: str, message: str) -> None:
@@ -245,12 +316,14 @@ class ConfigManager:
         if self._reported == (reason, message):
             return
         self._reported = (reason, message)
+        self.metrics.failed(reason)
         log.error("cannot use the node's configuration", extra={"reason": reason,
                                                                 "error": message})
         try:
             await self.kube.post_node_event(self.config.node_name, node.uid, reason, message,
                                             component=PROG)
         except KubeError as err:
+            self.metrics.failed("EventFailed")
             log.warning("cannot post an Event on the node", extra={"error": str(err)})
 
     async def read_node(self) -> NodeInfo | None:
@@ -260,6 +333,7 @@ class ConfigManager:
             try:
                 return await self.kube.node(self.config.node_name)
             except KubeError as err:
+                self.metrics.failed("NodeReadFailed")
                 log.warning("cannot read the node; trying again", extra={
                     "node": self.config.node_name, "error": str(err), "retry_in": delay})
             with contextlib.suppress(asyncio.TimeoutError):
@@ -311,6 +385,7 @@ class ConfigManager:
                     delay = 1.0
                 continue   # the server ended this watch: the next one starts where it stopped
             except KubeError as err:
+                self.metrics.failed("NodeWatchFailed")
                 log.warning("node watch failed; reading the node again", extra={
                     "error": str(err), "retry_in": delay})
             threading.Event().wait(delay)
@@ -333,7 +408,15 @@ async def _serve(config: ManagerConfig) -> int:
     log.info("starting", extra={"node": config.node_name, "label": config.label,
                                 "default": config.default_config, "oneshot": config.oneshot,
                                 "source_dir": config.source_dir, "output": config.output})
-    return await manager.run()
+    # A oneshot exits within seconds: nothing would scrape it.
+    port = (open_port(manager.metrics.answer, config.metrics_address, config.metrics_port,
+                      "config-metrics")
+            if config.metrics_port and not config.oneshot else None)
+    try:
+        return await manager.run()
+    finally:
+        if port is not None:
+            port.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

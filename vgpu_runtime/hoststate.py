@@ -1,14 +1,15 @@
 """Whose a machine's state directory is: the host daemon's or a Kubernetes node's.
 
 A machine runs the host daemon (gemini-host: one daemon for every user, installed by an
-administrator) or the node DaemonSet (the device plugin and gemini-daemon), never both: both
-use /var/lib/gemini and would count the same GPUs twice. Each refuses to start over the other's
-state, saying so:
+administrator) or the node DaemonSet (gemini-install-hook, the device plugin and gemini-daemon),
+never both: both use /var/lib/gemini and would count the same GPUs twice. Each refuses to start
+over the other's state, saying so:
 
 * the host daemon's mark is <state-dir>/host.json, written by `gemini-host install` and by the
   host daemon when it starts, removed by `gemini-host uninstall` alone (a stopped host daemon is
-  still installed). The device plugin and every other gemini-daemon refuse a state directory
-  that holds it. gemini-run and gemini-vgpu read it to find the host daemon.
+  still installed). gemini-install-hook, the device plugin and every other gemini-daemon
+  refuse a state directory that holds it. gemini-run and gemini-vgpu read it to find the host
+  daemon.
 * a node's marks are the device plugin's own files (health.json, slices.json) and records of
   kubelet allocations; the host daemon refuses a state directory that holds any.
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vgpu_runtime import __version__, hooklib
+from vgpu_runtime import __version__, hooklib, hoststate
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import fsync_dir
@@ -233,6 +233,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cli.error(PROG, str(err))
         return 2
     logs.setup(config.log_level, config.log_format)
+    try:
+        # The node pod's first step: on the host daemon's machine it stops there, saying why,
+        # before it writes into (or retires interposers from) the host daemon's state.
+        hoststate.refuse_node_program(config.state_dir)
+    except hoststate.MachineTaken as err:
+        cli.error(PROG, str(err))
+        return 1
     try:
         outcome = run(config)
     except (InstallError, OSError) as err:

@@ -339,8 +339,20 @@ def test_metrics_port_service_and_service_monitor(tools: Tools, defaults: list[O
     assert service["spec"]["ports"][0]["port"] == 9501
     assert service["metadata"]["annotations"]["prometheus.io/port"] == "9501"
 
+    # The config manager's: its sidecar and its own Service, nothing else.
+    objects = render(tools, "--set", "metrics.configManagerPort=9502")
+    assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
+                                          "Service/gemini-vgpu-config-metrics": "changed"}
+    (manager,) = [c for c in all_containers(objects) if c["name"] == "config-manager"]
+    assert manager["ports"][0]["containerPort"] == 9502
+    assert {"name": "GEMINI_METRICS_PORT", "value": "9502"} in manager["env"]
+    service = find(objects, "Service", "gemini-vgpu-config-metrics")
+    assert service["spec"]["ports"][0]["port"] == 9502
+    assert service["metadata"]["annotations"]["prometheus.io/port"] == "9502"
+
     assert changes(defaults, render(tools, "--set", "metrics.service.enabled=false")) == {
-        "Service/gemini-vgpu-metrics": "removed", "Service/gemini-vgpu-plugin-metrics": "removed"}
+        "Service/gemini-vgpu-metrics": "removed", "Service/gemini-vgpu-plugin-metrics": "removed",
+        "Service/gemini-vgpu-config-metrics": "removed"}
 
     objects = render(tools, "--set", "metrics.serviceMonitor.enabled=true",
                      "--set", "metrics.serviceMonitor.labels.release=prometheus")
@@ -449,6 +461,7 @@ BAD_VALUES: list[tuple[list[str], str]] = [
     (["--set", "image.digest=latest"], "/image/digest'"),
     (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy'"),
     (["--set", "metrics.port=70000"], "/metrics/port': maximum"),
+    (["--set", "metrics.configManagerPort=0"], "/metrics/configManagerPort': minimum"),
     (["--set", "mqtt.url=http://broker"], "/mqtt/url'"),
     (["--set", "slicesPerGPU=4"], "additional properties 'slicesPerGPU' not allowed"),
     (["--set", "nodeConfigs.Bad_Name-.node.slices_per_gpu=4"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.childenv import REPO, child_env
 from tests.daemon.helpers import wait_for
+from tests.scrape import fetch, free_port, samples, scrape
 from vgpu_runtime.configmanager import CONFIG_LABEL
 
 # The fake API server serves Kubernetes' own objects: without a working client (the GPU image
@@ -57,9 +59,10 @@ def configs(tmp_path: Path) -> Path:
 
 
 def manager_argv(api: FakeApiServer, configs: Path, output: Path, *extra: str) -> list[str]:
+    """Metrics off unless `extra` names a port (the last flag wins): 9404 may be taken here."""
     return [sys.executable, "-m", "vgpu_runtime.configmanager", "--kube-api-url", api.url,
             "--node-name", NODE, "--source-dir", str(configs), "--output", str(output),
-            "--source-interval", "0.2", "--log-format", "json", *extra]
+            "--source-interval", "0.2", "--log-format", "json", "--metrics-port", "0", *extra]
 
 
 def oneshot(api: FakeApiServer, configs: Path, output: Path) -> subprocess.CompletedProcess[str]:
@@ -68,10 +71,10 @@ def oneshot(api: FakeApiServer, configs: Path, output: Path) -> subprocess.Compl
 
 
 class Sidecar:
-    def __init__(self, api: FakeApiServer, configs: Path, output: Path) -> None:
+    def __init__(self, api: FakeApiServer, configs: Path, output: Path, *extra: str) -> None:
         self.log_path = output.parent / "manager.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the process
-        self.proc = subprocess.Popen(manager_argv(api, configs, output), cwd=REPO,
+        self.proc = subprocess.Popen(manager_argv(api, configs, output, *extra), cwd=REPO,
                                      env=child_env(), stdout=self.log, stderr=subprocess.STDOUT)
 
     def logs(self) -> str:
@@ -236,6 +239,85 @@ def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, c
     restarts = [json.loads(line) for line in log_path.read_text().splitlines()
                 if "restarting with it" in line]
     assert [entry["settings"] for entry in restarts] == [["limit_policy"]]
+
+
+def applied(port: int) -> dict[str, float]:
+    """configuration_applied's series: configuration name -> 1 or 0."""
+    found = samples(scrape(port))
+    return {s.labels["config"]: s.value
+            for s in found.get("gemini_vgpu_config_manager_configuration_applied", [])}
+
+
+def counted(port: int, name: str, **labels: str) -> float:
+    """A counter's value, 0 while it has no series yet."""
+    return sum(s.value for s in samples(scrape(port)).get(name, [])
+               if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_the_sidecars_metrics_follow_what_it_applies(api: FakeApiServer, configs: Path,
+                                                     tmp_path: Path) -> None:
+    """Its own port: build info, the configuration the label names and whether the file holds
+    it, the writes, and each failure by reason (a missing configuration once, as its Event; a
+    failed watch each time)."""
+    port = free_port()
+    output = tmp_path / "config.yaml"
+    sidecar = Sidecar(api, configs, output, "--metrics-port", str(port),
+                      "--metrics-address", "127.0.0.1")
+    writes, errors = ("gemini_vgpu_config_manager_writes_total",
+                      "gemini_vgpu_config_manager_errors_total")
+    try:
+        wait_for(lambda: holds(output, DEFAULT), TIMEOUT, "the default configuration")
+        (info,) = samples(scrape(port))["gemini_vgpu_build_info"]
+        assert info.labels["program"] == "gemini-config-manager" and info.value == 1
+        assert applied(port) == {"default": 1.0}
+        assert counted(port, writes) == 1
+        assert counted(port, errors) == 0
+
+        api.set_node_labels(NODE, {CONFIG_LABEL: "eight-slices"})
+        wait_for(lambda: applied(port) == {"eight-slices": 0.0}, TIMEOUT, "the missing one")
+        wait_for(lambda: counted(port, errors, reason="ConfigNotFound") == 1, TIMEOUT,
+                 "its error counted")
+        assert holds(output, DEFAULT) and counted(port, writes) == 1
+        # Tried again each source interval (0.2 s), reported and counted once.
+        time.sleep(1.0)
+        assert counted(port, errors, reason="ConfigNotFound") == 1
+
+        api.set_node_labels(NODE, {CONFIG_LABEL: "four-slices"})
+        wait_for(lambda: holds(output, FOUR), TIMEOUT, "the labelled configuration")
+        wait_for(lambda: applied(port) == {"four-slices": 1.0}, TIMEOUT, "it applied")
+        assert counted(port, writes) == 2
+
+        api.fail_all = True
+        api.set_node_labels(NODE, {CONFIG_LABEL: "strict"})   # ends the watch, refused again
+        wait_for(lambda: counted(port, errors, reason="NodeWatchFailed") >= 1, TIMEOUT,
+                 "a failed watch counted")
+        api.fail_all = False
+        wait_for(lambda: applied(port) == {"strict": 1.0}, TIMEOUT, "the label set meanwhile")
+        assert counted(port, writes) == 3
+        status, text = fetch(f"http://127.0.0.1:{port}/nope")
+        assert status == 404 and "/metrics" in text
+    finally:
+        assert sidecar.stop() == 0, sidecar.logs()
+
+
+def test_the_metrics_port_is_its_own_and_a_oneshot_serves_none(
+        api: FakeApiServer, configs: Path, tmp_path: Path) -> None:
+    from vgpu_runtime.common.metrics import CONFIG_MANAGER_PORT, PLUGIN_PORT
+    from vgpu_runtime.configmanager import ManagerConfig
+    from vgpu_runtime.contracts import paths
+    from vgpu_runtime.daemon.config import DaemonConfig
+
+    assert ManagerConfig().metrics_port == CONFIG_MANAGER_PORT == 9404
+    assert CONFIG_MANAGER_PORT not in (PLUGIN_PORT, DaemonConfig().metrics_port,
+                                       paths.HOST_METRICS_PORT)
+    port = free_port()
+    done = subprocess.run(manager_argv(api, configs, tmp_path / "config.yaml", "--oneshot",
+                                       "true", "--metrics-port", str(port), "--log-format",
+                                       "text"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "configuration written" in done.stderr + done.stdout
+    assert "metrics served" not in done.stderr + done.stdout
 
 
 # ---- the operator's commands: check a node file, convert the two-file ConfigMap ----

@@ -46,7 +46,8 @@ def test_node_programs_refuse_the_host_daemons_state(root_dir: Path) -> None:
     for argv in ([sys.executable, "-m", "vgpu_runtime.daemon", "--state-dir", str(state),
                   "--metrics-port", "0"],
                  [sys.executable, "-m", "device_plugin.main", "--state-dir", str(state),
-                  "--simulate-gpus", "1", "--kubelet-dir", str(root_dir)]):
+                  "--simulate-gpus", "1", "--kubelet-dir", str(root_dir)],
+                 [sys.executable, "-m", "vgpu_runtime.install", "--state-dir", str(state)]):
         refused = run(argv)
         assert refused.returncode == 1, refused.stderr
         said = refused.stderr
@@ -54,22 +55,26 @@ def test_node_programs_refuse_the_host_daemons_state(root_dir: Path) -> None:
         assert "gemini-host uninstall" in said and "gemini.ai/vgpu.enabled-" in said
     assert not paths.lock_file(state).exists()          # the daemon took nothing
     assert not paths.health_file(state).exists()        # the plugin wrote nothing
+    assert not (state / "lib").exists()                 # nor did the install step
 
 
 @needs_root
-@pytest.mark.parametrize("left", ["slices.json", "kubelet record"])
+@pytest.mark.parametrize("left", ["slices.json", "health.json", "kubelet record"])
 def test_the_host_daemon_refuses_a_nodes_state(root_dir: Path, left: str) -> None:
+    """health.json: the plugin writes it as it starts, so a running node pod is refused too."""
     state = root_dir / "state"
     state.mkdir()
     if left == "slices.json":
         paths.slices_file(state).write_text("{}")
+    elif left == "health.json":
+        paths.health_file(state).write_text("{}")
     else:
         make_record(state, gpus=((simulated_uuid(0), 1 << 30, 0.3),))
     refused = host_serve(root_dir)
     assert refused.returncode == 1, refused.stderr
     said = refused.stderr
     assert "holds a Kubernetes node's state" in said and "not both" in said, said
-    assert ("slices.json" if left == "slices.json" else "1 kubelet allocation record") in said
+    assert (left if left != "kubelet record" else "1 kubelet allocation record") in said
     assert not paths.host_marker(state).exists()
 
 

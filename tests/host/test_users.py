@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.host.conftest import ENV, HostDaemon, Members, User, mode_of, wait_exit
+from tests.scrape import free_port
 from vgpu_runtime import gpulock
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.daemon_process import wait_for
@@ -309,6 +310,7 @@ def test_status_shows_each_user_theirs_and_what_is_free(
             assert f"other users: 1 allocation(s), request {other_share:.2f}" in text.stdout
             assert ids[user.name] in text.stdout and ids[other.name] not in text.stdout
             assert f"uid {user.uid} pid" in text.stdout
+            assert "metrics: off (the host daemon's --metrics-port" in text.stdout
         # Root sees everyone's.
         everyone = host.status()
         assert {a["id"] for a in everyone["allocations"]} == set(ids.values())
@@ -323,6 +325,30 @@ def test_status_shows_each_user_theirs_and_what_is_free(
         for proc in jobs.values():
             go(proc)
             wait_exit(proc)
+
+
+def test_status_tells_every_user_where_the_host_daemons_metrics_are(
+        members: Members, root_dir: Path) -> None:
+    """The port, as the README documents it, for root and for a member alike: host.json says
+    it to everyone already."""
+    port = free_port()
+    daemon = HostDaemon(root_dir, members.group, "--simulate-gpus", "1", "--metrics-port",
+                        str(port)).wait_ready()
+    try:
+        line = (f"metrics: http://127.0.0.1:{port}/metrics (the host daemon's, for the "
+                "operator: every user's allocations)")
+        as_root = subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status",
+                                  "--state-dir", str(daemon.state_dir)], capture_output=True,
+                                 text=True, timeout=30, env={**ENV, "COLUMNS": "400"})
+        assert as_root.returncode == 0 and line in as_root.stdout, as_root.stderr
+        shown = vgpu(members.alice, daemon.state_dir, "status")
+        assert shown.returncode == 0, shown.stderr
+        assert "shown to uid" in shown.stdout and line in shown.stdout, shown.stdout
+        answer = json.loads(vgpu(members.alice, daemon.state_dir, "status", "--json").stdout)
+        assert answer["daemon"]["metrics"] == {"address": "127.0.0.1", "asked": port,
+                                               "port": port, "error": None}
+    finally:
+        assert daemon.stop() == 0, daemon.logs()
 
 
 def test_a_killed_gemini_run_ends_its_allocation_and_a_restart_keeps_the_live_ones(

@@ -1,6 +1,6 @@
 """The node image's containers under runc: a built image's root filesystem, a minimal OCI spec.
 
-Small and self-contained on purpose (the DaemonSet's three containers only): `podman run`
+Small and self-contained on purpose (the DaemonSet's four containers only): `podman run`
 fails on this kind of machine with an rlimit error while plain runc works, so the image's
 layers are mounted by podman (`podman image mount`, vfs: a plain directory) and run by runc.
 Each container gets what the DaemonSet gives it: a read-only root, no capabilities, no new

@@ -1,24 +1,31 @@
 """The example Grafana dashboard against what the programs export, scraped over HTTP from the
-real device plugin and the real node daemon of one emulated node: every series a panel queries
-is exported by one of them, and every family they export has a panel. And the names a release
+real device plugin, node daemon and config manager of one emulated node (the config manager
+over the fake API server): every series a panel queries is exported by one of them, and every
+family they export has a panel. And the names a release
 exported stay: a renamed metric keeps its old name for one release (README, "Metrics")."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.childenv import REPO, child_env
 from tests.scrape import free_port, scrape, series_names
+from vgpu_runtime.devkit.fakeapi import FakeApiServer
 from vgpu_runtime.devkit.plugin_node import plugin_node
 from vgpu_runtime.devkit.podnode import PodNode
 
-DASHBOARD = (Path(__file__).resolve().parents[2]
-             / "daemonset/examples/monitoring/grafana-dashboard.json")
+DASHBOARD = REPO / "daemonset/examples/monitoring/grafana-dashboard.json"
+BASE_CONFIG = REPO / "daemonset/base/config/default.yaml"
 NAME = re.compile(r"gemini_vgpu_[a-z_]+")
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 # Every series name of the release (0.3), by program. The rule for a rename: export the old name
@@ -75,9 +82,30 @@ def families_of(names: set[str]) -> set[str]:
     return {family_of(n, bases) for n in names}
 
 
-async def exported() -> dict[str, set[str]]:
-    """Program -> the series names its /metrics offers, from one node of both programs."""
-    plugin_port, daemon_port = free_port(), free_port()
+@contextlib.contextmanager
+def config_manager(root: Path, port: int) -> Iterator[None]:
+    """gemini-config-manager as the node pod's sidecar, over the fake API server, with the
+    base's default configuration as its ConfigMap."""
+    configs = root / "configs"
+    configs.mkdir()
+    (configs / "default.yaml").write_bytes(BASE_CONFIG.read_bytes())
+    with FakeApiServer() as api, open(root / "manager.log", "wb") as log:
+        api.add_node("node-1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vgpu_runtime.configmanager", "--kube-api-url", api.url,
+             "--node-name", "node-1", "--source-dir", str(configs), "--output",
+             str(root / "config.yaml"), "--metrics-port", str(port), "--metrics-address",
+             "127.0.0.1"], cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield
+        finally:
+            proc.terminate()
+            assert proc.wait(20) == 0, (root / "manager.log").read_text()
+
+
+async def exported(root: Path) -> dict[str, set[str]]:
+    """Program -> the series names its /metrics offers, from one node of the three programs."""
+    plugin_port, daemon_port, manager_port = free_port(), free_port(), free_port()
     async with plugin_node() as node:
         await node.start_plugin(args=["--metrics-port", str(plugin_port),
                                       "--metrics-address", "127.0.0.1"])
@@ -85,17 +113,19 @@ async def exported() -> dict[str, set[str]]:
         await pods.start_daemon("--metrics-port", str(daemon_port),
                                 "--metrics-address", "127.0.0.1", "--simulate-gpus", "2")
         try:
-            return {program: series_names(await asyncio.to_thread(scrape, port))
-                    for program, port in (("gemini-device-plugin", plugin_port),
-                                          ("gemini-daemon", daemon_port))}
+            with config_manager(root, manager_port):
+                return {program: series_names(await asyncio.to_thread(scrape, port))
+                        for program, port in (("gemini-device-plugin", plugin_port),
+                                              ("gemini-daemon", daemon_port),
+                                              ("gemini-config-manager", manager_port))}
         finally:
             assert pods.daemon is not None
             pods.daemon.stop()
 
 
 @pytest.fixture(scope="module")
-def by_program() -> dict[str, set[str]]:
-    return asyncio.run(exported())
+def by_program(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
+    return asyncio.run(exported(tmp_path_factory.mktemp("dashboard")))
 
 
 def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
@@ -112,10 +142,13 @@ def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
 
 def test_every_query_names_an_exported_series_and_every_family_has_a_panel(
         by_program: dict[str, set[str]]) -> None:
+    assert set(by_program) == {"gemini-device-plugin", "gemini-daemon", "gemini-config-manager"}
     for program, names in by_program.items():
         assert "gemini_vgpu_build_info" in names, f"{program} exports no build info"
-    assert by_program["gemini-device-plugin"] & by_program["gemini-daemon"] == {
-        "gemini_vgpu_build_info"}, "a name two programs export with different meanings"
+        for other, theirs in by_program.items():
+            if other != program:
+                assert names & theirs == {"gemini_vgpu_build_info"}, (
+                    f"{program} and {other}: a name two programs export with different meanings")
     names = set().union(*by_program.values()) - set(DEPRECATED)
     families = families_of(names)
     dashboard = json.loads(DASHBOARD.read_text())

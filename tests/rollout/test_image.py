@@ -9,12 +9,12 @@ a rerun reuses build/image/base.tar and podman's layer cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -31,8 +31,10 @@ from tests.hook.conftest import Hooked, fake_dir, hook_lib, hooked  # noqa: F401
 from tests.integration.conftest import PluginNode, node  # noqa: F401 (fixture)
 from tests.reliability.clients import Container, GiB
 from tests.rollout import oci
+from tests.scrape import free_port, samples, scrape, value
 from vgpu_runtime import __version__, hooklib
 from vgpu_runtime.contracts import allocation, paths
+from vgpu_runtime.devkit.fakeapi import FakeApiServer
 from vgpu_runtime.hook import identity
 
 SCRIPT = REPO / "scripts" / "build-image"
@@ -63,12 +65,6 @@ def cannot_build() -> str | None:
                                                 and shutil.which("podman")):
         return "mmdebstrap and podman are missing and there is no apt-get to install them"
     return oci.runtime_available()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -207,18 +203,51 @@ def test_the_images_interposer_is_the_one_these_sources_build_here(rootfs: Path,
     assert packaged.read_bytes() == hook_lib.read_bytes()
 
 
+def build_infos(port: int) -> list[dict[str, str]]:
+    """The labels of gemini_vgpu_build_info on a port (127.0.0.1: runc keeps the host's
+    network)."""
+    return [dict(sample.labels) for sample in samples(scrape(port, wait=30)).get(
+        "gemini_vgpu_build_info", [])]
+
+
 async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
                                                    node: PluginNode, hooked: Hooked,  # noqa: F811
                                                    ) -> None:
-    """The DaemonSet's three containers from the image, under runc with a read-only root and
-    no capabilities: the init step installs the interposer on the "host" (twice: a restart
-    never fails), the plugin registers with the kubelet emulator and answers Allocate with the
-    installed file's name, and the daemon serves the allocation's channel to a hooked program."""
+    """The DaemonSet's four containers from the image, under runc with a read-only root and
+    no capabilities: the config manager writes the node's configuration (over the fake API
+    server), the init step installs the interposer on the "host" (twice: a restart never
+    fails), the plugin registers with the kubelet emulator and answers Allocate with the
+    installed file's name, and the daemon serves the allocation's channel to a hooked program.
+    The three long-running programs serve their metrics ports, each with the image's build."""
     state, kubelet_dir, pod_resources = node.state_dir, node.kubelet_dir, node.root / "pr"
     state.mkdir(parents=True)
+    configs, node_config = node.root / "configs", node.root / "node-config"
+    configs.mkdir()
+    node_config.mkdir()
+    (configs / "default.yaml").write_bytes((REPO / "daemonset/base/config/default.yaml")
+                                           .read_bytes())
+    ports = {"config-manager": free_port(), "scheduler": free_port(),
+             "device-plugin": free_port()}
+    programs = {"config-manager": "gemini-config-manager", "scheduler": "gemini-daemon",
+                "device-plugin": "gemini-device-plugin"}
     runc = oci.Runc(node.root / "runc", rootfs, image.env)
     install = ["gemini-install-hook", f"--state-dir={state}", "--log-format=text"]
+    stack = contextlib.ExitStack()   # the fake API server, for the config manager
+    api = stack.enter_context(FakeApiServer())
+    api.add_node("gemini-node")
     try:
+        runc.start("config-manager", [
+            "gemini-config-manager", f"--kube-api-url={api.url}", "--node-name=gemini-node",
+            f"--source-dir={configs}", f"--output={node_config / 'config.yaml'}",
+            f"--metrics-port={ports['config-manager']}", "--metrics-address=127.0.0.1",
+            "--log-format=text"], [(configs, False), (node_config, True)])
+        deadline = time.monotonic() + 60
+        while not (node_config / "config.yaml").exists():
+            assert runc.alive("config-manager") and time.monotonic() < deadline, \
+                runc.output("config-manager")
+            await asyncio.sleep(0.2)
+        assert (node_config / "config.yaml").read_bytes() == (configs / "default.yaml"
+                                                              ).read_bytes()
         code, out = runc.run("install-hook", install, [(state, True)])
         assert code == 0 and "interposer installed" in out, out
         installed = state / "lib" / hooklib.library_name()
@@ -230,12 +259,14 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
 
         runc.start("scheduler", ["gemini-daemon", f"--state-dir={state}",
                                  f"--pod-resources-socket={pod_resources}/kubelet.sock",
-                                 "--simulate-gpus=2", "--metrics-port=0",
-                                 "--log-format=text"],
+                                 "--simulate-gpus=2",
+                                 f"--metrics-port={ports['scheduler']}",
+                                 "--metrics-address=127.0.0.1", "--log-format=text"],
                    [(state, True), (pod_resources, False)])
         runc.start("device-plugin", ["gemini-device-plugin", f"--kubelet-dir={kubelet_dir}",
                                      f"--state-dir={state}", "--simulate-gpus=2",
-                                     "--log-format=text"],
+                                     f"--metrics-port={ports['device-plugin']}",
+                                     "--metrics-address=127.0.0.1", "--log-format=text"],
                    [(kubelet_dir, True), (state, True)])
         try:
             await node.wait_registered(20, timeout=60)
@@ -270,12 +301,27 @@ async def test_the_images_entrypoints_serve_a_node(image: Image, rootfs: Path,
         assert launched["returns"] and isinstance(stats, dict)
         assert stats["daemon_connects"] == 1 and stats["token_requests"] >= 1, stats
         assert stats["ungated_launches"] == 0 and stats["mem_refused"] == 1, stats
+
+        # Each program's port: the image's build, and what it did here.
+        for name, port in ports.items():
+            infos = await asyncio.to_thread(build_infos, port)
+            assert infos == [{"version": __version__, "interposer": installed.name,
+                              "program": programs[name]}], (name, infos)
+        found = samples(await asyncio.to_thread(scrape, ports["device-plugin"]))
+        assert value(found, "gemini_vgpu_plugin_allocations_served_total") == 1
+        assert sum(s.value for s in found["gemini_vgpu_plugin_gpu_slices_advertised"]) == 20
+        found = samples(await asyncio.to_thread(scrape, ports["config-manager"]))
+        assert value(found, "gemini_vgpu_config_manager_configuration_applied",
+                     config="default") == 1
+        assert value(found, "gemini_vgpu_config_manager_writes_total") == 1
         assert runc.alive("scheduler") and runc.alive("device-plugin")
+        assert runc.alive("config-manager")
     finally:
         codes = {name: runc.stop(name) for name in list(runc.running)}
+        stack.close()
         for name in runc.logs:
             print(f"---- {name} ----\n{runc.output(name)[-4000:]}")
-    assert codes == {"scheduler": 0, "device-plugin": 0}, codes
+    assert codes == {"scheduler": 0, "device-plugin": 0, "config-manager": 0}, codes
 
 
 def test_the_build_context_leaves_out_the_venv_and_caches(image: Image, tmp_path: Path) -> None:

@@ -326,19 +326,34 @@ def test_metrics_port_is_one_number_everywhere(base: list[m.Obj], node_ds: m.Obj
     assert service["spec"]["selector"].items() <= pod_labels.items()
 
 
-def test_the_plugins_metrics_port_is_its_own_and_one_number_everywhere(
-        base: list[m.Obj], node_ds: m.Obj) -> None:
-    port = PluginConfig().metrics_port
-    assert port not in (metrics_port_default(), paths.HOST_METRICS_PORT)
-    plugin = m.containers(node_ds)["device-plugin"]
-    assert plugin["ports"] == [{"name": "plugin-metrics", "containerPort": port,
-                                "protocol": "TCP"}]
-    assert m.env(plugin)["GEMINI_METRICS_PORT"]["value"] == str(port)
+def own_metrics_ports() -> dict[str, tuple[int, bool, str, str]]:
+    """container -> (its program's default port, whether an init container, the port's name,
+    its Service)."""
+    from vgpu_runtime.configmanager import ManagerConfig
+
+    return {"device-plugin": (PluginConfig().metrics_port, False, "plugin-metrics",
+                              "gemini-vgpu-plugin-metrics"),
+            "config-manager": (ManagerConfig().metrics_port, True, "config-metrics",
+                               "gemini-vgpu-config-metrics")}
+
+
+@pytest.mark.parametrize("name", ["device-plugin", "config-manager"])
+def test_the_plugins_and_config_managers_metrics_ports_are_their_own_and_one_number_everywhere(
+        base: list[m.Obj], node_ds: m.Obj, name: str) -> None:
+    port, init, port_name, service_name = own_metrics_ports()[name]
+    others = [p for other, (p, *_rest) in own_metrics_ports().items() if other != name]
+    assert port not in (metrics_port_default(), paths.HOST_METRICS_PORT, *others)
+    container = m.containers(node_ds, init=init)[name]
+    assert container["ports"] == [{"name": port_name, "containerPort": port,
+                                   "protocol": "TCP"}]
+    assert m.env(container)["GEMINI_METRICS_PORT"]["value"] == str(port)
+    if init:   # a Service finds an init container's named port only in a sidecar's
+        assert container["restartPolicy"] == "Always"
     # Its own Service: scrape configs read one port a Service from its annotations.
-    service = m.find(base, "Service", "gemini-vgpu-plugin-metrics")
+    service = m.find(base, "Service", service_name)
     assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
-    assert service["spec"]["ports"] == [{"name": "plugin-metrics", "port": port,
-                                         "targetPort": "plugin-metrics", "protocol": "TCP"}]
+    assert service["spec"]["ports"] == [{"name": port_name, "port": port,
+                                         "targetPort": port_name, "protocol": "TCP"}]
     assert service["spec"]["clusterIP"] == "None"
     pod_labels = node_ds["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -347,13 +362,15 @@ def test_the_plugins_metrics_port_is_its_own_and_one_number_everywhere(
 def test_servicemonitor_scrapes_the_metrics_services(base: list[m.Obj]) -> None:
     (monitor,) = m.load_objects(m.DAEMONSET / "examples" / "monitoring" / "servicemonitor.yaml")
     ports = []
-    for name in ("gemini-vgpu-metrics", "gemini-vgpu-plugin-metrics"):
-        service = m.find(base, "Service", name)
+    services = [o for o in base if o["kind"] == "Service"]
+    assert sorted(s["metadata"]["name"] for s in services) == [
+        "gemini-vgpu-config-metrics", "gemini-vgpu-metrics", "gemini-vgpu-plugin-metrics"]
+    for service in services:
         assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
         assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"][
             "labels"].items()
         ports += [p["name"] for p in service["spec"]["ports"]]
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ports
+    assert sorted(e["port"] for e in monitor["spec"]["endpoints"]) == sorted(ports)
 
 
 def test_hook_dir_agrees_between_install_and_plugin(node_ds: m.Obj) -> None:

@@ -3,7 +3,8 @@
 Root sees the daemon's whole answer. Any other user sees every GPU and what is free on it (time
 and memory), their own allocations in full, and of other users' only how many there are on each
 GPU and what they take together: never their ids (which lead to their channels), processes or
-figures one by one, and no corrupt records (their paths name allocations).
+figures one by one, and no corrupt records (their paths name allocations). Where the metrics
+port is, every user is told: host.json says it to all already, and the README documents it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def for_user(status: dict[str, Any], uid: int) -> dict[str, Any]:
                        "memory_limit": sum(int(t["memory_limit"]) for t in others)}})
     daemon = {k: v for k, v in status.get("daemon", {}).items()
               if k in ("pid", "version", "state_dir", "started_at", "default_limit",
-                       "limit_policy", "idle_exit", "token_settings", "ready")}
+                       "limit_policy", "idle_exit", "token_settings", "ready", "metrics")}
     node.pop("mqtt", None)
     return {"daemon": daemon, "node": node, "viewer": viewer,
             "allocations": [a for a in status.get("allocations", []) if a["id"] in own],
