@@ -190,7 +190,7 @@ async def test_a_node_event_names_the_node_by_its_uid_or_as_kubelet_does_without
     watch = Watch(state_dir, kube)
     for message in ("first", "second"):
         watch.pods.post_node_event("SomeReason", message)
-    events = await until_true(lambda: len(api.node_events("node-1")) == 2
+    events = await until(lambda: len(api.node_events("node-1")) == 2
                               and api.node_events("node-1"), what="two Events")
     for event in events:
         assert event["involvedObject"] == {"kind": "Node", "apiVersion": "v1",
@@ -201,7 +201,7 @@ async def test_a_node_event_names_the_node_by_its_uid_or_as_kubelet_does_without
     with api.lock:
         del api.nodes["node-1"]      # the Node unreadable (404) to a daemon that never read it
     Watch(state_dir, kube).pods.post_node_event("SomeReason", "unknown")
-    (unknown,) = await until_true(lambda: [e for e in api.node_events("node-1")
+    (unknown,) = await until(lambda: [e for e in api.node_events("node-1")
                                            if e["message"] == "unknown"], what="the Event")
     assert unknown["involvedObject"]["uid"] == "node-1", unknown
 
