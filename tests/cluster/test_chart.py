@@ -328,27 +328,19 @@ def test_metrics_port_service_and_service_monitor(tools: Tools, defaults: list[O
                     find(objects, "DaemonSet")["spec"]["template"]["metadata"]):
         assert scraped["annotations"]["prometheus.io/port"] == "9500"
 
-    # The plugin's port: its container and its own Service, nothing else.
-    objects = render(tools, "--set", "metrics.pluginPort=9501")
-    assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
-                                          "Service/gemini-vgpu-plugin-metrics": "changed"}
-    (plugin,) = [c for c in all_containers(objects) if c["name"] == "device-plugin"]
-    assert plugin["ports"][0]["containerPort"] == 9501
-    assert {"name": "GEMINI_METRICS_PORT", "value": "9501"} in plugin["env"]
-    service = find(objects, "Service", "gemini-vgpu-plugin-metrics")
-    assert service["spec"]["ports"][0]["port"] == 9501
-    assert service["metadata"]["annotations"]["prometheus.io/port"] == "9501"
-
-    # The config manager's: its sidecar and its own Service, nothing else.
-    objects = render(tools, "--set", "metrics.configManagerPort=9502")
-    assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
-                                          "Service/gemini-vgpu-config-metrics": "changed"}
-    (manager,) = [c for c in all_containers(objects) if c["name"] == "config-manager"]
-    assert manager["ports"][0]["containerPort"] == 9502
-    assert {"name": "GEMINI_METRICS_PORT", "value": "9502"} in manager["env"]
-    service = find(objects, "Service", "gemini-vgpu-config-metrics")
-    assert service["spec"]["ports"][0]["port"] == 9502
-    assert service["metadata"]["annotations"]["prometheus.io/port"] == "9502"
+    # The plugin's and the config manager's: each its container and its own Service, nothing else.
+    for value, container, service_name, port in (
+            ("pluginPort", "device-plugin", "gemini-vgpu-plugin-metrics", 9501),
+            ("configManagerPort", "config-manager", "gemini-vgpu-config-metrics", 9502)):
+        objects = render(tools, "--set", f"metrics.{value}={port}")
+        assert changes(defaults, objects) == {"DaemonSet/gemini-vgpu-node": "changed",
+                                              f"Service/{service_name}": "changed"}
+        (program,) = [c for c in all_containers(objects) if c["name"] == container]
+        assert program["ports"][0]["containerPort"] == port
+        assert {"name": "GEMINI_METRICS_PORT", "value": str(port)} in program["env"]
+        service = find(objects, "Service", service_name)
+        assert service["spec"]["ports"][0]["port"] == port
+        assert service["metadata"]["annotations"]["prometheus.io/port"] == str(port)
 
     assert changes(defaults, render(tools, "--set", "metrics.service.enabled=false")) == {
         "Service/gemini-vgpu-metrics": "removed", "Service/gemini-vgpu-plugin-metrics": "removed",
