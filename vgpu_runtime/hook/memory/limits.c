@@ -63,11 +63,8 @@ static int settle(int gpu, uint64_t from, uint64_t to) {
     return 0;
 }
 
-/* What the rule gives `value` above the base: the least the value is charged. */
-static uint64_t rule_floor(CUlimit limit, size_t value, CUdevice dev, uint64_t base) {
-    uint64_t rule = estimate(limit, value, dev);
-    return rule > base ? rule - base : 0;
-}
+/* What a value's rule gives above the base: the least the value is charged. */
+static uint64_t above(uint64_t rule, uint64_t base) { return rule > base ? rule - base : 0; }
 
 /* a - b, saturated to int64_t's range. */
 static int64_t difference(uint64_t a, uint64_t b) {
@@ -113,7 +110,7 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
                                           &charged_gpu, NULL, &base, &drift);
     if (base == UINT64_MAX) base = estimate(limit, old, dev);
     uint64_t rule = estimate(limit, value, dev);
-    uint64_t floor = rule_floor(limit, value, dev, base);   /* the least the new value costs */
+    uint64_t floor = above(rule, base);   /* the least the new value costs */
     uint64_t held = before_call > floor ? before_call : floor;
     if (settle(gpu, before_call, held) < 0) {   /* refused before the driver reserves anything */
         book(ctx, limit, gpu, before_call, base, drift);
@@ -137,7 +134,7 @@ CUresult cuCtxSetLimit(CUlimit limit, size_t value) {
     }
     int64_t new_drift = drift;
     if (measured) {   /* what the call took, less what the rule says it takes */
-        uint64_t old_floor = rule_floor(limit, old, dev, base);
+        uint64_t old_floor = above(estimate(limit, old, dev), base);
         new_drift = drift_by(drift_by(drift, difference(free_before, free_after), UINT64_MAX),
                              -difference(floor, old_floor), floor);
     }
