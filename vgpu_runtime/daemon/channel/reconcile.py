@@ -200,23 +200,23 @@ class Reconciler:
         channel.killed(gpu, blamed, failure)
 
     def _unattributed(self, process: ProcessId, uuid: str, used: int) -> None:
-        """Report a process of no allocation on a served GPU, once while NVML lists it there."""
-        command = attribution.command_of(process.pid, self.proc)
-        if self._say_once(("unattributed", process, uuid), "a process of no allocation uses "
-                          "a shared GPU", gpu=uuid, pid=process.pid, command=command,
-                          process_bytes=used):
-            named = f"process {process.pid}" + (f" ({command})" if command else "")
-            self.node_event(UNATTRIBUTED_REASON,
-                            f"{named} holds {used >> 20} MiB ({used} bytes) on GPU {uuid}, "
-                            "which allocations of this node share, and belongs to none of them "
-                            "(no pod's container, no gemini-run command): no allocation is "
-                            "charged for it and no limit holds it")
-
-    def _say_once(self, key: Hashable, message: str, **fields: Any) -> bool:
-        """Log `message` unless `key` was logged while its process stayed listed; True if
-        logged now."""
+        """Report a process of no allocation on a served GPU, once while NVML lists it there
+        (its command read only then, not at every reading)."""
+        key = ("unattributed", process, uuid)
         if key in self._said:
-            return False
-        self._said.add(key)
-        log.warning(message, extra=fields)
-        return True
+            return
+        command = attribution.command_of(process.pid, self.proc)
+        self._say_once(key, "a process of no allocation uses a shared GPU", gpu=uuid,
+                       pid=process.pid, command=command, process_bytes=used)
+        named = f"process {process.pid}" + (f" ({command})" if command else "")
+        self.node_event(UNATTRIBUTED_REASON,
+                        f"{named} holds {used >> 20} MiB ({used} bytes) on GPU {uuid}, "
+                        "which allocations of this node share, and belongs to none of them "
+                        "(no pod's container, no gemini-run command): no allocation is "
+                        "charged for it and no limit holds it")
+
+    def _say_once(self, key: Hashable, message: str, **fields: Any) -> None:
+        """Log `message` unless `key` was logged while its process stayed listed."""
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(message, extra=fields)
