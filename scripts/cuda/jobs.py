@@ -1,17 +1,20 @@
 """Real jobs for scripts/bench-share's `jobs` case: what people share a GPU for.
 
-Usage: jobs.py KIND START_AT DURATION OUT
+Usage: jobs.py KIND GO DURATION OUT
   trainer    a Llama-style transformer's full training step (random weights: hidden 1024,
              8 layers, 16 heads, batch 8 x 512 tokens, AdamW, bf16); launch-bound on an H200
   inference  the same model family served by a generate loop: one request (a 64-token prompt,
              32 new tokens, batch 1, KV cache), then THINK_S of think time, again
   resnet     torchvision ResNet-50's training step (random weights, batch 128, bf16, SGD);
              GPU-bound
-Every job warms up, then counts the iterations (and, for inference, each request's latency)
-that start inside the common window [START_AT, START_AT + DURATION); a job ready only after the
-window opened has its rate taken over the part it ran, and says how late it was. Weights are
-random and configs are written here: nothing is downloaded. Writes {"kind", "iterations",
-"rate", "late_s", and for inference "p50_ms", "p99_ms", "requests"} to OUT.
+Every job warms up and says so (it writes OUT.ready), then waits for the harness's file GO,
+which holds START_AT: the time the common window opens, set once every job is ready, so no job
+starts late however long its imports take. Jobs load together from then (the harness leaves
+time before START_AT for the daemon to measure each job) and count the iterations (and, for
+inference, each request's latency) that start inside [START_AT, START_AT + DURATION). A job
+that still came late has its rate taken over the part it ran and says how late it was. Weights
+are random and configs are written here: nothing is downloaded. Writes {"kind", "iterations",
+"rate", "late_s", "ready_s", and for inference "p50_ms", "p99_ms", "requests"} to OUT.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 THINK_S = 0.030
-LEAD_S = 8.0   # seconds of common load before the window opens: the daemon measures each job
 
 
 def llama(layers: int = 8) -> torch.nn.Module:
@@ -88,14 +91,24 @@ def resnet() -> Callable[[], None]:
 JOBS = {"trainer": trainer, "inference": inference, "resnet": resnet}
 
 
+def wait_for_go(go: Path) -> float:
+    """START_AT, once the harness has written it (atomically: a rename)."""
+    while not go.exists():
+        time.sleep(0.005)
+    return float(go.read_text())
+
+
 def main() -> None:
-    kind, start_at, duration, out = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    kind, go, duration, out = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    began = time.time()
     work = JOBS[kind]()
     think = THINK_S if kind == "inference" else 0.0
-    work()
+    for _ in range(2):   # the first call pays for kernel loading and autotuning
+        work()
     torch.cuda.synchronize()
-    while time.time() < start_at - LEAD_S:   # load together with the others
-        time.sleep(0.005)
+    ready_s = time.time() - began
+    Path(out + ".ready").write_text(f"{ready_s:.3f}")
+    start_at = wait_for_go(go)
     end = start_at + duration
     counted_from = max(start_at, time.time())
     latencies: list[float] = []
@@ -108,7 +121,7 @@ def main() -> None:
             time.sleep(think)
     result: dict[str, object] = {"kind": kind, "iterations": len(latencies),
                                  "rate": len(latencies) / (end - counted_from),
-                                 "late_s": counted_from - start_at}
+                                 "late_s": counted_from - start_at, "ready_s": ready_s}
     if kind == "inference" and latencies:
         latencies.sort()
         result.update(requests=len(latencies),
