@@ -491,6 +491,20 @@ def hook_library_path(request: Request) -> Path:
     return path.resolve()
 
 
+def mps_environment(state_dir: Path) -> dict[str, str]:
+    """Where the daemon runs its tenants over MPS (its status says so), the client's pipe
+    directory; nothing where it does not. A daemon that cannot be asked leaves the command a
+    plain CUDA context, still gated by the tokens, and the user is told."""
+    try:
+        status = client.request(state_dir, "status", timeout=5.0)
+        mps = status["daemon"].get("mps")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"{PROG}: warning: could not ask the daemon whether it runs MPS ({err}); the "
+              "command runs without it", file=sys.stderr, flush=True)
+        return {}
+    return {} if not mps else {"CUDA_MPS_PIPE_DIRECTORY": str(mps["pipe_dir"])}
+
+
 def child_environment(record: AllocationRecord, library: Path) -> dict[str, str]:
     env = dict(os.environ)
     preload = env.get("LD_PRELOAD")
@@ -621,7 +635,8 @@ def run(request: Request) -> int:
             if request.metrics_port else None
         if note is not None:
             print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
-        return supervise(request.command, child_environment(record, library))
+        env = child_environment(record, library) | mps_environment(request.state_dir)
+        return supervise(request.command, env)
     except Interrupted as stop:
         return 128 + stop.signo
     finally:

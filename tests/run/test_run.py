@@ -39,7 +39,7 @@ channel = os.path.join(os.environ["GEMINI_CHANNEL_DIR"], "sched.sock")
 c = ChannelClient(channel)
 hello = c.hello()
 reserve = c.reserve(0, 1 << 20)
-shown = ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES")
+shown = ("LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY")
 print(json.dumps({"env": {k: v for k, v in os.environ.items()
                           if k.startswith("GEMINI_") or k in shown},
                   "allocation_id": hello.allocation_id, "memory_limit": hello.gpus[0].memory_limit,

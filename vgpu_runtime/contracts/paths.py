@@ -155,6 +155,16 @@ def channel_socket(channel: str | Path) -> Path:
     return Path(channel) / CHANNEL_SOCKET_NAME
 
 
+def mps_pipe_dir(state_dir: str | Path) -> Path:
+    """The MPS control daemon's pipes (CUDA_MPS_PIPE_DIRECTORY) where the daemon runs tenants
+    over MPS: its clients are given this directory."""
+    return Path(state_dir) / "mps" / "pipe"
+
+
+def mps_log_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / "mps" / "log"
+
+
 def default_hook_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / LIB_SUBDIR
 

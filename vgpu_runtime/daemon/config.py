@@ -93,6 +93,13 @@ class DaemonConfig:
     co_refresh: float = cfg.setting(
         _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
         "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
+    mps: bool = cfg.setting(
+        False, "run the tenants over an MPS control daemon of this state directory, which the "
+        "daemon starts or adopts (every tenant gets all the threads; the tokens keep the "
+        "shares): co-held kernels then run side by side", cfg.boolean, "BOOL")
+    mps_control: str = cfg.setting(
+        "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
+        cfg.text, "PROGRAM")
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")

@@ -36,6 +36,7 @@ from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
 from vgpu_runtime.daemon.loop import AcceptFailureLog, event_loop_name
+from vgpu_runtime.daemon.mps import MpsControl
 from vgpu_runtime.daemon.pods.node import HealthFile, SliceCountsFile, discover_gpus
 from vgpu_runtime.daemon.pods.podresources import PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
@@ -76,6 +77,7 @@ class Daemon:
                                       "stop": self.stop_request})
         self.node_gpus: list[GpuInfo] = []
         self.health = HealthFile(self.state_dir)
+        self.mps = MpsControl(self.state_dir, config.mps_control) if config.mps else None
         self.slice_counts = SliceCountsFile(self.state_dir)
         self.kube: KubeApi | None = None
         self.metrics: MetricsServer | None = None
@@ -131,6 +133,8 @@ class Daemon:
 
     async def run(self) -> None:
         paths.allocations_dir(self.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.mps is not None:   # before any channel: a tenant's first context is a client
+            await asyncio.to_thread(self.mps.start)
         self.bindings.load()
         try:
             # Also on a node whose channels/ an older version made 0755.
@@ -345,6 +349,10 @@ class Daemon:
         if self.kube is not None and not keep_kube:
             self.kube.close()
         await self.control.close()
+        if self.mps is not None and not self.allocations.channels:
+            # With tenants live (a restart under them), their MPS server stays: the next
+            # daemon adopts it.
+            await asyncio.to_thread(self.mps.quit)
         await self.allocations.close("gemini-daemon stopping")
         self.tokens.close()
         log.info("gemini-daemon stopped")
@@ -390,7 +398,8 @@ class Daemon:
                        "token_pages": token_page_kind(),
                        "token_settings": dataclasses.asdict(self.config.algorithm())
                        | {"idle_release": self.config.idle_release},
-                       "ready": self.ready, "metrics": self.metrics_status()},
+                       "ready": self.ready, "metrics": self.metrics_status(),
+                       "mps": None if self.mps is None else self.mps.status()},
             "node": self.node_status(),
             "allocations": self.allocations.snapshot(),
             "gpus": self.tokens.snapshot(),

@@ -22,6 +22,7 @@ from vgpu_runtime.common.fdlimit import raise_open_file_limit
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.daemon import Daemon
+from vgpu_runtime.daemon.mps import MpsError
 
 log = logging.getLogger("gemini-daemon")
 PROG = "gemini-daemon"
@@ -85,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         changed = asyncio.run(_serve(loaded))
+    except MpsError as err:
+        cli.error(PROG, str(err))
+        return 1
     finally:
         os.close(lock_fd)
     if changed:
