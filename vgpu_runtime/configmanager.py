@@ -320,7 +320,7 @@ class ConfigManager:
         log.error("cannot use the node's configuration", extra={"reason": reason,
                                                                 "error": message})
         try:
-            await self.kube.post_node_event(self.config.node_name, node.uid, reason, message,
+            await self.kube.post_node_event(self.config.node_name, reason, message,
                                             component=PROG)
         except KubeError as err:
             self.metrics.failed("EventFailed")

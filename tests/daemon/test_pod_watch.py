@@ -182,11 +182,12 @@ async def test_invalid_annotations_make_warning_events_and_change_nothing(
     assert record.id not in watch.pods.annotations_pending
 
 
-async def test_a_node_event_names_the_node_by_its_uid_or_as_kubelet_does_without_it(
+async def test_a_node_event_names_the_node_as_kubelet_does(
         state_dir: Path, api: FakeApiServer, kube: KubeApi) -> None:
     """The channels' Events on the Node (a process of no allocation): a Warning in namespace
-    default on the Node, with its uid; where the Node cannot be read, its name
-    stands for the uid, as in kubelet's node Events."""
+    default on the Node, its name standing for its uid as in kubelet's node Events (every
+    kubectl describe node finds those: kubectl 1.34 looks by the uid and by the name, older
+    releases by the name alone), whether or not the Node can be read."""
     watch = Watch(state_dir, kube)
     for message in ("first", "second"):
         watch.pods.post_node_event("SomeReason", message)
@@ -194,7 +195,7 @@ async def test_a_node_event_names_the_node_by_its_uid_or_as_kubelet_does_without
                               and api.node_events("node-1"), what="two Events")
     for event in events:
         assert event["involvedObject"] == {"kind": "Node", "apiVersion": "v1",
-                                           "name": "node-1", "uid": "uid-node-1"}, event
+                                           "name": "node-1", "uid": "node-1"}, event
         assert event["metadata"]["namespace"] == "default" and event["type"] == "Warning"
         assert event["reason"] == "SomeReason" and event["source"]["host"] == "node-1", event
     assert {e["message"] for e in events} == {"first", "second"}

@@ -257,7 +257,7 @@ def test_a_process_of_no_allocation_on_a_shared_gpu_gets_one_event_on_the_node(
             assert events() == [event], events()
             held = 2 * GiB + 64 * MiB          # the allocation + the context
             assert event["involvedObject"] == {"kind": "Node", "apiVersion": "v1",
-                                               "name": NODE, "uid": f"uid-{NODE}"}, event
+                                               "name": NODE, "uid": NODE}, event
             assert event["metadata"]["namespace"] == "default", event
             assert event["type"] == "Warning" and event["source"]["host"] == NODE, event
             message = event["message"]

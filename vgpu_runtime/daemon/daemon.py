@@ -326,9 +326,7 @@ class Daemon:
             log.info("uninstalled from this node", extra={
                 "reason": why, "removed": cleanup.removed, "kept": cleanup.kept})
             try:
-                uid = (await self.kube.node(node)).uid
-                await self.kube.post_node_event(node, uid, uninstall.REASON, message,
-                                                kind="Normal")
+                await self.kube.post_node_event(node, uninstall.REASON, message, kind="Normal")
             except Exception as err:
                 log.warning("cannot post the uninstall Event on the node",
                             extra={"error": str(err), "event": message})

@@ -156,16 +156,17 @@ class KubeApi:
         await self._call(f"POST event on pod {pod.namespace}/{pod.name}",
                          self.core.create_namespaced_event, pod.namespace, event)
 
-    async def post_node_event(self, node: str, uid: str, reason: str, message: str,
+    async def post_node_event(self, node: str, reason: str, message: str,
                               component: str = COMPONENT, kind: str = "Warning") -> None:
-        """An Event on a Node: in the default namespace, as kubelet posts its own, so that
-        `kubectl describe node` shows it."""
+        """An Event on a Node as kubelet posts its own: in the default namespace, the node's
+        name standing for its uid. Every `kubectl describe node` finds those (older releases
+        look only by the name as uid; newer ones by the uid and by the name)."""
         c = self._client
         now = datetime.datetime.now(datetime.timezone.utc)
         event = c.CoreV1Event(
             metadata=c.V1ObjectMeta(name=f"{node}.{secrets.token_hex(8)}", namespace="default"),
             involved_object=c.V1ObjectReference(kind="Node", api_version="v1", name=node,
-                                                uid=uid or None),
+                                                uid=node),
             reason=reason, message=message, type=kind, count=1,
             first_timestamp=now, last_timestamp=now,
             source=c.V1EventSource(component=component, host=node),

@@ -77,15 +77,12 @@ class NodeReports:
         """Post slice_count_event's Events as slices.json changes; one that cannot be posted
         is tried again at the next look."""
         reported: dict[str, SliceCount] = {}
-        uid: str | None = None
         while True:
             for uuid, count in counts.read().items():
                 event = slice_count_event(uuid, reported.get(uuid), count)
                 if event is not None:
                     try:
-                        if uid is None:
-                            uid = (await self.kube.node(self.node_name)).uid
-                        await self.kube.post_node_event(self.node_name, uid, event.reason,
+                        await self.kube.post_node_event(self.node_name, event.reason,
                                                         event.message, kind=event.kind)
                     except Exception as err:
                         log.warning("cannot post an Event on the node; trying again", extra={

@@ -74,7 +74,6 @@ class PodWatch:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_listing_ok: bool | None = None
-        self._node_uid = ""   # the Node's, once read
 
     def poke(self) -> None:
         """Something wants binding now (a new record, a waiting hello)."""
@@ -209,15 +208,11 @@ class PodWatch:
             log.warning("cannot post event", extra={"pod": pod.name, "error": str(err)})
 
     async def _post_node(self, reason: str, message: str) -> None:
-        """With the Node's uid once read; until then (the GET failed) the node's name stands
-        for it, as in kubelet's own node Events, which `kubectl describe node` finds too."""
+        """As kubelet posts its own (KubeApi.post_node_event)."""
         assert self.kube is not None
         node = self.config.node_name
         try:
-            if not self._node_uid:
-                with contextlib.suppress(Exception):
-                    self._node_uid = (await self.kube.node(node)).uid
-            await self.kube.post_node_event(node, self._node_uid or node, reason, message)
+            await self.kube.post_node_event(node, reason, message)
         except Exception as err:
             log.warning("cannot post event", extra={"node": node, "reason": reason,
                                                     "error": str(err)})
