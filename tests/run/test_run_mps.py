@@ -19,9 +19,12 @@ import pytest
 from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.run.conftest import stop_daemon
 from tests.run.test_run import ENV, finish, gemini_run, probe_started
+from vgpu_runtime.common import config as cfg
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon import lock
 from vgpu_runtime.daemon.channel import client
+from vgpu_runtime.daemon.config import DaemonConfig
+from vgpu_runtime.daemon.host.config import HostConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,3 +101,17 @@ def test_without_the_control_program_the_daemon_refuses_to_start(tmp_path: Path)
         daemon.stderr
     assert not lock.is_held(state_dir)
     assert not os.path.exists(paths.channels_dir(state_dir)), "served nothing"
+
+
+@pytest.mark.parametrize("config, argv, why", [
+    (DaemonConfig, ["--pod-name", "gemini-node-x"], "pods are not given the MPS"),
+    (HostConfig, [], "one MPS server serves one Linux user"),
+])
+def test_mps_is_refused_where_its_tenants_could_not_use_it(
+        tmp_path: Path, config: type[DaemonConfig], argv: list[str], why: str) -> None:
+    """A node daemon in a pod (its pods do not get the pipes) and the host daemon (MPS serves
+    one user) refuse mps on, saying why; off, both load."""
+    base = ["--state-dir", str(tmp_path), *argv]
+    with pytest.raises(cfg.ConfigError, match=why):
+        cfg.load_all(config, [*base, "--mps", "on"], environ={}).config.check()
+    cfg.load_all(config, base, environ={}).config.check()

@@ -260,6 +260,10 @@ class DaemonConfig:
         if self.process_memory == "simulated" and not self.process_memory_file:
             raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
                                   "JSON file of per-process figures)")
+        if self.mps and self.pod_name:
+            raise cfg.ConfigError("mps: pods are not given the MPS control daemon's pipes yet "
+                                  "(only gemini-run's commands run over MPS): turn mps off on "
+                                  "a node")
         if self.mqtt_url:
             from vgpu_runtime.daemon.telemetry.mqtt import parse_broker_url
 

@@ -29,6 +29,13 @@ class HostConfig(DaemonConfig):
     metrics_address: str = cfg.setting(
         "127.0.0.1", "address the metrics port listens on (0.0.0.0 to let a Prometheus "
         "elsewhere read it)", cfg.text, "ADDRESS")
+    def check(self) -> None:
+        super().check()
+        if self.mps:
+            raise cfg.ConfigError("mps: one MPS server serves one Linux user, and the host "
+                                  "daemon serves every user of its group: turn mps off here; "
+                                  "a user's own daemon runs it (GEMINI_MPS=on gemini-run)")
+
     gpu_lock_dir: str | None = cfg.setting(
         paths.DEFAULT_GPU_LOCK_DIR, "host-wide GPU locks (vgpu_runtime/gpulock.py): the host "
         "daemon holds every GPU it serves there, so that no user's own daemon serves one too",
