@@ -164,6 +164,9 @@ def render(status: dict[str, Any]) -> str:
                      f"with: gemini-vgpu stop --state-dir {daemon['state_dir']}")
     if "metrics" in daemon:
         lines.append(_metrics_line(daemon["metrics"], bool(daemon.get("idle_exit")), host))
+    if daemon.get("mps"):
+        lines.append(f"commands run over MPS: the control daemon's pipes in "
+                     f"{daemon['mps']['pipe_dir']}")
     lines.append("")
     lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, " + (
         "FREE MEMORY for its --memory):" if host else

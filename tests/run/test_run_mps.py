@@ -60,6 +60,10 @@ def test_the_command_runs_over_the_daemons_mps_and_a_restart_adopts_it(
         assert seen["env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe_dir)
         assert control_answers(state_dir, fake_control) and control_starts(state_dir) == 1
         assert client.request(state_dir)["daemon"]["mps"]["adopted"] is False
+        shown = subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status",
+                                "--state-dir", str(state_dir)], cwd=REPO, env=ENV,
+                               capture_output=True, text=True, check=True).stdout
+        assert f"commands run over MPS: the control daemon's pipes in {pipe_dir}" in shown, shown
 
         # The daemon stops under the running command: the control daemon stays, and the next
         # daemon adopts it.
