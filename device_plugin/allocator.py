@@ -107,6 +107,41 @@ def _precondition(message: str) -> AllocationError:
     return AllocationError(grpc.StatusCode.FAILED_PRECONDITION, message)
 
 
+def mps_mounts(config: PluginConfig) -> list[api_pb2.Mount]:
+    """Over MPS a container's CUDA is a client of the node daemon's MPS server: it needs the
+    control daemon's pipes and the server's own /dev/shm. Both writable, as MPS's clients
+    create files in them; every tenant of one server is trusted alike (README, "MPS")."""
+    return [api_pb2.Mount(container_path=paths.CONTAINER_MPS_PIPE_DIR,
+                          host_path=str(paths.mps_pipe_dir(config.state_dir))),
+            api_pb2.Mount(container_path=paths.SHM_DIR, host_path=config.mps_shm_dir)]
+
+
+def check_mps_shm(config: PluginConfig) -> None:
+    """A container gets mps_shm_dir as its /dev/shm only where the running MPS control daemon
+    was started with it (its mark there and in the state directory agree): with another, the
+    container's CUDA would wait for a server it cannot reach."""
+    expected = paths.mps_shm_id(config.state_dir)
+    found = os.path.join(config.mps_shm_dir, paths.mps_shm_name(config.state_dir))
+    try:
+        with open(expected, "rb") as ours:
+            token = ours.read()
+    except OSError:
+        raise _precondition(
+            f"mps is on but no MPS control daemon has started on {config.state_dir} (no "
+            f"{expected}): the node's gemini-mps-control container, or the daemon with "
+            "mps_manage, starts it; the pod is retried once it runs") from None
+    try:
+        with open(found, "rb") as theirs:
+            same = theirs.read() == token
+    except OSError:
+        same = False
+    if not same:
+        raise _precondition(
+            f"mps_shm_dir {config.mps_shm_dir} is not the /dev/shm the MPS control daemon of "
+            f"{config.state_dir} runs with (its mark {found} is missing or differs): mount the "
+            "same host directory at /dev/shm in its container and set mps_shm_dir to it")
+
+
 class Allocator:
     def __init__(self, config: PluginConfig, table: SliceTable,
                  health: HealthTracker | None = None,
@@ -255,6 +290,9 @@ class Allocator:
                 container_path=paths.CONTAINER_PRELOAD_FILE,
                 host_path=os.path.join(record.channel_dir, paths.CHANNEL_PRELOAD_NAME),
                 read_only=True))
+        if self.config.mps:
+            answer.envs["CUDA_MPS_PIPE_DIRECTORY"] = paths.CONTAINER_MPS_PIPE_DIR
+            answer.mounts.extend(mps_mounts(self.config))
         if strategy == "cdi":
             answer.cdi_devices.extend(api_pb2.CDIDevice(name=f"{self.config.cdi_kind}={u}")
                                       for u in uuids)
@@ -272,6 +310,8 @@ class Allocator:
         """For validated slices: the response, and whether this call created the record.
         The response may be one kept from an earlier call: callers must not change it."""
         self._check_interposer()
+        if self.config.mps:
+            check_mps_shm(self.config)
         allocation_id = allocation.id_for_devices(s.id for s in slices)
         layout = self._layout()
         if not layout.socket_fits:

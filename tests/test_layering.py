@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "vgpu_runtime.hostctl": 4,
     "vgpu_runtime.configmanager": 4,
     "vgpu_runtime.uninstall": 4,
+    "vgpu_runtime.mpscontrol": 4,
     # The development kit (demo, benchmarks, tests): it may use anything, nothing uses it.
     "vgpu_runtime.devkit": 5,
 }

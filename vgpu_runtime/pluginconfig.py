@@ -64,6 +64,11 @@ class PluginConfig:
                              cfg.choice(*PLACEMENTS), "POLICY")
     simulate_gpus: int = cfg.node_setting("simulate_gpus")
     simulate_model: str = cfg.node_setting("simulate_model")
+    mps: bool = cfg.node_setting("mps", help="give each container the node daemon's MPS "
+                                 "control daemon: its pipes and the /dev/shm it runs with")
+    mps_shm_dir: str = setting(paths.DEFAULT_MPS_SHM_DIR, "with mps: the host directory the "
+                               "MPS control daemon runs with as /dev/shm, mounted at /dev/shm in "
+                               "every container", cfg.text, "DIR")
     simulate_memory: int = setting(141 * 1000**3, "memory of each simulated GPU, e.g. 141GiB",
                                    cfg.size, "SIZE")
     simulate_control_dir: str | None = setting(

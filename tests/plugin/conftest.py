@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 
+from device_plugin.allocator import Allocator
+from device_plugin.health import HealthTracker
+from device_plugin.slices import SliceTable
 from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.gpus import GpuInfo
@@ -17,6 +20,7 @@ from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.pluginconfig import PluginConfig
 
 GIB = 1 << 30
+Make = Callable[..., tuple[Allocator, SliceTable, HealthTracker]]
 
 
 @pytest.fixture
@@ -54,3 +58,14 @@ def backend() -> SimulatedBackend:
 @pytest.fixture
 def gpus(backend: SimulatedBackend) -> list[GpuInfo]:
     return backend.discover()
+
+
+@pytest.fixture
+def make(make_config: Callable[..., PluginConfig]) -> Make:
+    def build(**overrides: object) -> tuple[Allocator, SliceTable, HealthTracker]:
+        config = make_config(**overrides)
+        gpus = SimulatedBackend(config.simulate_gpus, memory=config.simulate_memory).discover()
+        table = SliceTable(gpus, config.slices_per_gpu)
+        tracker = HealthTracker([g.uuid for g in gpus], config.ignored_xids, 300)
+        return Allocator(config, table, tracker, clock=lambda: 1000.0), table, tracker
+    return build

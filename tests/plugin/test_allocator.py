@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from device_plugin.allocator import AllocationError, Allocator
-from device_plugin.health import HealthTracker
 from device_plugin.slices import SliceTable
+from tests.plugin.conftest import Make
 from tests.readonly import read_only_call
 from vgpu_runtime import hooklib
 from vgpu_runtime.contracts import allocation, paths
@@ -23,18 +23,6 @@ from vgpu_runtime.pluginconfig import PluginConfig
 
 GIB = 1 << 30
 REPO = Path(__file__).resolve().parents[2]
-Make = Callable[..., tuple[Allocator, SliceTable, HealthTracker]]
-
-
-@pytest.fixture
-def make(make_config: Callable[..., PluginConfig]) -> Make:
-    def build(**overrides: object) -> tuple[Allocator, SliceTable, HealthTracker]:
-        config = make_config(**overrides)
-        gpus = SimulatedBackend(config.simulate_gpus, memory=config.simulate_memory).discover()
-        table = SliceTable(gpus, config.slices_per_gpu)
-        tracker = HealthTracker([g.uuid for g in gpus], config.ignored_xids, 300)
-        return Allocator(config, table, tracker, clock=lambda: 1000.0), table, tracker
-    return build
 
 
 def slice_ids(table: SliceTable, gpu: int, count: int) -> list[str]:
@@ -309,6 +297,7 @@ from vgpu_runtime.pluginconfig import PluginConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from device_plugin.slices import SliceTable
 from vgpu_runtime.devkit.hookdir import install_hook
+from tests.plugin.conftest import Make
 from tests.readonly import read_only_call
 from vgpu_runtime.contracts import allocation, paths
 config = PluginConfig(state_dir={str(short_dir / "state")!r}, simulate_gpus=2)

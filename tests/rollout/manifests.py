@@ -75,7 +75,7 @@ def find(objects: list[Obj], kind: str, name: str | None = None, prefix: str = "
 
 def containers(daemonset: Obj, init: bool = False) -> dict[str, Obj]:
     spec = daemonset["spec"]["template"]["spec"]
-    return {c["name"]: c for c in spec["initContainers" if init else "containers"]}
+    return {c["name"]: c for c in spec.get("initContainers" if init else "containers", [])}
 
 
 def env(container: Obj) -> dict[str, Obj]:

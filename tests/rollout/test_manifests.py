@@ -31,6 +31,7 @@ from vgpu_runtime.daemon.config import PROCESS_MEMORY_SOURCES, DaemonConfig
 from vgpu_runtime.daemon.pods import annotations as pod_annotations
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 from vgpu_runtime.install import InstallConfig
+from vgpu_runtime.mpscontrol import MpsControlConfig
 from vgpu_runtime.pluginconfig import PluginConfig
 from vgpu_runtime.pluginconfig import check as check_plugin_config
 
@@ -218,7 +219,8 @@ def test_container_env_names_settings_of_its_program(built: dict[Path, list[m.Ob
     programs: dict[str, type[Any]] = {"device-plugin": PluginConfig,
                                       "scheduler": DaemonConfig,
                                       "config-manager": ManagerConfig,
-                                      "install-hook": InstallConfig}
+                                      "install-hook": InstallConfig,
+                                      "mps-control": MpsControlConfig}
     for objects in built.values():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             for name, container in {**m.containers(daemonset),
@@ -237,7 +239,7 @@ def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]
     configuration a node can take, with each container's environment over the file."""
     counts = set()
     for objects in built.values():
-        (daemonset,) = (o for o in objects if o["kind"] == "DaemonSet")
+        daemonset = m.find(objects, "DaemonSet", "gemini-vgpu-node")
         pod = m.containers(daemonset)
         config_map = m.find(objects, "ConfigMap", None, prefix="gemini-vgpu-config")
         for name, text in config_map["data"].items():
@@ -248,6 +250,7 @@ def test_plugin_and_daemon_agree_on_slices_per_gpu(built: dict[Path, list[m.Obj]
                                            if "value" in e})
                 for cls, c in ((PluginConfig, "device-plugin"), (DaemonConfig, "scheduler")))
             assert plugin.slices_per_gpu == daemon.slices_per_gpu, name
+            assert plugin.mps == daemon.mps, name
             assert plugin.state_dir == daemon.state_dir == paths.DEFAULT_STATE_DIR
             counts.add(plugin.slices_per_gpu)
     assert counts == {10, 4}
@@ -401,7 +404,7 @@ def test_image_tag_is_the_package_version(built: dict[Path, list[m.Obj]]) -> Non
     for objects in built.values():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             pod = daemonset["spec"]["template"]["spec"]
-            for container in pod["containers"] + pod["initContainers"]:
+            for container in pod["containers"] + pod.get("initContainers", []):
                 assert container["image"] == f"ghcr.io/gemini-ai/vgpu-node:{__version__}"
 
 
@@ -596,9 +599,11 @@ def test_only_the_nvml_overlay_shares_the_hosts_pid_namespace(
     for root, objects in built.items():
         for daemonset in (o for o in objects if o["kind"] == "DaemonSet"):
             pod = daemonset["spec"]["template"]["spec"]
-            assert pod.get("hostPID", False) is (root == NVML_OVERLAY), (root, pod.get("hostPID"))
+            node = daemonset["metadata"]["name"] == "gemini-vgpu-node"
+            assert pod.get("hostPID", False) is (node and root == NVML_OVERLAY), \
+                (root, pod.get("hostPID"))
             assert not pod.get("hostNetwork") and not pod.get("hostIPC")
-            daemonsets += 1
+            daemonsets += node
     assert daemonsets == len(built)   # one per build: settings per node come from a label
 
 
@@ -704,3 +709,65 @@ def test_annotated_example_is_applied_by_the_daemon_without_complaint() -> None:
     assert overrides.problems == ()
     assert overrides.limit == Share.parse(notes[pod_annotations.LIMIT_ANNOTATION])
     assert overrides.memory_limit == cfg.size(notes[pod_annotations.MEMORY_ANNOTATION])
+
+
+# ---- the MPS backend (components/mps) ----
+
+MPS_OVERLAY = m.DAEMONSET / "overlays" / "mps"
+
+
+def host_mounts(daemonset: m.Obj, container: str) -> dict[str, str]:
+    """The container's mounts of hostPath volumes: mount path -> host path."""
+    volumes = {v["name"]: v["hostPath"]["path"]
+               for v in daemonset["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    return {v["mountPath"]: volumes[v["name"]]
+            for v in m.containers(daemonset)[container]["volumeMounts"] if v["name"] in volumes}
+
+
+@needs_kustomize
+def test_the_mps_overlay_gives_the_control_daemon_a_daemonset_of_its_own(
+        built: dict[Path, list[m.Obj]]) -> None:
+    """Its control daemon outlives the node pods' rollouts, its /dev/shm is the directory the
+    plugin mounts into pods (and reads its mark from, at the same path), and the daemon adopts
+    it rather than starting one."""
+    objects = built[MPS_OVERLAY]
+    node = m.find(objects, "DaemonSet", "gemini-vgpu-node")
+    control_ds = m.find(objects, "DaemonSet", "gemini-vgpu-mps")
+    control = m.containers(control_ds)["mps-control"]
+    assert control["command"] == ["gemini-mps-control"]
+    assert "gemini-mps-control" in console_scripts()
+    assert control_ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert control_ds["spec"]["template"]["spec"]["affinity"] == \
+        node["spec"]["template"]["spec"]["affinity"]
+    assert control["securityContext"]["capabilities"] == {"drop": ["ALL"],
+                                                          "add": ["SETUID", "SETGID"]}
+    assert not control["securityContext"]["privileged"]
+    assert "compute" in m.env(control)["NVIDIA_DRIVER_CAPABILITIES"]["value"]
+
+    file = DEFAULT_FILE
+    values = {k: e["value"] for k, e in m.env(m.containers(node)["device-plugin"]).items()
+              if "value" in e}
+    plugin = check_plugin_config(program_config(PluginConfig, file, values))
+    scheduler = m.containers(node)["scheduler"]
+    daemon = program_config(DaemonConfig, file, {k: e["value"] for k, e in
+                                                 m.env(scheduler).items() if "value" in e})
+    daemon.check()
+    mps = cfg.load(MpsControlConfig, control["args"], {})
+    assert plugin.mps and daemon.mps and not daemon.mps_manage
+    assert "compute" in m.env(scheduler)["NVIDIA_DRIVER_CAPABILITIES"]["value"]
+    assert plugin.state_dir == daemon.state_dir == mps.state_dir
+    shm = host_mounts(control_ds, "mps-control")[paths.SHM_DIR]
+    assert plugin.mps_shm_dir == shm == paths.DEFAULT_MPS_SHM_DIR
+    assert host_mounts(node, "device-plugin")[shm] == shm
+    assert host_mounts(control_ds, "mps-control")[mps.state_dir] == mps.state_dir
+
+
+@needs_kustomize
+def test_mps_is_off_in_every_other_build(built: dict[Path, list[m.Obj]]) -> None:
+    for root, objects in built.items():
+        if root == MPS_OVERLAY:
+            continue
+        assert not [o for o in objects if o["metadata"]["name"] == "gemini-vgpu-mps"], root
+        node = m.find(objects, "DaemonSet", "gemini-vgpu-node")
+        for container in m.containers(node).values():
+            assert not any(k.startswith("GEMINI_MPS") for k in m.env(container)), root

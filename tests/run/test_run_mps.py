@@ -8,15 +8,14 @@ tests/gpu/test_mps_gpu.py."""
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.daemon.helpers import DaemonProcess, wait_for
+from tests.mpsfake import control_answers, fake_mps_control, quit_control
 from tests.run.conftest import stop_daemon
 from tests.run.test_run import ENV, finish, gemini_run, probe_started
 from vgpu_runtime.common import config as cfg
@@ -30,19 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def fake_control(tmp_path: Path) -> Iterator[Path]:
-    """`nvidia-cuda-mps-control` as a program on disk: the fake, run from this checkout."""
-    program = tmp_path / "nvidia-cuda-mps-control"
-    program.write_text(f"#!/bin/sh\ncd {REPO} && exec {sys.executable} -m "
-                       "vgpu_runtime.devkit.fakecuda.fake_mps_control \"$@\"\n")
-    program.chmod(program.stat().st_mode | stat.S_IXUSR)
-    yield program
-
-
-def control_answers(state_dir: Path, program: Path) -> bool:
-    env = {**ENV, "CUDA_MPS_PIPE_DIRECTORY": str(paths.mps_pipe_dir(state_dir))}
-    return subprocess.run([str(program)], input="get_server_list\n", text=True, env=env,
-                          capture_output=True, check=False).returncode == 0
+def fake_control(tmp_path: Path) -> Path:
+    return fake_mps_control(tmp_path)
 
 
 def control_starts(state_dir: Path) -> int:
@@ -59,6 +47,9 @@ def test_the_command_runs_over_the_daemons_mps_and_a_restart_adopts_it(
         pipe_dir = paths.mps_pipe_dir(state_dir)
         assert seen["env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe_dir)
         assert control_answers(state_dir, fake_control) and control_starts(state_dir) == 1
+        # It marked the /dev/shm it started the control daemon with, for the plugin's check.
+        shm_mark = Path(paths.SHM_DIR) / paths.mps_shm_name(state_dir)
+        assert shm_mark.read_bytes() == paths.mps_shm_id(state_dir).read_bytes()
         assert client.request(state_dir)["daemon"]["mps"]["adopted"] is False
         shown = subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status",
                                 "--state-dir", str(state_dir)], cwd=REPO, env=ENV,
@@ -84,13 +75,12 @@ def test_the_command_runs_over_the_daemons_mps_and_a_restart_adopts_it(
             if again.proc.poll() is None:
                 again.stop()
         assert not control_answers(state_dir, fake_control)
+        assert not shm_mark.exists() and not paths.mps_shm_id(state_dir).exists()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if control_answers(state_dir, fake_control):   # a failure above leaves no daemon behind
-            subprocess.run([str(fake_control)], input="quit\n", text=True, check=False, env={
-                **ENV, "CUDA_MPS_PIPE_DIRECTORY": str(paths.mps_pipe_dir(state_dir))})
+        quit_control(state_dir, fake_control)   # a failure above leaves no daemon behind
 
 
 def test_without_the_control_program_the_daemon_refuses_to_start(tmp_path: Path) -> None:
@@ -107,15 +97,16 @@ def test_without_the_control_program_the_daemon_refuses_to_start(tmp_path: Path)
     assert not os.path.exists(paths.channels_dir(state_dir)), "served nothing"
 
 
-@pytest.mark.parametrize("config, argv, why", [
-    (DaemonConfig, ["--pod-name", "gemini-node-x"], "pods are not given the MPS"),
-    (HostConfig, [], "one MPS server serves one Linux user"),
-])
-def test_mps_is_refused_where_its_tenants_could_not_use_it(
-        tmp_path: Path, config: type[DaemonConfig], argv: list[str], why: str) -> None:
-    """A node daemon in a pod (its pods do not get the pipes) and the host daemon (MPS serves
-    one user) refuse mps on, saying why; off, both load."""
-    base = ["--state-dir", str(tmp_path), *argv]
-    with pytest.raises(cfg.ConfigError, match=why):
-        cfg.load_all(config, [*base, "--mps", "on"], environ={}).config.check()
-    cfg.load_all(config, base, environ={}).config.check()
+def test_mps_is_refused_by_the_host_daemon_and_taken_by_a_node_daemon_in_a_pod(
+        tmp_path: Path) -> None:
+    """The host daemon serves every user of its group and one MPS server serves one user: it
+    refuses mps on, saying why. A node daemon in a pod takes it (its pods get the pipes from
+    the plugin: tests/plugin/test_allocator_mps.py)."""
+    base = ["--state-dir", str(tmp_path)]
+    with pytest.raises(cfg.ConfigError, match="one MPS server serves one Linux user"):
+        cfg.load_all(HostConfig, [*base, "--mps", "on"], environ={}).config.check()
+    cfg.load_all(HostConfig, base, environ={}).config.check()
+    in_pod = cfg.load_all(DaemonConfig, [*base, "--pod-name", "gemini-node-x", "--mps", "on"],
+                          environ={}).config
+    in_pod.check()
+    assert in_pod.mps and in_pod.mps_manage

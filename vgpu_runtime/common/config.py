@@ -196,6 +196,10 @@ class NodeSettings:
                                  integer(0, 256), "N")
     simulate_model: str = setting("Simulated NVIDIA H200", "model name of simulated GPUs", text,
                                   "NAME")
+    # The daemon runs the tenants over MPS; the plugin gives each container its pipes.
+    mps: bool = setting(False, "run the tenants over an MPS control daemon of the state "
+                        "directory (every tenant gets all the threads; the tokens keep the "
+                        "shares): co-held kernels then run side by side", boolean, "BOOL")
 
 
 _NODE_FIELDS = {f.name: f for f in dataclasses.fields(NodeSettings)}

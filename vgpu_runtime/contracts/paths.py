@@ -9,6 +9,7 @@ the hook inside every container finds its channel through them.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -74,6 +75,11 @@ CONTAINER_CHANNEL_DIR = _wire_string("GM_POD_CHANNEL_DIR")
 
 # The loader's preload file, for the `preload-file` injection method.
 CONTAINER_PRELOAD_FILE = "/etc/ld.so.preload"
+# Over MPS (the node setting mps): where a container finds the MPS control daemon's pipes, and
+# the shared memory its MPS server maps, which must be the server's own /dev/shm.
+CONTAINER_MPS_PIPE_DIR = "/opt/gemini/mps"
+SHM_DIR = "/dev/shm"
+DEFAULT_MPS_SHM_DIR = "/run/gemini/mps/shm"   # a host tmpfs (/run), no privileged mount needed
 
 # Inside a channel directory. Kept short: a Unix socket path must fit in 107 bytes.
 CHANNEL_SOCKET_NAME = _wire_string("GM_CHANNEL_SOCKET_NAME")
@@ -163,6 +169,19 @@ def mps_pipe_dir(state_dir: str | Path) -> Path:
 
 def mps_log_dir(state_dir: str | Path) -> Path:
     return Path(state_dir) / "mps" / "log"
+
+
+def mps_shm_id(state_dir: str | Path) -> Path:
+    """The MPS control daemon's shared-memory identity: a random token that whoever starts the
+    control daemon writes here and, under mps_shm_name(), into the /dev/shm it runs with. The
+    plugin compares the two before it gives a container that /dev/shm (mps_shm_dir)."""
+    return Path(state_dir) / "mps" / "shm-id"
+
+
+def mps_shm_name(state_dir: str | Path) -> str:
+    """The identity's name in the shared /dev/shm, one per state directory."""
+    digest = hashlib.sha256(os.fsencode(os.path.abspath(state_dir))).hexdigest()[:16]
+    return f"gemini-mps-{digest}.id"
 
 
 def default_hook_dir(state_dir: str | Path) -> Path:

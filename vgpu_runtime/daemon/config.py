@@ -93,13 +93,15 @@ class DaemonConfig:
     co_refresh: float = cfg.setting(
         _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
         "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
-    mps: bool = cfg.setting(
-        False, "run the tenants over an MPS control daemon of this state directory, which the "
-        "daemon starts or adopts (every tenant gets all the threads; the tokens keep the "
-        "shares): co-held kernels then run side by side", cfg.boolean, "BOOL")
+    mps: bool = cfg.node_setting("mps")
     mps_control: str = cfg.setting(
         "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
         cfg.text, "PROGRAM")
+    mps_manage: bool = cfg.setting(
+        True, "with mps: start the MPS control daemon when none answers and quit it once "
+        "nothing is live; false where a container of its own runs it (gemini-mps-control, "
+        "daemonset/components/mps), so a daemon's rollout never stops its tenants' server",
+        cfg.boolean, "BOOL")
     idle_release: float = cfg.setting(
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
@@ -260,10 +262,6 @@ class DaemonConfig:
         if self.process_memory == "simulated" and not self.process_memory_file:
             raise cfg.ConfigError("process_memory=simulated needs process_memory_file (the "
                                   "JSON file of per-process figures)")
-        if self.mps and self.pod_name:
-            raise cfg.ConfigError("mps: pods are not given the MPS control daemon's pipes yet "
-                                  "(only gemini-run's commands run over MPS): turn mps off on "
-                                  "a node")
         if self.mqtt_url:
             from vgpu_runtime.daemon.telemetry.mqtt import parse_broker_url
 

@@ -2,21 +2,31 @@
 while the tokens still decide who may launch (BENCHMARKS.md, "Co-scheduling over MPS": on real
 jobs the same tokens reach MPS's aggregate only over MPS).
 
-The daemon owns one MPS control daemon per state directory (pipes and logs under it, so two
-daemons never share one). It adopts one that answers, since a daemon restarted under running
-tenants must leave their MPS server alone, and quits it only when no allocation is live. Every
-tenant runs at 100 % of the threads: the shares are the tokens', not MPS's.
+One MPS control daemon serves a state directory (pipes and logs under it, so two daemons never
+share one). The daemon adopts one that answers, since a daemon restarted under running tenants
+must leave their MPS server alone. Where it manages it (gemini-run, a daemon on the host) it
+starts one when none answers and quits it once no allocation is live; in Kubernetes a container
+of its own runs it (gemini-mps-control), so that rolling the daemon out never kills the server
+its tenants' contexts live in. Every tenant runs at 100 % of the threads: the shares are the
+tokens', not MPS's.
+
+Whoever starts the control daemon marks the /dev/shm it runs with (paths.mps_shm_id): a
+container's MPS client needs the server's own /dev/shm, and the plugin mounts one into a
+container only once the marks agree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from vgpu_runtime.common.atomicfile import write_atomic
 from vgpu_runtime.contracts import paths
 
 log = logging.getLogger("gemini-daemon.mps")
@@ -28,10 +38,14 @@ class MpsError(Exception):
 
 
 class MpsControl:
-    def __init__(self, state_dir: str | Path, program: str) -> None:
+    def __init__(self, state_dir: str | Path, program: str, manage: bool = True,
+                 shm_dir: str | Path = paths.SHM_DIR) -> None:
+        self.state_dir = Path(state_dir)
         self.pipe_dir = paths.mps_pipe_dir(state_dir)
         self.log_dir = paths.mps_log_dir(state_dir)
         self.program = program
+        self.manage = manage
+        self.shm_mark = Path(shm_dir) / paths.mps_shm_name(state_dir)
         self.adopted = False
 
     def environment(self) -> dict[str, str]:
@@ -58,15 +72,39 @@ class MpsControl:
     def answers(self) -> bool:
         return self.ask("get_server_list").returncode == 0
 
-    def start(self) -> None:
-        """Adopt the control daemon that answers on this state directory's pipes, or start one.
-        """
+    def make_dirs(self) -> None:
         for folder in (self.pipe_dir, self.log_dir):
             folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+
+    def mark_shm(self) -> None:
+        """Before starting a control daemon: the same new token in this process's /dev/shm
+        and in the state directory, which the plugin compares (module docstring)."""
+        token = secrets.token_hex(16).encode() + b"\n"
+        write_atomic(self.shm_mark, token, mode=0o644)
+        write_atomic(paths.mps_shm_id(self.state_dir), token, mode=0o644)
+
+    def unmark_shm(self) -> None:
+        for mark in (self.shm_mark, paths.mps_shm_id(self.state_dir)):
+            with contextlib.suppress(OSError):
+                mark.unlink()
+
+    def start(self) -> None:
+        """Adopt the control daemon that answers on this state directory's pipes, or, where
+        this daemon manages it, start one."""
+        self.make_dirs()
         if self.answers():
             self.adopted = True
             log.info("MPS control daemon adopted", extra={"pipe_dir": str(self.pipe_dir)})
             return
+        if not self.manage:
+            # Tenants that start before it run without MPS (time-sliced, still under the
+            # tokens); the plugin gives no container the pipes until the control daemon has
+            # marked its /dev/shm.
+            log.warning("mps is on and no MPS control daemon answers yet on this state "
+                        "directory's pipes; its own container starts it (gemini-mps-control)",
+                        extra={"pipe_dir": str(self.pipe_dir)})
+            return
+        self.mark_shm()
         started = subprocess.run([self.resolved(), "-d"], env=self.environment(), text=True,
                                  capture_output=True, timeout=ASK_TIMEOUT, check=False)
         if started.returncode != 0 or not self.answers():
@@ -76,7 +114,11 @@ class MpsControl:
         log.info("MPS control daemon started", extra={"pipe_dir": str(self.pipe_dir)})
 
     def quit(self) -> None:
-        """Stop the control daemon (and its server); only with no allocation live."""
+        """Stop the control daemon (and its server) where this daemon manages it; only with no
+        allocation live."""
+        if not self.manage:
+            return
+        self.unmark_shm()
         try:
             done = self.ask("quit")
         except (MpsError, OSError, subprocess.TimeoutExpired) as err:
@@ -86,4 +128,4 @@ class MpsControl:
 
     def status(self) -> dict[str, Any]:
         return {"pipe_dir": str(self.pipe_dir), "log_dir": str(self.log_dir),
-                "adopted": self.adopted}
+                "adopted": self.adopted, "managed": self.manage}

@@ -1,0 +1,66 @@
+"""gemini-mps-control: runs the MPS control daemon of a node's state directory in the foreground,
+as the container of its own that daemonset/components/mps gives it.
+
+It marks the /dev/shm it runs with (vgpu_runtime.daemon.mps), makes the pipe and log
+directories, and becomes `nvidia-cuda-mps-control -f` (exec: the control daemon is the
+container's main process and takes its signals). The node daemon, with mps_manage off, adopts
+it. Where one already answers on those pipes it says so and exits 1, since two control daemons
+on one pipe directory would split the tenants over two servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vgpu_runtime.common import cli, logs
+from vgpu_runtime.common import config as cfg
+from vgpu_runtime.daemon.mps import MpsControl, MpsError
+
+log = logging.getLogger("gemini-mps-control")
+PROG = "gemini-mps-control"
+
+
+@dataclass(frozen=True)
+class MpsControlConfig:
+    state_dir: str = cfg.node_setting("state_dir")
+    mps_control: str = cfg.setting(
+        "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
+        cfg.text, "PROGRAM")
+    log_level: str = cfg.setting("info", "debug|info|warning|error",
+                                 cfg.choice("debug", "info", "warning", "error"), "LEVEL")
+    log_format: str = cfg.setting("json", "json|text", cfg.choice("json", "text"), "FORMAT")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = cfg.load(MpsControlConfig, argv, prog=PROG,
+                          description="Run the MPS control daemon of a node's state directory "
+                                      "in the foreground, for the node daemon to adopt")
+    except cfg.ConfigError as err:
+        cli.error(PROG, str(err))
+        return 2
+    logs.setup(config.log_level, config.log_format)
+    control = MpsControl(config.state_dir, config.mps_control)
+    try:
+        program = control.resolved()
+        if control.answers():
+            cli.error(PROG, f"an MPS control daemon already answers on {control.pipe_dir}; "
+                            "stop it first (echo quit | nvidia-cuda-mps-control with "
+                            "CUDA_MPS_PIPE_DIRECTORY set to that directory)")
+            return 1
+        control.make_dirs()
+        control.mark_shm()
+    except (MpsError, OSError) as err:
+        cli.error(PROG, str(err))
+        return 1
+    log.info("starting the MPS control daemon", extra={"pipe_dir": str(control.pipe_dir),
+                                                       "shm_mark": str(control.shm_mark)})
+    os.execve(program, [program, "-f"], control.environment())
+    return 1   # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
