@@ -19,9 +19,13 @@ import pytest
 # Host-wide GPU locks (vgpu_runtime/gpulock.py) in a directory of this run's own, inherited by
 # every process the tests start: runs beside each other (and real users' daemons) hold the same
 # simulated GPUs' UUIDs, and must not refuse each other; nor need the machine have /run/lock.
+# Each pytest-xdist worker is a run of its own: it replaces the directory the controller set
+# (and passed down in the environment) with one of its own.
 _LOCKS = tempfile.mkdtemp(prefix="gm-locks-")
 os.chmod(_LOCKS, 0o1777)   # the shape of /run/lock: tests' other users lock here too
-os.environ.setdefault("GEMINI_GPU_LOCK_DIR", _LOCKS)
+_INHERITED = os.environ.get("GEMINI_TEST_LOCKS")
+if os.environ.get("GEMINI_GPU_LOCK_DIR", _INHERITED) == _INHERITED:
+    os.environ["GEMINI_GPU_LOCK_DIR"] = os.environ["GEMINI_TEST_LOCKS"] = _LOCKS
 atexit.register(shutil.rmtree, _LOCKS, True)
 # No kubelet's PodResources unless a test gives one (--pod-resources-socket wins): on a machine
 # with a real kubelet (the cluster lane's leaves its socket) every daemon the tests start would

@@ -58,6 +58,7 @@ def soak(work_dir: Path, hook_lib: Path, fake_dir: Path, *args: str,
     return proc, result
 
 
+@pytest.mark.slow   # a soak, if a short one: the fast lane leaves it out
 def test_fake_soak_with_two_daemon_restarts_passes(
         work_dir: Path, hook_lib: Path, fake_dir: Path) -> None:
     # Shares on the fake GPU depend on how busy this machine's cores are: bound 1 keeps only
@@ -107,6 +108,7 @@ def test_fake_soak_with_two_daemon_restarts_passes(
         assert all(row["achieved"] is not None for row in phase["tenants"])
 
 
+@pytest.mark.slow
 def test_a_failed_criterion_makes_the_script_fail(
         work_dir: Path, hook_lib: Path, fake_dir: Path) -> None:
     """No share is ever exactly what was asked: bound 0 must fail the shares criterion alone,
