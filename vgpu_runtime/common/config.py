@@ -372,10 +372,20 @@ def _check_expansion(root: yaml.Node) -> None:
         sizes[id(node)] = total
 
 
-def load_file(path: str) -> dict[str, Any]:
+def read_file(path: str) -> bytes:
+    """The file's bytes, for load_file; raises ConfigError."""
     try:
         with open(path, "rb") as handle:
-            raw = handle.read(MAX_FILE_BYTES + 1)
+            return handle.read(MAX_FILE_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"configuration file {path}: {err.strerror}") from None
+
+
+def load_file(path: str, raw: bytes | None = None) -> dict[str, Any]:
+    """The file's settings; from `raw`, its bytes as read already, where given."""
+    try:
+        if raw is None:
+            raw = read_file(path)
         if len(raw) > MAX_FILE_BYTES:
             raise ConfigError(f"configuration file {path} is larger than "
                               f"{MAX_FILE_BYTES // 1024} KiB; a node's configuration is a few "
@@ -385,8 +395,6 @@ def load_file(path: str) -> dict[str, Any]:
         if str(err).startswith("configuration file"):
             raise
         raise ConfigError(f"configuration file {path}: {err}") from None
-    except OSError as err:
-        raise ConfigError(f"configuration file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"configuration file {path} is not valid YAML: {err}") from None
     except UnicodeDecodeError as err:
@@ -448,12 +456,14 @@ class Loaded(Generic[T]):
     flags: Mapping[str, Any]
     environ: Mapping[str, str]
     notes: tuple[str, ...] = ()
+    raw: bytes | None = None   # the file's bytes the configuration was read from
 
-    def reread(self) -> T:
-        """The configuration the file now gives, with the same flags and environment."""
+    def reread(self, raw: bytes | None = None) -> T:
+        """The configuration the file now gives (or its bytes `raw`, as read already), with the
+        same flags and environment."""
         cls = type(self.config)
-        values, where = file_settings(cls, load_file(self.path), self.path) if self.path else (
-            {}, {})
+        values, where = file_settings(cls, load_file(self.path, raw), self.path) if self.path \
+            else ({}, {})
         return resolve(cls, self.flags, self.environ, values, self.path or "", where)
 
 
@@ -473,10 +483,11 @@ def load_all(
     namespace = vars(parser.parse_args(argv))
     config_path = namespace.pop("config", None) or environ.get(CONFIG_FILE_ENV) or None
     notes: list[str] = []
-    values, where = (file_settings(cls, load_file(config_path), config_path, notes)
+    raw = read_file(config_path) if config_path else None
+    values, where = (file_settings(cls, load_file(config_path, raw), config_path, notes)
                      if config_path else ({}, {}))
     config = resolve(cls, namespace, environ, values, config_path or "", where)
-    return Loaded(config, config_path, namespace, environ, tuple(notes))
+    return Loaded(config, config_path, namespace, environ, tuple(notes), raw)
 
 
 def load(

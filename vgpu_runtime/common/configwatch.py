@@ -64,7 +64,9 @@ class ConfigWatch(Generic[T]):
         if path is None:
             await asyncio.Event().wait()
             return
-        seen = _content(path)
+        # The bytes the program was configured from, not the file's bytes as this starts: a
+        # change made in between is a change.
+        seen = self.loaded.raw if self.loaded.raw is not None else _content(path)
         while True:
             await asyncio.sleep(self.interval)
             now = _content(path)
@@ -72,7 +74,7 @@ class ConfigWatch(Generic[T]):
                 continue
             seen = now
             try:
-                fresh = self.loaded.reread()
+                fresh = self.loaded.reread(now)
                 self.check(fresh)
             except ConfigError as err:
                 log.error("configuration file changed but is invalid; running on with the "
