@@ -226,6 +226,26 @@ def base_config() -> Any:
     return yaml.safe_load(BASE_CONFIG.read_text())
 
 
+def test_mps_renders_the_mps_overlays_objects(tools: Tools, defaults: list[Obj]) -> None:
+    """mps.enabled: the objects of `kubectl kustomize daemonset/overlays/mps` (the control
+    daemon's DaemonSet, the plugin's and the daemon's settings and mounts); off, none of it."""
+    overlay = parse(run([tools.kubectl, "kustomize", str(REPO / "daemonset/overlays/mps")]).stdout)
+    chart = by_key(without_hashes(without_helm_metadata(render(tools, "--set",
+                                                               "mps.enabled=true"))))
+    expected = by_key(without_hashes(overlay))
+    assert sorted(chart) == sorted(expected)
+    for key, obj in expected.items():
+        assert chart[key] == obj, f"{key} differs:\n{diff(obj, chart[key])}"
+    assert "DaemonSet/gemini-vgpu-mps" in chart
+    assert not [o for o in defaults if o["metadata"]["name"] == "gemini-vgpu-mps"]
+    shm = render(tools, "--set", "mps.enabled=true", "--set", "mps.shmDir=/run/other")
+    node = find(shm, "DaemonSet", "gemini-vgpu-node")
+    plugin = {c["name"]: c for c in node["spec"]["template"]["spec"]["containers"]}[
+        "device-plugin"]
+    assert {"name": "GEMINI_MPS_SHM_DIR", "value": "/run/other"} in plugin["env"]
+    assert "mps.shmDir" in refused(tools, "--set", "mps.shmDir=relative")
+
+
 def test_slices_memory_reserve_and_resource_name_go_into_the_default_configuration(
         tools: Tools, defaults: list[Obj], tmp_path: Path) -> None:
     objects = config_change(tools, defaults, "--set", "slicesPerGpu=4",
