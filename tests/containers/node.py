@@ -249,7 +249,7 @@ def install_hook(root: Path, state_dir: Path, library: Path | None = None) -> No
 def start_node(api: Any = None, simulate_gpus: int = GPUS,
                write_cdi: Callable[[Path], Path] | None = None,
                library: Path | None = None, daemon_extra: tuple[str, ...] = (),
-               fake_nvml: bool = False) -> ContainerNode:
+               fake_nvml: bool = False, plugin_extra: tuple[str, ...] = ()) -> ContainerNode:
     """The node; `simulate_gpus` 0 takes the machine's real GPUs (NVML), whose CDI spec
     `write_cdi` then writes (the simulated GPUs' spec mounts the fake driver). `fake_nvml`:
     the daemon reads per-process figures (process_memory nvml) from the fake NVML, which lists
@@ -275,7 +275,7 @@ def start_node(api: Any = None, simulate_gpus: int = GPUS,
         shutil.copy2(program, root / "app" / program.name)
     loop = LoopThread()
     kubelet = KubeletEmulator(root / "dp", pod_resources_socket=root / "pr" / "kubelet.sock")
-    args = ["--log-format", "text"]
+    args = ["--log-format", "text", *plugin_extra]
     if simulate_gpus:
         args += ["--simulate-memory", str(GPU_MEMORY)]
     plugin = PluginProcess(kubelet.directory, state_dir, gpus=simulate_gpus, slices=SLICES,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -84,6 +85,11 @@ def test_a_command_runs_as_an_mps_client_within_its_slice(state_dir: Path) -> No
         print(json.dumps({"seen": seen, "compute_apps": apps,
                           "daemon_allocations": daemon.status()["allocations"]}))
         assert seen["pipe"] == str(paths.mps_pipe_dir(state_dir)), seen
+        # What the fake control program was taught: its socket takes every user's clients
+        # (pods run as other uids than the control daemon's container).
+        control = paths.mps_pipe_dir(state_dir) / "control"
+        assert stat.S_ISSOCK(control.stat().st_mode), control
+        assert control.stat().st_mode & 0o006 == 0o006, oct(control.stat().st_mode)
         assert (seen["total"], seen["oom"], seen["sum"]) == (8 * GiB, True, float(2**20)), seen
         assert any("nvidia-cuda-mps-server" in app for app in apps), apps
         run.stdin.write("\n")

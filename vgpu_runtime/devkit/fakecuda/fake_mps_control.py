@@ -2,8 +2,9 @@
 (NVIDIA's MPS documentation; checked against the H100's in tests/gpu/test_mps_gpu.py):
 
 * `-d` starts the control daemon in the background and returns 0; it listens on `control` in
-  $CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps) and logs to `control.log` in
-  $CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps). A second `-d` while one answers fails.
+  $CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), a socket every user may connect to, and
+  logs to `control.log` in $CUDA_MPS_LOG_DIRECTORY (default /var/log/nvidia-mps). A second
+  `-d` while one answers fails.
 * no argument: the client. It sends each line of stdin to the daemon and prints the answers;
   where no daemon answers it says so and exits 1.
 * commands: `get_server_list` (no server runs here: nothing), `quit` (the daemon exits).
@@ -46,6 +47,9 @@ def serve() -> None:
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
+    # A control daemon run as root serves clients of every user (it starts each one's server
+    # as that user), so its socket must take their connections.
+    path.chmod(0o666)
     listener.listen()
     with open(log_file(), "a") as logf:
         print(f"[{time.ctime()}] control daemon started, pid {os.getpid()}", file=logf, flush=True)
