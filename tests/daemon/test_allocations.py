@@ -255,3 +255,41 @@ async def test_a_process_of_no_allocation_on_a_served_gpu_is_listed_and_reported
             process.wait()
         await served.allocations.close("test over")
         served.tokens.close()
+
+
+# A stand-in for the MPS server: a process that names itself as the server does (comm).
+MPS_SERVER_LIKE = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'nvidia-cuda-mps-server')"
+                   "; print('named', flush=True); time.sleep(60)")
+
+
+@pytest.mark.parametrize("mps", [True, False])
+async def test_the_mps_server_is_reported_as_what_its_name_claims_only_with_mps_on(
+        state_dir: Path, mps: bool) -> None:
+    """Over MPS the server holds memory of its own that no allocation is charged for: its
+    Event says so (still an Event: the name is the process's to choose, so it hides nothing).
+    Without mps the same name is any process of no allocation."""
+    figures = state_dir.parent / "figures.json"
+    served = Served(state_dir, "--process-memory", "simulated", "--process-memory-file",
+                    str(figures), "--process-memory-interval", "0.05", "--mps", str(mps).lower(),
+                    "--mps-manage", "false")
+    node = NodeEvents()
+    served.allocations.pods = node
+    server = subprocess.Popen([sys.executable, "-c", MPS_SERVER_LIKE], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "named\n"
+        figures.write_text(json.dumps({UUID_A: {str(server.pid): 64 * MiB}}))
+        make_record(served.state_dir)
+        await served.allocations.sync()
+        await until_equal(lambda: len(node.posted), 1, "the Event")
+        ((reason, message),) = node.posted
+        assert reason == UNATTRIBUTED_REASON
+        assert message.startswith(f"process {server.pid} (nvidia-cuda-mps) holds 64 MiB"), message
+        said = "by its name the MPS server of this node's tenants"
+        assert (said in message) is mps, message
+        assert ("belongs to none of them" in message) is not mps, message
+    finally:
+        server.kill()
+        server.wait()
+        await served.allocations.close("test over")
+        served.tokens.close()

@@ -207,7 +207,7 @@ class ContextCharger:
         self.opened = False
         self.error: str | None = None
         self.readings = 0
-        self.reconciler = Reconciler(config.over_limit_action)
+        self.reconciler = Reconciler(config.over_limit_action, mps=config.mps)
         self._connections: set[Charged] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None

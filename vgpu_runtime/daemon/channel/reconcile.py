@@ -53,6 +53,7 @@ UNHOOKED_GRACE = 0.25   # seconds from a process's first sighting without a conn
 REPORT, KILL = "report", "kill"
 OVER_LIMIT_ACTIONS = (REPORT, KILL)
 UNATTRIBUTED_REASON = "GPUMemoryOfNoAllocation"   # the Node Event's reason
+MPS_COMMAND = "nvidia-cuda-mps"   # the MPS server's /proc/<pid>/comm (15 bytes of its name)
 NodeEvent = Callable[[str, str], None]   # (reason, message): a Warning Event on the Node
 
 
@@ -93,8 +94,9 @@ class Reconciled(Protocol):
 
 class Reconciler:
     def __init__(self, action: str = REPORT, clock: Callable[[], float] = time.monotonic,
-                 proc: Path = attribution.PROC) -> None:
+                 proc: Path = attribution.PROC, mps: bool = False) -> None:
         self.action = action
+        self.mps = mps   # the tenants run over MPS: its server holds memory of its own
         self.clock = clock
         self.proc = proc
         self.attribute = True     # pids are the host's (the charger says, from its source)
@@ -209,10 +211,16 @@ class Reconciler:
         self._say_once(key, "a process of no allocation uses a shared GPU", gpu=uuid,
                        pid=process.pid, command=command, process_bytes=used)
         named = f"process {process.pid}" + (f" ({command})" if command else "")
+        held = f"{named} holds {used >> 20} MiB ({used} bytes) on GPU {uuid}"
+        if self.mps and command.startswith(MPS_COMMAND):
+            # Said as what its name claims, still reported: a name is the process's to choose.
+            self.node_event(UNATTRIBUTED_REASON,
+                            f"{held}: by its name the MPS server of this node's tenants (mps "
+                            "is on), whose own memory no allocation is charged for")
+            return
         self.node_event(UNATTRIBUTED_REASON,
-                        f"{named} holds {used >> 20} MiB ({used} bytes) on GPU {uuid}, "
-                        "which allocations of this node share, and belongs to none of them "
-                        "(no pod's container, no gemini-run command): no allocation is "
+                        f"{held}, which allocations of this node share, and belongs to none of "
+                        "them (no pod's container, no gemini-run command): no allocation is "
                         "charged for it and no limit holds it")
 
     def _say_once(self, key: Hashable, message: str, **fields: Any) -> None:
