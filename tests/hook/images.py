@@ -21,6 +21,11 @@ def ptx(*globals_: tuple[str, str, int]) -> bytes:
 
 
 REAL_CUBIN = Path(__file__).resolve().parent / "data" / "global-4gib-sm90.cubin"
+# nvFatbin 12.9 (the nvidia-nvfatbin-cu12 wheel, nvFatbinAddCubin of REAL_CUBIN as arch 90,
+# name "big"): its default compression (-compress-all: LZ4, entry flag 0x2000) and
+# -compress-mode=size (zstd, flag 0x8000).
+REAL_LZ4_FATBIN = REAL_CUBIN.with_name("global-4gib-sm90.lz4.fatbin")
+REAL_ZSTD_FATBIN = REAL_CUBIN.with_name("global-4gib-sm90.zstd.fatbin")
 
 
 def cubin(global_bytes: int, in_symbol: bool = True) -> bytes:
@@ -60,7 +65,7 @@ def cubin(global_bytes: int, in_symbol: bool = True) -> bytes:
 
 def fatbin(*entries: tuple[int, bytes, int]) -> bytes:
     """A fatbin container (magic 0xBA55ED50) of (kind, payload, flags) entries: kind 1 PTX,
-    2 ELF; flag 0x2000 marks a compressed payload."""
+    2 ELF; flag 0x2000 marks an LZ4 payload (this builder leaves its packed size 0)."""
     body = b""
     for kind, payload, flags in entries:
         payload += b"\0" * (-len(payload) % 8)

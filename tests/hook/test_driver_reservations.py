@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.hook.conftest import PRELUDE, DaemonNode, GiB, Hooked, MiB
-from tests.hook.images import REAL_CUBIN, cubin, fatbin, ptx
+from tests.hook.images import REAL_CUBIN, REAL_LZ4_FATBIN, REAL_ZSTD_FATBIN, cubin, fatbin, ptx
 
 OOM = 2
 STACK, PRINTF_FIFO, MALLOC_HEAP, PENDING_LAUNCHES = 0, 1, 2, 4
@@ -258,7 +258,7 @@ def test_an_image_the_hook_cannot_read_is_measured_and_unloaded_past_the_limit(
 
 
 @pytest.mark.parametrize("form", ["cubin", "cubin_section", "ptxas_cubin", "fatbin",
-                                  "fatbin_ptxas_cubin", "fatbin_ptx"])
+                                  "fatbin_ptxas_cubin", "fatbin_ptx", "fatbin_lz4"])
 def test_cubin_and_fatbin_globals_are_read_before_loading(
         hooked: Hooked, node: DaemonNode, form: str) -> None:
     """The fake driver cannot read these formats and reserves nothing for them: only the hook's
@@ -269,7 +269,9 @@ def test_cubin_and_fatbin_globals_are_read_before_loading(
              "ptxas_cubin": REAL_CUBIN.read_bytes(),
              "fatbin": fatbin((2, cubin(4 * GiB), 0)),
              "fatbin_ptxas_cubin": fatbin((2, REAL_CUBIN.read_bytes(), 0)),
-             "fatbin_ptx": fatbin((1, ptx(("big", ".u64", GiB // 2)), 0))}[form]
+             "fatbin_ptx": fatbin((1, ptx(("big", ".u64", GiB // 2)), 0)),
+             # nvFatbin 12.9's default compression (LZ4) of that cubin (-compress-all).
+             "fatbin_lz4": REAL_LZ4_FATBIN.read_bytes()}[form]
     result = load(hooked, node, image, """
         out = {"rc": lib.cuModuleLoadData(ctypes.byref(module), image),
                "driver_calls": calls(lib, "cuModuleLoadData")}
@@ -278,10 +280,18 @@ def test_cubin_and_fatbin_globals_are_read_before_loading(
     assert result == {"rc": OOM, "driver_calls": 0}
 
 
-def test_a_compressed_fatbin_entry_is_charged_as_measured(hooked: Hooked, node: DaemonNode) -> None:
-    """A small cubin within the limit, but compressed: read as not understood, so loaded and
-    measured (the fake reserves nothing for it): charged nothing, not refused."""
-    result = load(hooked, node, fatbin((2, cubin(4 * GiB), 0x2000)), """
+@pytest.mark.parametrize("form", ["zstd", "lz4_unsized", "lz4_corrupt"])
+def test_a_compressed_entry_the_hook_cannot_unpack_is_charged_as_measured(
+        hooked: Hooked, node: DaemonNode, form: str) -> None:
+    """Compressed entries the hook does not unpack: zstd (nvFatbin 12.9's -compress-mode=size of
+    the 4 GiB cubin), an LZ4 entry whose header gives no packed size, and one whose block is
+    cut short. Read as not understood, so loaded and measured (the fake reserves nothing for
+    fatbins): charged nothing, not refused, and the hook survives the bad block."""
+    real = REAL_LZ4_FATBIN.read_bytes()
+    image = {"zstd": REAL_ZSTD_FATBIN.read_bytes(),
+             "lz4_unsized": fatbin((2, cubin(4 * GiB), 0x2000)),
+             "lz4_corrupt": real[:0x58 + 40] + b"\xff" * (len(real) - 0x58 - 40)}[form]
+    result = load(hooked, node, image, """
         out = {"rc": lib.cuModuleLoadData(ctypes.byref(module), image), "held": held()}
         print(json.dumps(out))
     """)

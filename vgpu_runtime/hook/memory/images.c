@@ -9,8 +9,10 @@
  * - ELF cubin (64-bit): the objects of the sections `.nv.global*` (their symbols' sizes:
  *   ptxas leaves the section itself empty) and common objects.
  * - fatbin (magic 0xBA55ED50, or the runtime's wrapper 0x466243b1 around one): each entry's
- *   PTX or ELF as above. A compressed entry cannot be read without the driver's codec.
- * Anything not read whole (a compressed entry, an unsized array, another format) clears
+ *   PTX or ELF as above. An entry compressed with LZ4 (flag 0x2000, nvcc's default: its packed
+ *   size at offset 16 of the entry's header, its size unpacked at 56) is unpacked first (lz4.c);
+ *   one compressed with zstd (flag 0x8000, nvcc's --compress-mode=size) is not read.
+ * Anything not read whole (a zstd entry, an unsized array, another format) clears
  * *understood: the caller then trusts the measurement alone, uncapped.
  */
 #include <string.h>
@@ -22,7 +24,9 @@
 #define FATBIN_WRAPPER_MAGIC 0x466243b1u
 #define FATBIN_KIND_PTX 1
 #define FATBIN_KIND_ELF 2
-#define FATBIN_FLAG_COMPRESSED 0x2000ull
+#define FATBIN_FLAG_LZ4 0x2000ull
+#define FATBIN_FLAG_ZSTD 0x8000ull
+#define MAX_UNPACKED (256ull << 20)   /* an entry larger unpacked is measured, not read */
 #define MAX_IMAGE (1ull << 40)   /* sizes past this are not an image's */
 
 static uint64_t add(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
@@ -273,6 +277,38 @@ static uint64_t elf_extent(const unsigned char *elf) {
 
 /* ---- fatbin ---- */
 
+/* One entry's payload, unpacked. */
+static uint64_t entry_globals(uint16_t kind, const unsigned char *data, uint64_t size,
+                              int *understood) {
+    if (kind == FATBIN_KIND_ELF && size >= 4 && memcmp(data, "\x7f" "ELF", 4) == 0)
+        return elf_globals(data, size, understood);
+    if (kind == FATBIN_KIND_PTX)
+        return ptx_globals((const char *)data, strnlen((const char *)data, (size_t)size),
+                           understood);
+    *understood = 0;
+    return 0;
+}
+
+/* An LZ4 entry: unpacked into a private mapping of the size its header states. */
+static uint64_t lz4_entry_globals(const unsigned char *entry, const unsigned char *data,
+                                  uint64_t payload, int *understood) {
+    uint64_t packed = u64(entry + 16), size = u64(entry + 56);
+    if (packed == 0 || packed > payload || size == 0 || size > MAX_UNPACKED) {
+        *understood = 0;
+        return 0;
+    }
+    unsigned char *plain = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE,
+                                MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (plain == MAP_FAILED) { *understood = 0; return 0; }
+    uint64_t total = 0;
+    if (gm_lz4_decode(data, (size_t)packed, plain, (size_t)size) != (int64_t)size)
+        *understood = 0;
+    else
+        total = entry_globals(u16(entry), plain, size, understood);
+    munmap(plain, (size_t)size);
+    return total;
+}
+
 /* `limit`: the bytes known to be there (a file's size), or 0 when only the header says. */
 static uint64_t fatbin_globals(const unsigned char *fat, uint64_t limit, int *understood) {
     uint16_t header = u16(fat + 6);
@@ -285,19 +321,14 @@ static uint64_t fatbin_globals(const unsigned char *fat, uint64_t limit, int *un
     }
     while (at + 64 <= end) {
         const unsigned char *entry = fat + at;
-        uint16_t kind = u16(entry);
         uint32_t entry_header = u32(entry + 4);
         uint64_t payload = u64(entry + 8), flags = u64(entry + 40);
         if (entry_header < 64 || payload > end - at - entry_header) { *understood = 0; break; }
         const unsigned char *data = entry + entry_header;
-        if (flags & FATBIN_FLAG_COMPRESSED) *understood = 0;
-        else if (kind == FATBIN_KIND_ELF && payload >= 4 && memcmp(data, "\x7f" "ELF", 4) == 0)
-            total = add(total, elf_globals(data, payload, understood));
-        else if (kind == FATBIN_KIND_PTX)
-            total = add(total, ptx_globals((const char *)data, strnlen((const char *)data,
-                                                                       (size_t)payload),
-                                           understood));
-        else *understood = 0;
+        if (flags & FATBIN_FLAG_ZSTD) *understood = 0;
+        else if (flags & FATBIN_FLAG_LZ4)
+            total = add(total, lz4_entry_globals(entry, data, payload, understood));
+        else total = add(total, entry_globals(u16(entry), data, payload, understood));
         at += entry_header + payload;
     }
     return total;
