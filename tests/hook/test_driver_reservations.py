@@ -258,7 +258,8 @@ def test_an_image_the_hook_cannot_read_is_measured_and_unloaded_past_the_limit(
 
 
 @pytest.mark.parametrize("form", ["cubin", "cubin_section", "ptxas_cubin", "fatbin",
-                                  "fatbin_ptxas_cubin", "fatbin_ptx", "fatbin_lz4"])
+                                  "fatbin_ptxas_cubin", "fatbin_ptx", "fatbin_lz4",
+                                  "fatbin_zstd"])
 def test_cubin_and_fatbin_globals_are_read_before_loading(
         hooked: Hooked, node: DaemonNode, form: str) -> None:
     """The fake driver cannot read these formats and reserves nothing for them: only the hook's
@@ -271,7 +272,9 @@ def test_cubin_and_fatbin_globals_are_read_before_loading(
              "fatbin_ptxas_cubin": fatbin((2, REAL_CUBIN.read_bytes(), 0)),
              "fatbin_ptx": fatbin((1, ptx(("big", ".u64", GiB // 2)), 0)),
              # nvFatbin 12.9's default compression (LZ4) of that cubin (-compress-all).
-             "fatbin_lz4": REAL_LZ4_FATBIN.read_bytes()}[form]
+             "fatbin_lz4": REAL_LZ4_FATBIN.read_bytes(),
+             # -compress-mode=size: zstd, unpacked through the system's libzstd.
+             "fatbin_zstd": REAL_ZSTD_FATBIN.read_bytes()}[form]
     result = load(hooked, node, image, """
         out = {"rc": lib.cuModuleLoadData(ctypes.byref(module), image),
                "driver_calls": calls(lib, "cuModuleLoadData")}
@@ -280,15 +283,16 @@ def test_cubin_and_fatbin_globals_are_read_before_loading(
     assert result == {"rc": OOM, "driver_calls": 0}
 
 
-@pytest.mark.parametrize("form", ["zstd", "lz4_unsized", "lz4_corrupt"])
+@pytest.mark.parametrize("form", ["zstd_corrupt", "lz4_unsized", "lz4_corrupt"])
 def test_a_compressed_entry_the_hook_cannot_unpack_is_charged_as_measured(
         hooked: Hooked, node: DaemonNode, form: str) -> None:
-    """Compressed entries the hook does not unpack: zstd (nvFatbin 12.9's -compress-mode=size of
-    the 4 GiB cubin), an LZ4 entry whose header gives no packed size, and one whose block is
-    cut short. Read as not understood, so loaded and measured (the fake reserves nothing for
-    fatbins): charged nothing, not refused, and the hook survives the bad block."""
+    """Compressed entries the hook cannot unpack: a damaged zstd frame, an LZ4 entry whose
+    header gives no packed size, and one whose block is damaged. Read as not understood, so
+    loaded and measured (the fake reserves nothing for fatbins): charged nothing, not refused,
+    and the hook survives the bad data."""
     real = REAL_LZ4_FATBIN.read_bytes()
-    image = {"zstd": REAL_ZSTD_FATBIN.read_bytes(),
+    zstd = REAL_ZSTD_FATBIN.read_bytes()
+    image = {"zstd_corrupt": zstd[:0x58 + 40] + b"\xff" * (len(zstd) - 0x58 - 40),
              "lz4_unsized": fatbin((2, cubin(4 * GiB), 0x2000)),
              "lz4_corrupt": real[:0x58 + 40] + b"\xff" * (len(real) - 0x58 - 40)}[form]
     result = load(hooked, node, image, """

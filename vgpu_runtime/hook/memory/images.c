@@ -9,11 +9,11 @@
  * - ELF cubin (64-bit): the objects of the sections `.nv.global*` (their symbols' sizes:
  *   ptxas leaves the section itself empty) and common objects.
  * - fatbin (magic 0xBA55ED50, or the runtime's wrapper 0x466243b1 around one): each entry's
- *   PTX or ELF as above. An entry compressed with LZ4 (flag 0x2000, nvcc's default: its packed
- *   size at offset 16 of the entry's header, its size unpacked at 56) is unpacked first (lz4.c);
- *   one compressed with zstd (flag 0x8000, nvcc's --compress-mode=size) is not read.
- * Anything not read whole (a zstd entry, an unsized array, another format) clears
- * *understood: the caller then trusts the measurement alone, uncapped.
+ *   PTX or ELF as above. A compressed entry (its packed size at offset 16 of the entry's header,
+ *   its size unpacked at 56) is unpacked first: LZ4 (flag 0x2000, nvcc's default; lz4.c) or
+ *   zstd (flag 0x8000, nvcc's --compress-mode=size; zstd.c, where libzstd loads).
+ * Anything not read whole (a zstd entry without libzstd, an unsized array, another format)
+ * clears *understood: the caller then trusts the measurement alone, uncapped.
  */
 #include <string.h>
 #include <sys/mman.h>
@@ -289,9 +289,9 @@ static uint64_t entry_globals(uint16_t kind, const unsigned char *data, uint64_t
     return 0;
 }
 
-/* An LZ4 entry: unpacked into a private mapping of the size its header states. */
-static uint64_t lz4_entry_globals(const unsigned char *entry, const unsigned char *data,
-                                  uint64_t payload, int *understood) {
+/* A compressed entry: unpacked into a private mapping of the size its header states. */
+static uint64_t packed_entry_globals(const unsigned char *entry, const unsigned char *data,
+                                     uint64_t payload, int zstd, int *understood) {
     uint64_t packed = u64(entry + 16), size = u64(entry + 56);
     if (packed == 0 || packed > payload || size == 0 || size > MAX_UNPACKED) {
         *understood = 0;
@@ -301,7 +301,9 @@ static uint64_t lz4_entry_globals(const unsigned char *entry, const unsigned cha
                                 MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (plain == MAP_FAILED) { *understood = 0; return 0; }
     uint64_t total = 0;
-    if (gm_lz4_decode(data, (size_t)packed, plain, (size_t)size) != (int64_t)size)
+    int64_t got = zstd ? gm_zstd_decode(data, (size_t)packed, plain, (size_t)size)
+                       : gm_lz4_decode(data, (size_t)packed, plain, (size_t)size);
+    if (got != (int64_t)size)
         *understood = 0;
     else
         total = entry_globals(u16(entry), plain, size, understood);
@@ -325,9 +327,9 @@ static uint64_t fatbin_globals(const unsigned char *fat, uint64_t limit, int *un
         uint64_t payload = u64(entry + 8), flags = u64(entry + 40);
         if (entry_header < 64 || payload > end - at - entry_header) { *understood = 0; break; }
         const unsigned char *data = entry + entry_header;
-        if (flags & FATBIN_FLAG_ZSTD) *understood = 0;
-        else if (flags & FATBIN_FLAG_LZ4)
-            total = add(total, lz4_entry_globals(entry, data, payload, understood));
+        if (flags & (FATBIN_FLAG_ZSTD | FATBIN_FLAG_LZ4))
+            total = add(total, packed_entry_globals(entry, data, payload,
+                                                    (flags & FATBIN_FLAG_ZSTD) != 0, understood));
         else total = add(total, entry_globals(u16(entry), data, payload, understood));
         at += entry_header + payload;
     }

@@ -38,15 +38,18 @@ GM_HIDDEN uint64_t gm_charge_take(uint32_t what, uint64_t handle, int *gpu, CUco
 GM_HIDDEN void gm_charges_context_gone(CUcontext ctx);
 
 /* images.c: the device memory a module image's global variables take, read from the image
- * (PTX text, ELF cubin, fatbin of those, LZ4-compressed entries included). *understood = 0
- * where some part could not be read (a zstd-compressed fatbin entry, an unknown format): then
- * only a measurement can tell. */
+ * (PTX text, ELF cubin, fatbin of those, compressed entries included). *understood = 0 where
+ * some part could not be read (a zstd entry without libzstd, an unknown format): then only a
+ * measurement can tell. */
 GM_HIDDEN uint64_t gm_image_globals(const void *image, size_t size_hint, int *understood);
 GM_HIDDEN uint64_t gm_image_file_globals(const char *path, int *understood);
 /* One LZ4 block (`n` bytes at `src`) decoded into at most `cap` bytes at `dst`: the bytes
  * written, or -1 where the block is not well formed or does not fit (lz4.c). */
 GM_HIDDEN int64_t gm_lz4_decode(const unsigned char *src, size_t n, unsigned char *dst,
                                 size_t cap);
+/* The same for one zstd frame, through the system's libzstd; -1 where there is none (zstd.c). */
+GM_HIDDEN int64_t gm_zstd_decode(const unsigned char *src, size_t n, unsigned char *dst,
+                                 size_t cap);
 
 /* The GPU an allocation lands on, or a CUresult to return at once (via *error). */
 GM_HIDDEN int gm_gpu_for_alloc(CUdevice *dev, CUresult *error);
