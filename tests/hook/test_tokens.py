@@ -482,3 +482,27 @@ def test_asking_again_settles_own_streams_never_recording_on_the_legacy_one(
         proc.kill()
         proc.wait()
         rival.close()
+
+
+def test_more_bursts_than_a_report_holds_are_reported_never_dropped(
+        hooked: Hooked, node: DaemonNode) -> None:
+    """Bursts 3 ms apart (past the 2 ms merge gap) are kept apart for the report every 100 ms,
+    about 25 of them to a table of 16: the last kept one is stretched over the rest, so the busy
+    time reported is at least the busy time seen (it was 60 % of it when they were dropped)."""
+    result = hooked.python("""
+        import time
+        lib = cuda()
+        context(lib)
+        stream = ctypes.c_void_p(0x77)
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None)
+            lib.cuStreamSynchronize(stream)
+            time.sleep(0.003)
+        time.sleep(0.12)   # past the report interval: the next synchronisation sends it all
+        lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None)
+        lib.cuStreamSynchronize(stream)
+        print(json.dumps(stats()))
+    """, node.env())
+    assert result["syncs_observed"] >= 60, result
+    assert result["usage_reported_ns"] >= result["bursts_observed_ns"] > 0, result

@@ -10,7 +10,7 @@
 
 #include <stdint.h>
 
-#define GEMINI_HOOK_STATS_VERSION 4
+#define GEMINI_HOOK_STATS_VERSION 5
 
 /* Every counter once, in struct order: the public snapshot, the hook's own atomics, the
  * snapshot code and the exit dump all expand this list (tests read it from this file too). */
@@ -31,7 +31,9 @@
     X(usage_reports)          /* USAGE_REPORT frames (observed kernel bursts) */             \
     X(syncs_observed)         /* host synchronisations seen returning */                     \
     X(drain_ns)               /* host time spent draining own streams before asking */      \
-    X(token_wait_max_ns)      /* the longest single slow-path wait of token_wait_ns, ns */
+    X(token_wait_max_ns)      /* the longest single slow-path wait of token_wait_ns, ns */  \
+    X(bursts_observed_ns)     /* launch-to-synchronisation bursts seen, summed, ns */        \
+    X(usage_reported_ns)      /* the bursts the usage reports sent cover, summed, ns */
 
 struct gemini_hook_stats {
     uint32_t version;            /* GEMINI_HOOK_STATS_VERSION */

@@ -320,6 +320,17 @@ static int gpu_now(void) {
     return gpu < n ? gpu : -1;
 }
 
+/* A finished (merged) burst, kept for the next report. With the table full the last one is
+ * stretched over it, gap included: busy time is over-reported then, never dropped. */
+static void keep_burst(struct gpu_token *g, int64_t start, int64_t end) {
+    if (g->report_count < MAX_REPORTS) {
+        g->reports[g->report_count][0] = start;
+        g->reports[g->report_count++][1] = end;
+    } else {
+        g->reports[MAX_REPORTS - 1][1] = end;
+    }
+}
+
 void gm_sync_observed(void) {
     if (!gm_active() || gm_capture_open()) return;
     int gpu = gpu_now();
@@ -333,6 +344,7 @@ void gm_sync_observed(void) {
     int64_t start = atomic_exchange(&g->burst_start, -1);
     GM_COUNT(syncs_observed, 1);
     if (start < 0) return;   /* nothing launched since the last synchronisation */
+    GM_COUNT(bursts_observed_ns, (uint64_t)(end - start));
     int64_t to_send[MAX_REPORTS][2];
     int sending = 0;
     pthread_mutex_lock(&g->burst_lock);
@@ -340,19 +352,13 @@ void gm_sync_observed(void) {
     if (g->merged_start >= 0 && start - g->merged_end < MERGE_GAP_NS) {
         g->merged_end = end;
     } else {
-        if (g->merged_start >= 0 && g->report_count < MAX_REPORTS) {
-            g->reports[g->report_count][0] = g->merged_start;
-            g->reports[g->report_count++][1] = g->merged_end;
-        }
+        if (g->merged_start >= 0) keep_burst(g, g->merged_start, g->merged_end);
         g->merged_start = start;
         g->merged_end = end;
     }
     if (end - g->last_report >= REPORT_INTERVAL_NS) {
         /* the burst in progress goes too; the daemon merges its continuation with it */
-        if (g->report_count < MAX_REPORTS) {
-            g->reports[g->report_count][0] = g->merged_start;
-            g->reports[g->report_count++][1] = g->merged_end;
-        }
+        keep_burst(g, g->merged_start, g->merged_end);
         g->merged_start = -1;
         memcpy(to_send, g->reports, sizeof to_send);
         sending = g->report_count;
@@ -365,7 +371,10 @@ void gm_sync_observed(void) {
                                           .burst_end_ns = to_send[i][1]};
         report.h.type = GM_MSG_USAGE_REPORT;
         report.h.length = sizeof report;
-        if (gm_channel_notify(&report) == 0) GM_COUNT(usage_reports, 1);
+        if (gm_channel_notify(&report) == 0) {
+            GM_COUNT(usage_reports, 1);
+            GM_COUNT(usage_reported_ns, (uint64_t)(to_send[i][1] - to_send[i][0]));
+        }
     }
 }
 

@@ -123,7 +123,10 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
     CUresult result;
     int gpu = gpu_for_context(dev, &result);
     if (result != CUDA_SUCCESS) return result;
-    if (gpu < 0 || dev < 0 || dev >= MAX_DEVICES) return GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    if (gpu < 0) return GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
+    /* An allocated device past this table would go uncharged: refused instead (fails closed;
+     * no node has so many GPUs). */
+    if (dev < 0 || dev >= MAX_DEVICES) return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&primary_lock);   /* two first retains must not both measure */
     if (primary_refs[dev] > 0) {
         result = GM_REAL(cuDevicePrimaryCtxRetain)(pctx, dev);
