@@ -132,6 +132,17 @@ def _free(gpus: list[dict[str, Any]], host: bool = False) -> list[str]:
     return _table(rows)
 
 
+def _mps_line(mps: dict[str, Any]) -> str:
+    """Over MPS: where its pipes are, and whose control daemon it is."""
+    where = f"commands run over MPS: the control daemon's pipes in {mps['pipe_dir']}"
+    if mps.get("managed", True):
+        return where
+    if mps.get("adopted"):
+        return f"{where} (its own container runs it: gemini-mps-control)"
+    return (f"{where}, but none answers yet (its own container runs it: gemini-mps-control); "
+            "pods are refused until it has started")
+
+
 def _metrics_line(metrics: dict[str, Any] | None, on_demand: bool, host: bool = False) -> str:
     if metrics is None:
         if host:
@@ -165,8 +176,7 @@ def render(status: dict[str, Any]) -> str:
     if "metrics" in daemon:
         lines.append(_metrics_line(daemon["metrics"], bool(daemon.get("idle_exit")), host))
     if daemon.get("mps"):
-        lines.append(f"commands run over MPS: the control daemon's pipes in "
-                     f"{daemon['mps']['pipe_dir']}")
+        lines.append(_mps_line(daemon["mps"]))
     lines.append("")
     lines.append("GPUs and what is free (FREE SHARE for gemini-run --share, " + (
         "FREE MEMORY for its --memory):" if host else

@@ -30,6 +30,12 @@ def mps_control(state_dir: Path, program: Path) -> subprocess.Popen[str]:
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def status_text(state_dir: Path) -> str:
+    return subprocess.run([sys.executable, "-m", "vgpu_runtime.cli", "status", "--state-dir",
+                           str(state_dir)], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, check=True, timeout=60).stdout
+
+
 @pytest.fixture
 def program(tmp_path: Path) -> Path:
     return fake_mps_control(tmp_path)
@@ -75,7 +81,7 @@ def test_its_own_container_runs_it_and_the_daemon_adopts_without_stopping_it(
         quit_control(state_dir, program)
 
 
-def test_a_daemon_that_does_not_manage_it_waits_for_it_and_starts_none(
+def test_a_daemon_that_does_not_manage_it_starts_none_and_finds_it_once_it_runs(
         state_dir: Path, program: Path, shm_mark: Path) -> None:
     daemon = DaemonProcess(state_dir, "--simulate-gpus", "1", "--mps", "on",
                            "--mps-control", str(program), "--mps-manage", "false")
@@ -85,6 +91,16 @@ def test_a_daemon_that_does_not_manage_it_waits_for_it_and_starts_none(
         assert not control_answers(state_dir, program)
         assert not shm_mark.exists() and not paths.mps_shm_id(state_dir).exists()
         assert "no MPS control daemon answers yet" in daemon.logs()
+        assert "but none answers yet" in status_text(state_dir)
+        # Its own container starts it later: the daemon's status finds it.
+        runner = mps_control(state_dir, program)
+        try:
+            wait_for(lambda: control_answers(state_dir, program), 20, "the control daemon")
+            wait_for(lambda: daemon.status()["daemon"]["mps"]["adopted"], 10, "adopted")
+            assert "(its own container runs it: gemini-mps-control)" in status_text(state_dir)
+        finally:
+            runner.terminate()
+            runner.wait(30)
     finally:
         daemon.stop()
         quit_control(state_dir, program)

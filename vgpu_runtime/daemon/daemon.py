@@ -182,6 +182,8 @@ class Daemon:
                 self.troubles.report("cannot bring the allocations in line with the records",
                                      "sync", err)
             self._check_mps_users()
+            if self.mps is not None and not self.mps.adopted and not self.mps.manage:
+                await asyncio.to_thread(self.mps.find)
             self.ready = True
             now = time.monotonic()
             if self.allocations.channels or self.allocations.corrupt or self.troubles:

@@ -126,6 +126,15 @@ class MpsControl:
             return
         log.info("MPS control daemon stopped", extra={"rc": done.returncode})
 
+    def find(self) -> None:
+        """Where another container runs it and none answered yet: ask again (the daemon's
+        poll does, off its event loop, until it answers)."""
+        if not self.adopted and not self.manage:
+            with contextlib.suppress(MpsError, OSError, subprocess.TimeoutExpired):
+                self.adopted = self.answers()
+                if self.adopted:
+                    log.info("MPS control daemon adopted", extra={"pipe_dir": str(self.pipe_dir)})
+
     def status(self) -> dict[str, Any]:
         return {"pipe_dir": str(self.pipe_dir), "log_dir": str(self.log_dir),
                 "adopted": self.adopted, "managed": self.manage}
