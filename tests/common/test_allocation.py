@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.readonly import read_only_call
 from vgpu_runtime import hooklib
 from vgpu_runtime.common import atomicfile
@@ -280,7 +281,7 @@ def test_a_record_that_cannot_be_removed_keeps_its_directory(tmp_path: Path) -> 
     assert Path(record.channel_dir).is_dir()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(max_size=400))
 def test_random_bytes_never_crash_the_reader(tmp_path_factory: pytest.TempPathFactory,
                                              data: bytes) -> None:
@@ -290,7 +291,7 @@ def test_random_bytes_never_crash_the_reader(tmp_path_factory: pytest.TempPathFa
         alloc.read_record(path)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
                                                                          max_size=4)))

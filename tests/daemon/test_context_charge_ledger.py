@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.ledger import MAX_CLAIM, MemoryLedger
 
@@ -91,7 +92,7 @@ operations = st.lists(st.tuples(
     st.integers(0, 200)), max_size=40)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(operations)
 def test_use_always_equals_each_holders_counted_amounts(ops: list[tuple[str, str, int, int, int]]
                                                          ) -> None:

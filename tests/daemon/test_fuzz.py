@@ -19,6 +19,7 @@ from tests.daemon.helpers import (
     read_until_closed,
     split_frames,
 )
+from tests.examples import examples
 from vgpu_runtime.contracts import wire
 from vgpu_runtime.daemon.channel.client import ChannelClient
 
@@ -75,7 +76,7 @@ def _exchange(path: Path, data: bytes, hello_first: bool) -> list[Any]:
         return split_frames(read_until_closed(sock))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=frames, hello_first=st.booleans())
 def test_malformed_frame_drops_only_that_client(
         served: tuple[DaemonProcess, Path, ChannelClient], data: bytes, hello_first: bool) -> None:

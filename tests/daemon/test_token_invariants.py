@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.daemon.tokenimpl import make_tokens, run_timers, waiting_connections
+from tests.examples import examples
 from vgpu_runtime.daemon.channel.ledger import MemoryLedger
 from vgpu_runtime.daemon.channel.pages import GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.channel.tokens import TenantSlot, Waiter
@@ -116,7 +117,7 @@ class Node:
         return None
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(tenant_strategy, min_size=2, max_size=4),
        st.lists(step_strategy, min_size=1, max_size=40))
 def test_gpu_tokens_keep_the_invariants_over_generated_steps(

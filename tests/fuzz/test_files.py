@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.fuzz.promises import check_accepted_record, check_config_file
 from vgpu_runtime import hooklib
 from vgpu_runtime.common import config as cfg
@@ -38,8 +39,8 @@ from vgpu_runtime.pluginconfig import PluginConfig
 GiB = 1 << 30
 
 
-def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, suppress_health_check=[
+def fuzz(count: int) -> settings:
+    return settings(max_examples=examples(count), deadline=None, suppress_health_check=[
         HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 # JSON-able values that tend to break parsers: huge integers (float overflow, int-string

@@ -28,6 +28,7 @@ from device_plugin.allocator import Allocator
 from device_plugin.health import HealthTracker
 from device_plugin.server import DeviceList, DevicePluginService, PluginServer
 from device_plugin.slices import SliceTable
+from tests.examples import examples
 from vgpu_runtime import pluginconfig as plugin_config
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.hookdir import install_hook
@@ -116,8 +117,8 @@ def _assert_clean(err: grpc.RpcError) -> None:
     assert details and len(details) > 20
 
 
-def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, suppress_health_check=[
+def fuzz(count: int) -> settings:
+    return settings(max_examples=examples(count), deadline=None, suppress_health_check=[
         HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 

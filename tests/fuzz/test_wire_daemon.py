@@ -32,6 +32,7 @@ from tests.daemon.helpers import (
     wait_for,
     wait_served,
 )
+from tests.examples import examples
 from tests.fuzz.wirefuzz import DAEMON_TYPES, INTERNAL_ERROR, play, random_session
 from vgpu_runtime.contracts import wire
 from vgpu_runtime.contracts.allocation import AllocationRecord
@@ -91,7 +92,7 @@ def _check_answers(replies: list[object], trailing: bytes) -> None:
         assert reason and reason != INTERNAL_ERROR, "the daemon hit a bug, not a protocol error"
 
 
-@settings(max_examples=300, deadline=None,
+@settings(max_examples=examples(300), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(rng=st.randoms(use_true_random=False), hello_first=st.booleans())
 def test_hostile_session_drops_only_itself_and_leaks_nothing(

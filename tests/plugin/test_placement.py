@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from device_plugin.placement import PlacementError, preferred
 from device_plugin.slices import SliceTable
+from tests.examples import examples
 from vgpu_runtime.gpus.simulated import SimulatedBackend
 
 N = 10
@@ -83,7 +84,7 @@ def test_unknown_ids_and_bad_sizes_are_refused() -> None:
         preferred(TABLE, ids(0, range(3)), [], 0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     free=st.sets(st.sampled_from([s.id for s in TABLE.all()])),
     size=st.integers(1, 40),

@@ -44,6 +44,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.timeshare.sim import Simulation, Workload, water_fill
 from vgpu_runtime.timeshare.policy import Tenant, TimeshareSettings
 
@@ -234,7 +235,7 @@ lags = st.floats(0.0, 0.19)
 # Derandomized: the same 30 mixes every run. Bounded waiting fails in about one generated mix in
 # a thousand (STALE_WAITS below), and a search that found it by chance would fail CI by chance;
 # wider searches are run by hand (1,500 random mixes, 300 derandomized per property).
-EXAMPLES = settings(max_examples=30, deadline=None, derandomize=True,
+EXAMPLES = settings(max_examples=examples(30), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from vgpu_runtime.timeshare.policy import Tenant, TimeshareSettings, TokenScheduler
 
 
@@ -227,7 +228,7 @@ step_strategy = st.tuples(st.integers(0, 3), st.sampled_from(["ask", "release", 
                           st.floats(0.0, 0.3), st.floats(0.0, 1.0))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.sampled_from([0.2, 0.3, 0.5, 0.7]), min_size=2, max_size=4),
        st.lists(step_strategy, min_size=1, max_size=80))
 def test_co_grants_keep_their_rules_over_generated_histories(

@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.timeshare.sim import Simulation, Workload, water_fill
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
 
@@ -148,7 +149,7 @@ def check(phases: list[Phase], start: float) -> None:
         assert achieved >= 0.9 * want[i] - 0.01, (i, achieved, want)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(phases_strategy, st.floats(0.5, 15.0))
 def test_invariants_hold_over_generated_start_up_phases(phases: list[Phase],
                                                         start: float) -> None:

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.examples import examples
 from tests.timeshare.sim import Simulation, Workload
 from vgpu_runtime.timeshare.estimator import BurstEstimator
 from vgpu_runtime.timeshare.policy import TimeshareSettings, TokenScheduler
@@ -233,7 +234,7 @@ def test_bad_membership_is_refused() -> None:
         sched.add("a", 0.5, 1.0, 0.0)
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=examples(15), deadline=None, derandomize=True)
 @given(st.lists(st.integers(1, 6), min_size=2, max_size=4).filter(lambda s: sum(s) <= 10),
        st.sampled_from(sorted(LOADS)))
 def test_random_share_mixes_get_at_least_their_request(slices: list[int], load: str) -> None:
@@ -322,7 +323,7 @@ def test_burst_estimator_merges_close_bursts_and_forgets_old_ones() -> None:
     assert est.estimate(10.0) is None
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=examples(200), deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=12))
 def test_usage_window_adds_each_instant_once_in_any_order(charges: list[tuple[int, int]]
                                                           ) -> None:
