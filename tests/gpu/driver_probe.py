@@ -2,10 +2,11 @@
 UNDER the hook (by tests/gpu/test_driver_reservations_gpu.py, inside `gemini-run --memory
 4GiB`).
 
-    python -m tests.gpu.driver_probe [CUBIN FATBIN COMPRESSED_FATBIN]
+    python -m tests.gpu.driver_probe [CUBIN FATBIN COMPRESSED_FATBIN [ZSTD_FATBIN]]
 
-The three optional files are nvcc's output for a module with a 4 GiB `__device__` array (plain
-cubin, fatbin, compressed fatbin). A thread samples NVML's figure for this process every
+The optional files are nvcc's output for a module with a 4 GiB `__device__` array (plain
+cubin, fatbin, fatbin compressed in nvcc's default mode (LZ4), and in -compress-mode=size
+(zstd)). A thread samples NVML's figure for this process every
 millisecond; each step prints one JSON line: what the driver answered, and the most NVML saw
 this process hold during the step. The last line is {"done": true, "peak": ...}.
 """
@@ -129,7 +130,8 @@ def main(files: list[str]) -> int:
     module = ctypes.c_void_p()
     rc = cuda.cuModuleLoadData(ctypes.byref(module), global_ptx(4 * GiB))
     report("ptx_global_4g", rc)
-    for path, step in zip(files, ("cubin_4g", "fatbin_4g", "compressed_fatbin_4g"), strict=False):
+    for path, step in zip(files, ("cubin_4g", "fatbin_4g", "compressed_fatbin_4g",
+                                  "zstd_fatbin_4g"), strict=False):
         with open(path, "rb") as handle:
             image = handle.read()
         rc = cuda.cuModuleLoadData(ctypes.byref(module), image)

@@ -5,9 +5,10 @@ more than the limit plus TOLERANCE.
 The real node daemon runs on a temporary state directory; gemini-run runs
 tests/gpu/driver_probe.py, which attacks through the driver API (ctypes) while a thread samples
 NVML's figure for its pid every millisecond. With nvcc on the machine, the module attack is
-also made with nvcc's own cubin, fatbin and compressed fatbin (-compress-all: LZ4, nvcc's
-default mode) of a 4 GiB `__device__` array: all three must be refused before the driver loads
-them (the hook reads their globals, unpacking the LZ4 entry; the debug log says so).
+also made with nvcc's own cubin, fatbin and compressed fatbins (-compress-all: LZ4, nvcc's
+default mode; with -compress-mode=size: zstd) of a 4 GiB `__device__` array: all four must be
+refused before the driver loads them (the hook reads their globals, unpacking the compressed
+entries; the debug log says so).
 
 The probe runs once (a module fixture); a test per finding (RELIABILITY.md: A1, A2, A3) reads its
 steps, each also checking that NVML's peak during them stayed within LIMIT + TOLERANCE.
@@ -46,7 +47,7 @@ DEVICE_ARRAY = "__device__ char big[4ull << 30];\n__global__ void touch() { big[
 
 
 def nvcc_images(workdir: Path) -> list[str]:
-    """cubin, fatbin, compressed fatbin of DEVICE_ARRAY for sm_90; [] without nvcc."""
+    """cubin, fatbin, LZ4 and zstd fatbins of DEVICE_ARRAY for sm_90; [] without nvcc."""
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                     if Path("/usr/local/cuda/bin/nvcc").exists() else None)
     if nvcc is None:
@@ -55,7 +56,9 @@ def nvcc_images(workdir: Path) -> list[str]:
     source.write_text(DEVICE_ARRAY)
     outputs = []
     for name, flags in (("big.cubin", ["--cubin"]), ("big.fatbin", ["--fatbin"]),
-                        ("big.z.fatbin", ["--fatbin", "-Xfatbin", "-compress-all"])):
+                        ("big.z.fatbin", ["--fatbin", "-Xfatbin", "-compress-all"]),
+                        ("big.zstd.fatbin", ["--fatbin", "-Xfatbin", "-compress-all", "-Xfatbin",
+                                             "-compress-mode=size"])):
         target = workdir / name
         subprocess.run([nvcc, "-arch=sm_90", *flags, str(source), "-o", str(target)], check=True,
                        capture_output=True, timeout=120)
@@ -142,17 +145,18 @@ def test_a2_modules_and_libraries_past_the_limit_are_refused_before_loading(
                  "ptx_global_1g_after_3g"):
         expect(step, steps[step]["rc"] == OOM, "refused")
     expect("alloc_3g", steps["alloc_3g"]["rc"] == 0, "3 GiB allowed")
-    for step in ("cubin_4g", "fatbin_4g", "compressed_fatbin_4g"):
+    for step in ("cubin_4g", "fatbin_4g", "compressed_fatbin_4g", "zstd_fatbin_4g"):
         if step in steps:
             expect(step, steps[step]["rc"] == OOM, "refused")
     # Refused from the image alone: the PTX of 4 and of 1 GiB, the library's data and file, the
-    # JIT linker's cubin (A3's step); with nvcc the cubin, the plain fatbin and the LZ4 one too
-    # (their globals read from nvcc's real output: a wrong guess at the fatbin's layout, or a
-    # CUDA whose default compression is not LZ4, shows here).
+    # JIT linker's cubin (A3's step); with nvcc the cubin, the plain fatbin, the LZ4 one and the
+    # zstd one too (their globals read from nvcc's real output: a wrong guess at the fatbin's
+    # layout, or a machine without libzstd, shows here).
     refused_before = probe.stderr.count("refused before loading")
-    expect("images", refused_before == (8 if probe.images else 5),
+    expect("images", refused_before == (9 if probe.images else 5),
            f"{refused_before} loads refused before loading")
     expect.within_limit(["ptx_global_4g", "cubin_4g", "fatbin_4g", "compressed_fatbin_4g",
+                         "zstd_fatbin_4g",
                          "library_ptx_global_4g", "library_file_ptx_global_4g", "alloc_3g",
                          "ptx_global_1g_after_3g", "free_3g"])
     expect.check()
