@@ -60,8 +60,10 @@ def nvcc_images(workdir: Path) -> list[str]:
                         ("big.zstd.fatbin", ["--fatbin", "-Xfatbin", "-compress-all", "-Xfatbin",
                                              "-compress-mode=size"])):
         target = workdir / name
-        subprocess.run([nvcc, "-arch=sm_90", *flags, str(source), "-o", str(target)], check=True,
-                       capture_output=True, timeout=120)
+        made = subprocess.run([nvcc, "-arch=sm_90", *flags, str(source), "-o", str(target)],
+                              capture_output=True, timeout=120, check=name != "big.zstd.fatbin")
+        if made.returncode != 0:   # a CUDA before --compress-mode (12.8): the others still run
+            break
         outputs.append(str(target))
     return outputs
 
@@ -153,7 +155,7 @@ def test_a2_modules_and_libraries_past_the_limit_are_refused_before_loading(
     # zstd one too (their globals read from nvcc's real output: a wrong guess at the fatbin's
     # layout, or a machine without libzstd, shows here).
     refused_before = probe.stderr.count("refused before loading")
-    expect("images", refused_before == (9 if probe.images else 5),
+    expect("images", refused_before == 5 + len(probe.images),
            f"{refused_before} loads refused before loading")
     expect.within_limit(["ptx_global_4g", "cubin_4g", "fatbin_4g", "compressed_fatbin_4g",
                          "zstd_fatbin_4g",
