@@ -1,11 +1,13 @@
 """gemini-mps-control: runs the MPS control daemon of a node's state directory in the foreground,
 as the container of its own that daemonset/components/mps gives it.
 
-It marks the /dev/shm it runs with (vgpu_runtime.daemon.mps), makes the pipe and log
-directories, and becomes `nvidia-cuda-mps-control -f` (exec: the control daemon is the
-container's main process and takes its signals). The node daemon, with mps_manage off, adopts
-it. Where one already answers on those pipes it says so and exits 1, since two control daemons
-on one pipe directory would split the tenants over two servers.
+It runs only where its /dev/shm is a tmpfs of its own (every tenant writes it: its size is the
+cap on what they can fill; allow_shared_shm accepts another), marks that /dev/shm
+(vgpu_runtime.daemon.mps), makes the pipe and log directories, and becomes
+`nvidia-cuda-mps-control -f` (exec: the control daemon is the container's main process and takes
+its signals). The node daemon, with mps_manage off, adopts it. Where one already answers on
+those pipes it says so and exits 1, since two control daemons on one pipe directory would split
+the tenants over two servers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.daemon.mps import MpsControl, MpsError
+from vgpu_runtime.daemon.mps import MpsControl, MpsError, shm_refusal
 
 log = logging.getLogger("gemini-mps-control")
 PROG = "gemini-mps-control"
@@ -29,6 +31,9 @@ class MpsControlConfig:
     mps_control: str = cfg.setting(
         "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
         cfg.text, "PROGRAM")
+    allow_shared_shm: bool = cfg.setting(
+        False, "run even where /dev/shm is not a tmpfs of its own (a directory of the host's "
+        "/run, say), which any tenant could fill", cfg.boolean, "BOOL")
     log_level: str = cfg.setting("info", "debug|info|warning|error",
                                  cfg.choice("debug", "info", "warning", "error"), "LEVEL")
     log_format: str = cfg.setting("json", "json|text", cfg.choice("json", "text"), "FORMAT")
@@ -51,6 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "stop it first (echo quit | nvidia-cuda-mps-control with "
                             "CUDA_MPS_PIPE_DIRECTORY set to that directory)")
             return 1
+        refusal = shm_refusal()
+        if refusal is not None:
+            if not config.allow_shared_shm:
+                cli.error(PROG, refusal)
+                return 1
+            log.warning("running with a shared /dev/shm (allow_shared_shm)",
+                        extra={"reason": refusal})
         control.make_dirs()
         control.mark_shm()
     except (MpsError, OSError) as err:

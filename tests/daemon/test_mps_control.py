@@ -20,6 +20,7 @@ from tests.daemon.helpers import REPO, DaemonProcess, make_record, wait_for, wai
 from tests.mpsfake import control_answers, fake_mps_control, quit_control
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
+from vgpu_runtime.daemon.mps import shm_refusal
 from vgpu_runtime.devkit.childenv import child_env
 
 
@@ -147,4 +148,61 @@ def test_tenants_of_several_users_over_mps_are_reported_while_they_last(
         if other is not None and other.poll() is None:
             other.kill()
         daemon.stop()
+        quit_control(state_dir, program)
+
+
+OWN = "30 25 0:27 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1048576k"
+OF_RUN = "31 25 0:26 /gemini/mps/shm /dev/shm rw,nosuid - tmpfs tmpfs rw,size=2468378k,mode=755"
+OF_DISK = "32 25 253:1 /var/tmp/shm /dev/shm rw - ext4 /dev/vda rw"
+
+
+@pytest.mark.parametrize("mountinfo, refused, why", [
+    (OWN, False, ""),
+    (OF_RUN, True, "it is /gemini/mps/shm of a tmpfs filesystem"),
+    (OF_DISK, True, "it is /var/tmp/shm of a ext4 filesystem"),
+    ("", True, "nothing is mounted there"),
+    (f"{OF_RUN}\n{OWN}", False, ""),            # the top mount counts
+    (f"{OWN}\n{OF_RUN}", True, "of a tmpfs filesystem"),
+])
+def test_the_control_daemons_shm_must_be_a_tmpfs_of_its_own(
+        mountinfo: str, refused: bool, why: str) -> None:
+    refusal = shm_refusal(mountinfo=mountinfo)
+    assert (refusal is not None) is refused, refusal
+    if refused:
+        assert refusal is not None and why in refusal and "allow_shared_shm" in refusal
+
+
+IN_NAMESPACE = """set -eu
+mount --bind "$1" /dev/shm
+shift
+exec "$@"
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a mount namespace")
+def test_a_shared_shm_is_refused_unless_allowed(state_dir: Path, program: Path,
+                                                tmp_path: Path) -> None:
+    """gemini-mps-control with a directory of another filesystem as its /dev/shm (as a hostPath
+    of the host's /run would be): refused, saying why, with nothing started or marked; with
+    allow_shared_shm it runs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    base = ["unshare", "-m", "--propagation", "private", "sh", "-c", IN_NAMESPACE, "sh",
+            str(shared), sys.executable, "-m", "vgpu_runtime.mpscontrol", "--state-dir",
+            str(state_dir), "--mps-control", str(program), "--log-format", "text"]
+    refused = subprocess.run(base, cwd=REPO, env=child_env(), capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 1, refused
+    assert "/dev/shm is not a tmpfs of its own" in refused.stderr, refused.stderr
+    assert not control_answers(state_dir, program)
+    assert not paths.mps_shm_id(state_dir).exists() and not list(shared.iterdir())
+    allowed = subprocess.Popen([*base, "--allow-shared-shm", "true"], cwd=REPO, env=child_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: control_answers(state_dir, program), 20, "the control daemon")
+        assert (shared / paths.mps_shm_name(state_dir)).read_bytes() == \
+            paths.mps_shm_id(state_dir).read_bytes()
+    finally:
+        allowed.terminate()
+        allowed.wait(30)
         quit_control(state_dir, program)

@@ -37,6 +37,39 @@ class MpsError(Exception):
     """The MPS control daemon cannot be had: the message says why and what to do."""
 
 
+def shm_filesystem(mount_point: str = paths.SHM_DIR,
+                   mountinfo: str | None = None) -> tuple[str, str] | None:
+    """The filesystem mounted at `mount_point` (the top one): the directory of it mounted there
+    ("/" for a filesystem of its own) and its type; None where nothing is mounted there."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo") as handle:
+            mountinfo = handle.read()
+    found = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) >= 9 and fields[4] == mount_point and "-" in fields[6:]:
+            after = fields.index("-", 6)
+            found = (fields[3], fields[after + 1] if after + 1 < len(fields) else "")
+    return found
+
+
+def shm_refusal(mount_point: str = paths.SHM_DIR, mountinfo: str | None = None) -> str | None:
+    """Why the control daemon should not run with this /dev/shm, or None: every tenant writes
+    the server's /dev/shm, so it must be a tmpfs of its own (its size the cap on what they can
+    fill), not a directory of one the host uses (/run) or of a disk."""
+    found = shm_filesystem(mount_point, mountinfo)
+    if found == ("/", "tmpfs"):
+        return None
+    what = ("nothing is mounted there" if found is None else
+            f"it is {found[0]} of a {found[1]} filesystem" if found[0] != "/" else
+            f"it is a {found[1]} filesystem")
+    return (f"{mount_point} is not a tmpfs of its own ({what}): every tenant writes the MPS "
+            "server's shared memory, so one could fill the host's filesystem. Mount a tmpfs of "
+            "bounded size at the host directory first (e.g. mount -t tmpfs -o size=1g,mode=1777 "
+            f"tmpfs {paths.DEFAULT_MPS_SHM_DIR}, or a systemd mount unit; daemonset/README.md, "
+            "\"MPS\"), or set allow_shared_shm to accept it")
+
+
 class MpsControl:
     def __init__(self, state_dir: str | Path, program: str, manage: bool = True,
                  shm_dir: str | Path = paths.SHM_DIR) -> None:
