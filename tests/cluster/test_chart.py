@@ -243,7 +243,7 @@ def test_mps_renders_the_mps_overlays_objects(tools: Tools, defaults: list[Obj])
     plugin = {c["name"]: c for c in node["spec"]["template"]["spec"]["containers"]}[
         "device-plugin"]
     assert {"name": "GEMINI_MPS_SHM_DIR", "value": "/run/other"} in plugin["env"]
-    assert "mps.shmDir" in refused(tools, "--set", "mps.shmDir=relative")
+    assert "/mps/shmDir" in refused(tools, "--set", "mps.shmDir=relative")
 
 
 def test_slices_memory_reserve_and_resource_name_go_into_the_default_configuration(
