@@ -33,7 +33,7 @@ TENANT = REPO / "scripts" / "model" / "tenant.py"
 KERNEL_NS, THINK_S = 1_000_000, 0.001
 LEAD, WINDOW = 4.0, 4.0
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def run_pair(hooked: Hooked, root: Path, co_schedule: str) -> dict[str, Any]:

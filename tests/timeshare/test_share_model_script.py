@@ -29,6 +29,7 @@ def run_script(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[s
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.timeout(120)
 def test_shares_on_the_modelled_gpu_land_near_their_requests(tmp_path: Path) -> None:
     out = tmp_path / "model.json"
@@ -63,6 +64,7 @@ def test_shares_on_the_modelled_gpu_land_near_their_requests(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.timeout(150)
 def test_co_case_shares_the_engine_and_charges_busy_time(tmp_path: Path) -> None:
     """The co case, its pair that fits the GPU, in 3 s: co-held, each tenant runs near its
