@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from vgpu_runtime.common import cli, logs
 from vgpu_runtime.common import config as cfg
-from vgpu_runtime.daemon.mps import MpsControl, MpsError, shm_refusal
+from vgpu_runtime.daemon.mps import MpsControl, MpsError, mps_control_setting, shm_refusal
 
 log = logging.getLogger("gemini-mps-control")
 PROG = "gemini-mps-control"
@@ -28,9 +28,7 @@ PROG = "gemini-mps-control"
 @dataclass(frozen=True)
 class MpsControlConfig:
     state_dir: str = cfg.node_setting("state_dir")
-    mps_control: str = cfg.setting(
-        "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
-        cfg.text, "PROGRAM")
+    mps_control: str = mps_control_setting()
     allow_shared_shm: bool = cfg.setting(
         False, "run even where /dev/shm is not a tmpfs of its own (a directory of the host's "
         "/run, say), which any tenant could fill", cfg.boolean, "BOOL")

@@ -22,6 +22,7 @@ from typing import ClassVar
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.contracts.share import Share
+from vgpu_runtime.daemon.mps import mps_control_setting
 from vgpu_runtime.timeshare.policy import TimeshareSettings
 
 _ALGORITHM = TimeshareSettings()
@@ -94,9 +95,7 @@ class DaemonConfig:
         _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
         "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
     mps: bool = cfg.node_setting("mps")
-    mps_control: str = cfg.setting(
-        "nvidia-cuda-mps-control", "the MPS control program (a name on PATH, or a path)",
-        cfg.text, "PROGRAM")
+    mps_control: str = mps_control_setting()
     mps_manage: bool = cfg.setting(
         True, "with mps: start the MPS control daemon when none answers and quit it once "
         "nothing is live; false where a container of its own runs it (gemini-mps-control, "

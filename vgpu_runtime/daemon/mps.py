@@ -26,11 +26,19 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import write_atomic
 from vgpu_runtime.contracts import paths
 
 log = logging.getLogger("gemini-daemon.mps")
 ASK_TIMEOUT = 10.0   # seconds for one command to the control daemon
+
+
+def mps_control_setting() -> Any:
+    """The setting naming the MPS control program, declared once for the daemon and
+    gemini-mps-control (a fresh field for each configuration class)."""
+    return cfg.setting("nvidia-cuda-mps-control",
+                       "the MPS control program (a name on PATH, or a path)", cfg.text, "PROGRAM")
 
 
 class MpsError(Exception):
