@@ -453,3 +453,19 @@ def test_a_report_during_the_tenants_valid_grant_is_measured_from_the_release_be
     a = sched.tenants["a"]
     assert a.usage.usage(granted_at + 0.002) == pytest.approx(
         charged + granted_at + 0.001 - released)
+
+
+def test_the_charged_counter_keeps_what_the_window_slides_past() -> None:
+    """charged_total: every second charged since the tenant joined, so a
+    span's charge is the difference of two readings however late either is taken."""
+    sched = TokenScheduler(TimeshareSettings(window=1.0), 0.0)
+    sched.add("a", 0.5, 1.0, 0.0)
+    sched.add("b", 0.5, 1.0, 0.0)
+    sched.request("a", 0.0)
+    sched.release("a", 0.1)
+    sched.request("a", 0.5)
+    sched.release("a", 0.6)
+    (view,) = [v for v in sched.snapshot(5.0) if v.id == "a"]
+    assert view.charged_total == pytest.approx(0.2)
+    assert view.used == 0.0                        # the window slid past both grants
+    assert sched.tenants["b"].charged_total == 0.0

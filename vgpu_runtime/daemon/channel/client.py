@@ -367,7 +367,7 @@ def request(state_dir: str | Path, op: str = "status", timeout: float = 5.0,
 
 
 TENANT_SAMPLE_FIELDS = ("achieved", "wait_p50_ms", "wait_p99_ms", "revocations", "burst_ms",
-                        "quota_ms", "busy")
+                        "quota_ms", "busy", "charged_s")
 GPU_SAMPLE_FIELDS = ("grants", "preemptions", "idle_releases", "co_grants", "window_s")
 
 

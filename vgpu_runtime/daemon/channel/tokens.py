@@ -445,7 +445,7 @@ def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
             "revocations": view.revocations,
             "burst_ms": None if view.burst is None else view.burst * 1000,
             "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
-            "busy": view.busy, "shared": view.shared,
+            "busy": view.busy, "shared": view.shared, "charged_s": view.charged_total,
             "memory_used": slot.ledger.used(slot.index),
             "memory_limit": slot.ledger.limit(slot.index),
             "waits": slot.waits.snapshot(),
