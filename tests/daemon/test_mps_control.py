@@ -20,7 +20,7 @@ from tests.daemon.helpers import REPO, DaemonProcess, make_record, wait_for, wai
 from tests.mpsfake import control_answers, fake_mps_control, quit_control
 from vgpu_runtime.contracts import paths
 from vgpu_runtime.daemon.channel.client import ChannelClient
-from vgpu_runtime.daemon.mps import shm_refusal
+from vgpu_runtime.daemon.mps import several_users, shm_refusal
 from vgpu_runtime.devkit.childenv import child_env
 
 
@@ -206,3 +206,9 @@ def test_a_shared_shm_is_refused_unless_allowed(state_dir: Path, program: Path,
         allowed.terminate()
         allowed.wait(30)
         quit_control(state_dir, program)
+
+
+def test_several_users_are_named_and_one_is_not() -> None:
+    assert several_users([]) is None and several_users([1000, 1000]) is None
+    error = several_users([1001, 0, 1001])
+    assert error is not None and "uids 0, 1001" in str(error) and "runAsUser" in str(error)

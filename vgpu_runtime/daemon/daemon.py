@@ -36,7 +36,7 @@ from vgpu_runtime.daemon.channel.tokens import TokenService
 from vgpu_runtime.daemon.config import DaemonConfig
 from vgpu_runtime.daemon.control import ControlServer, control_socket
 from vgpu_runtime.daemon.loop import AcceptFailureLog, event_loop_name
-from vgpu_runtime.daemon.mps import MpsControl, MpsError
+from vgpu_runtime.daemon.mps import MpsControl
 from vgpu_runtime.daemon.pods.node import HealthFile, SliceCountsFile, discover_gpus
 from vgpu_runtime.daemon.pods.podresources import PodResourcesLister
 from vgpu_runtime.daemon.pods.pods import PodWatch
@@ -181,9 +181,9 @@ class Daemon:
                 # end the daemon: what it serves goes on, and the next poll tries again.
                 self.troubles.report("cannot bring the allocations in line with the records",
                                      "sync", err)
-            self._check_mps_users()
-            if self.mps is not None and not self.mps.adopted and not self.mps.manage:
-                await asyncio.to_thread(self.mps.find)
+            if self.mps is not None:
+                await self.mps.poll({s.peer.uid for c in self.allocations.channels.values()
+                                     for s in c.sessions}, self.troubles)
             self.ready = True
             now = time.monotonic()
             if self.allocations.channels or self.allocations.corrupt or self.troubles:
@@ -195,24 +195,6 @@ class Daemon:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait_stop_or_wake(), self.config.poll_interval)
             self._wake.clear()
-
-    def _check_mps_users(self) -> None:
-        """One MPS server serves one user: a context of another uid waits, inside CUDA, until
-        every context of the first has ended. Nothing here can reorder that, so it is said
-        while it lasts."""
-        if self.mps is None:
-            return
-        uids = sorted({s.peer.uid for c in self.allocations.channels.values()
-                       for s in c.sessions})
-        if len(uids) > 1:
-            self.troubles.report(
-                "tenants of several users share one MPS server", "mps-users",
-                MpsError(f"tenants run as uids {', '.join(map(str, uids))}: MPS serves one user "
-                         "at a time, so the others' CUDA waits until every context of the "
-                         "first user's has ended; run the pods that share a GPU over MPS as "
-                         "one user (securityContext.runAsUser)"))
-        else:
-            self.troubles.clear("mps-users")
 
     async def _wait_stop_or_wake(self) -> None:
         stop = asyncio.ensure_future(self._stop.wait())

@@ -17,18 +17,21 @@ container only once the marks agree.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 from vgpu_runtime.common import config as cfg
 from vgpu_runtime.common.atomicfile import write_atomic
 from vgpu_runtime.contracts import paths
+from vgpu_runtime.daemon.troubles import Troubles
 
 log = logging.getLogger("gemini-daemon.mps")
 ASK_TIMEOUT = 10.0   # seconds for one command to the control daemon
@@ -176,6 +179,30 @@ class MpsControl:
                 if self.adopted:
                     log.info("MPS control daemon adopted", extra={"pipe_dir": str(self.pipe_dir)})
 
+    async def poll(self, uids: Collection[int], troubles: Troubles) -> None:
+        """Each poll of the daemon, given the uids its tenants' connections run as: say while
+        they are several, and look for a control daemon another container starts."""
+        several = several_users(uids)
+        if several is None:
+            troubles.clear("mps-users")
+        else:
+            troubles.report("tenants of several users share one MPS server", "mps-users",
+                            several)
+        if not self.adopted and not self.manage:
+            await asyncio.to_thread(self.find)
+
     def status(self) -> dict[str, Any]:
         return {"pipe_dir": str(self.pipe_dir), "log_dir": str(self.log_dir),
                 "adopted": self.adopted, "managed": self.manage}
+
+
+def several_users(uids: Collection[int]) -> MpsError | None:
+    """One MPS server serves one user: a context of another uid waits, inside CUDA, until every
+    context of the first has ended. Nothing here can reorder that, so it is said while it
+    lasts."""
+    if len(set(uids)) <= 1:
+        return None
+    return MpsError(f"tenants run as uids {', '.join(map(str, sorted(set(uids))))}: MPS serves "
+                    "one user at a time, so the others' CUDA waits until every context of the "
+                    "first user's has ended; run the pods that share a GPU over MPS as one "
+                    "user (securityContext.runAsUser)")
