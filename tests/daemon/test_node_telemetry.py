@@ -119,6 +119,8 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
             assert value("gemini_vgpu_container_memory_limit_bytes") == first.gpus[0].memory_limit
             assert value("gemini_vgpu_memory_refusals_total") == 1
             assert 0 <= value("gemini_vgpu_container_achieved_ratio") <= 1
+            charged = value("gemini_vgpu_container_gpu_seconds_total")
+            assert charged > 0   # three grants, each charged at its release
             assert value("gemini_vgpu_token_wait_seconds_count") >= 3
             assert value("gemini_vgpu_token_wait_seconds_bucket",
                          labels | {"le": "+Inf"}) == value("gemini_vgpu_token_wait_seconds_count")
@@ -137,6 +139,7 @@ async def test_metrics_endpoint_of_the_real_daemon(pods: PodNode) -> None:
             (tenant,) = [t for g in answer["gpus"] for t in g["tenants"]
                          if t["allocation"] == first.id]
             assert tenant["memory_used"] == 100 * MiB and tenant["waits"]["count"] >= 3
+            assert tenant["charged_s"] == charged   # nothing ran since the scrape
             print(json.dumps(answer["node"]))
     await asyncio.to_thread(work)
 

@@ -48,6 +48,7 @@ RELEASED = {
     "gemini-daemon": {
         "gemini_vgpu_build_info",
         "gemini_vgpu_container_achieved_ratio",
+        "gemini_vgpu_container_gpu_seconds_total",
         "gemini_vgpu_container_limit_ratio",
         "gemini_vgpu_container_memory_limit_bytes",
         "gemini_vgpu_container_memory_used_bytes",

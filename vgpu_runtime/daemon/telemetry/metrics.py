@@ -10,6 +10,8 @@ Series (all from telemetry.py, the figures `gemini-vgpu status` shows):
     gemini_vgpu_container_request_ratio                  guaranteed share of the GPU's time
     gemini_vgpu_container_limit_ratio                    cap on that share
     gemini_vgpu_container_achieved_ratio                 share achieved over the window
+    gemini_vgpu_container_gpu_seconds_total (counter)    GPU time charged since it joined
+                                                         (rate() of it: the share over any span)
     gemini_vgpu_container_memory_used_bytes / _memory_limit_bytes
     gemini_vgpu_token_wait_seconds (histogram)           waits for the GPU-time token
     gemini_vgpu_memory_refusals_total (counter)          allocations refused over the limit
@@ -84,6 +86,9 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
     limit = gauge("gemini_vgpu_container_limit_ratio", "Cap on the share of the GPU's time")
     achieved = gauge("gemini_vgpu_container_achieved_ratio",
                      "Share of the GPU's time achieved over the scheduler's window")
+    gpu_seconds = CounterMetricFamily(
+        "gemini_vgpu_container_gpu_seconds", "GPU time charged to the container since it "
+        "joined the GPU (busy time where co-scheduled)", labels=CONTAINER_LABELS)
     used = gauge("gemini_vgpu_container_memory_used_bytes", "GPU memory the container holds")
     memory_limit = gauge("gemini_vgpu_container_memory_limit_bytes",
                       "GPU memory limit of the container")
@@ -112,6 +117,7 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
         request.add_metric(values, row.share)
         limit.add_metric(values, row.limit)
         achieved.add_metric(values, row.achieved)
+        gpu_seconds.add_metric(values, row.gpu_seconds)
         used.add_metric(values, row.memory_used)
         memory_limit.add_metric(values, row.memory_limit)
         refusals.add_metric(values, row.memory_refusals)
@@ -121,8 +127,8 @@ def metric_families(status: dict[str, Any]) -> Iterable[Metric]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         waits.add_metric(values, buckets, row.waits["sum"])
-    yield from (request, limit, achieved, used, memory_limit, waits, refusals, over_limit,
-                kills, unhooked)
+    yield from (request, limit, achieved, gpu_seconds, used, memory_limit, waits, refusals,
+                over_limit, kills, unhooked)
 
 
 class _Snapshot:

@@ -30,6 +30,7 @@ class ContainerRow:
     over_limit_reports: int = 0     # processes found past the limit by per-process figures
     over_limit_kills: int = 0       # processes killed for it (over_limit_action kill)
     unhooked_bytes: int = 0         # charged for processes with no connection (NVML's figure)
+    gpu_seconds: float = 0.0        # GPU time charged since it joined the GPU (a counter)
 
     def usage(self) -> dict[str, Any]:
         """The MQTT usage document."""
@@ -73,7 +74,8 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
                 memory_used=tenant["memory_used"], memory_limit=tenant["memory_limit"],
                 memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"],
                 over_limit_reports=over_limit, over_limit_kills=shown.get("over_limit_kills", 0),
-                unhooked_bytes=sum(p["process_bytes"] for p in shown.get("unhooked", []))))
+                unhooked_bytes=sum(p["process_bytes"] for p in shown.get("unhooked", [])),
+                gpu_seconds=tenant.get("charged_s", 0.0)))
     return rows
 
 
