@@ -64,8 +64,8 @@ def run_pair(hooked: Hooked, root: Path, co_schedule: str) -> dict[str, Any]:
         # stale (None) for a while whenever co-held periods saturate the engine, since those
         # measure nothing (timeshare/policy.py), so one reading may miss it.
         views = []
-        for at in (start_at + WINDOW / 2 + k * 0.5 for k in range(int(WINDOW) + 1)):
-            time.sleep(max(0.0, min(at, start_at + WINDOW - 0.2) - time.time()))
+        for offset in (WINDOW / 2, WINDOW / 2 + 0.5, WINDOW / 2 + 1.0, WINDOW - 0.5, WINDOW - 0.2):
+            time.sleep(max(0.0, start_at + offset - time.time()))
             views.append(daemon.status()["gpus"][0])
         gpu = views[-1]
         for proc in procs:

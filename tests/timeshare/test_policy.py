@@ -468,4 +468,4 @@ def test_the_charged_counter_keeps_what_the_window_slides_past() -> None:
     (view,) = [v for v in sched.snapshot(5.0) if v.id == "a"]
     assert view.charged_total == pytest.approx(0.2)
     assert view.used == 0.0                        # the window slid past both grants
-    assert sched.tenants["b"].charged_total == 0.0
+    assert sched.tenants["b"].usage.total == 0.0

@@ -181,7 +181,6 @@ class Tenant:
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     busy: float | None = None   # its kernels' part of the time it held the GPU alone
     busy_at: float = float("-inf")
-    charged_total: float = 0.0  # GPU seconds charged since it joined (a counter)
 
 
 @dataclass(frozen=True)
@@ -429,7 +428,7 @@ class TokenScheduler:
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
                 t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota,
                 t.busy if now - t.busy_at <= self.config.co_refresh else None,
-                t.id in self.grants and self.grants[t.id].shared, t.charged_total))
+                t.id in self.grants and self.grants[t.id].shared, t.usage.total))
         return views
 
     # ---- internals ----
@@ -498,7 +497,6 @@ class TokenScheduler:
         added = state.usage.charge(start, end)   # what was not charged already
         if added <= 0:
             return
-        state.charged_total += added
         state.vtime += added / self._shares[state.id]
         self._refill(state, end)
         # Overuse is paid back in waiting, but never more than the debt bound's worth.

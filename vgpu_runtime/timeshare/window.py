@@ -27,6 +27,7 @@ class UsageWindow:
         self.span = span
         self._intervals: list[tuple[float, float]] = []
         self._forgotten_until = float("-inf")   # history before this was dropped
+        self.total = 0.0   # every second ever charged (a counter: the window forgets, this not)
 
     def charge(self, start: float, end: float) -> float:
         """Charge [start, end) and return the seconds it added: an instant already charged is
@@ -46,6 +47,7 @@ class UsageWindow:
             last += 1
         added = (end - start) - add_up(hi - lo for lo, hi in self._intervals[first:last])
         self._intervals[first:last] = [(start, end)]
+        self.total += added
         # Charges end no later than the present, so what ended a window before this one is
         # history no share will read: dropped here, or the list grows with every grant
         # while nobody asks for the usage (no status, no scrape).

@@ -75,7 +75,7 @@ def container_rows(status: dict[str, Any]) -> list[ContainerRow]:
                 memory_refusals=refusals, waits=tenant["waits"], holder=tenant["holder"],
                 over_limit_reports=over_limit, over_limit_kills=shown.get("over_limit_kills", 0),
                 unhooked_bytes=sum(p["process_bytes"] for p in shown.get("unhooked", [])),
-                gpu_seconds=tenant.get("charged_s", 0.0)))
+                gpu_seconds=tenant["charged_s"]))
     return rows
 
 
