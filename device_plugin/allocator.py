@@ -129,7 +129,7 @@ def check_mps_shm(config: PluginConfig) -> None:
         raise _precondition(
             f"mps is on but no MPS control daemon has started on {config.state_dir} (no "
             f"{expected}): the node's gemini-mps-control container, or the daemon with "
-            "mps_manage, starts it; the pod is retried once it runs") from None
+            "mps_manage, starts it; a pod created once it runs is admitted") from None
     try:
         with open(found, "rb") as theirs:
             same = theirs.read() == token

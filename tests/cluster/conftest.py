@@ -37,6 +37,9 @@ CHART = REPO / "daemonset" / "chart" / "gemini-vgpu"
 IMAGE_WORK = REPO / "build" / "image"
 NODE_IMAGE = "localhost/gemini-vgpu-node:cluster-test"
 NAMESPACE = "gemini-system"
+# The node DaemonSet's pods (both install ways label them so; the MPS control daemon's pods
+# share the name label and are component=mps).
+NODE_PODS = "app.kubernetes.io/name=gemini-vgpu,app.kubernetes.io/component=node"
 SIMULATED_GPUS = 2          # tests/cluster/overlay/config/default.yaml
 DRIVER_IN_CONTAINER = "/opt/nvidia/lib64"   # where the CDI spec mounts the fake driver
 SLICES_PER_GPU = 10
@@ -228,7 +231,7 @@ def write_cdi_spec(cluster: Cluster) -> None:
 
 
 def node_pod(cluster: Cluster) -> dict[str, Any] | None:
-    pods = cluster.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=gemini-vgpu")
+    pods = cluster.get("pods", "-n", NAMESPACE, "-l", NODE_PODS)
     running = [p for p in pods["items"] if p["metadata"].get("deletionTimestamp") is None]
     return running[0] if running else None
 
@@ -249,8 +252,7 @@ def vgpu_capacity(cluster: Cluster) -> tuple[str | None, str | None]:
 def explain_node_pod(cluster: Cluster) -> Callable[[], str]:
     def explain() -> str:
         out = cluster.kubectl("-n", NAMESPACE, "describe", "pods", check=False)
-        logs = "".join(cluster.kubectl("-n", NAMESPACE, "logs", "-l",
-                                       "app.kubernetes.io/name=gemini-vgpu", "-c", c,
+        logs = "".join(cluster.kubectl("-n", NAMESPACE, "logs", "-l", NODE_PODS, "-c", c,
                                        "--tail=30", check=False)
                        for c in ("device-plugin", "scheduler"))
         return f"{out[-4000:]}\n{logs[-3000:]}\nkubelet:\n{cluster.log('kubelet', 40)}"

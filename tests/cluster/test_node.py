@@ -13,6 +13,7 @@ import pytest
 from tests.cluster.conftest import (
     HOOK_PREFIX,
     NAMESPACE,
+    NODE_PODS,
     REPO,
     SIMULATED_GPUS,
     SLICES_PER_GPU,
@@ -60,7 +61,7 @@ def test_the_daemonset_was_rolled_out_by_the_real_controllers(gemini_node: Clust
     ds = gemini_node.get("daemonset", "-n", NAMESPACE, "gemini-vgpu-node")
     status = ds["status"]
     assert status["desiredNumberScheduled"] == 1 and status["numberReady"] == 1, status
-    pods = gemini_node.get("pods", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=gemini-vgpu")
+    pods = gemini_node.get("pods", "-n", NAMESPACE, "-l", NODE_PODS)
     (pod,) = pods["items"]
     assert pod["spec"]["nodeName"] == gemini_node.node
     # The init steps ran: the config manager is a sidecar, install-hook ran to completion.

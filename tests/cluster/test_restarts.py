@@ -19,6 +19,7 @@ from prometheus_client.samples import Sample
 from tests.cluster.conftest import (
     NAMESPACE,
     NODE_IMAGE,
+    NODE_PODS,
     REPO,
     SCRIPT,
     SIMULATED_GPUS,
@@ -71,7 +72,7 @@ def checkpoint_devices(cluster: Cluster, uid: str) -> list[str]:
 
 
 def plugin_registrations(cluster: Cluster) -> int:
-    logs = cluster.kubectl("logs", "-n", NAMESPACE, "-l", "app.kubernetes.io/name=gemini-vgpu",
+    logs = cluster.kubectl("logs", "-n", NAMESPACE, "-l", NODE_PODS,
                            "-c", "device-plugin", "--tail=-1", check=False)
     return logs.count("registered with kubelet")
 

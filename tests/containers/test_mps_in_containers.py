@@ -47,7 +47,8 @@ def test_a_pod_runs_over_the_nodes_mps_control_daemon(mps_node: ContainerNode) -
     state = node.state_dir
     program = fake_mps_control(node.root)
     mark = Path(paths.SHM_DIR) / paths.mps_shm_name(state)
-    # Before the control daemon runs: refused, saying why; kubelet retries the pod later.
+    # Before the control daemon runs: refused, saying why (the real kubelet rejects the pod:
+    # tests/cluster/test_mps.py).
     early = node.loop.call(node.kubelet.admit_pod("early", containers=[("main", 3)]))
     assert not early.admitted and "no MPS control daemon has started" in early.message, \
         early.message
