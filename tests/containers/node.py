@@ -13,6 +13,8 @@ interposer and the channel arrive only through the Allocate response.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import functools
 import json
 import shutil
 import subprocess
@@ -237,10 +239,21 @@ class ContainerNode:
                 f"---- plugin ----\n{self.plugin.log_text()[-2000:]}")
 
 
-def install_hook(root: Path, state_dir: Path, library: Path | None = None) -> None:
-    """The interposer (built strict unless given) installed as the DaemonSet's init container
-    installs it."""
-    library = library or build.build_library(root / "build", strict=True)
+@functools.cache
+def built() -> tuple[Path, Path]:
+    """The strict interposer and the fake driver, built once per test process (their sources
+    do not change during a run): every node installs the one and mounts the other, read-only,
+    so nodes need not compile them again."""
+    root = Path(tempfile.mkdtemp(prefix="gc-built-", dir="/tmp"))
+    root.chmod(0o755)   # containers of other uids read the driver
+    atexit.register(shutil.rmtree, root, True)
+    return build.build_library(root / "hook", strict=True), build_fake_driver(root / "driver")
+
+
+def install_hook(state_dir: Path, library: Path | None = None) -> None:
+    """The interposer (the process's strict build unless given) installed as the DaemonSet's
+    init container installs it."""
+    library = library or built()[0]
     subprocess.run([sys.executable, "-m", "vgpu_runtime.install", "--state-dir", str(state_dir),
                     "--library", str(library), "--log-format", "text"], check=True,
                    env=child_env(), capture_output=True)
@@ -257,13 +270,13 @@ def start_node(api: Any = None, simulate_gpus: int = GPUS,
     root = Path(tempfile.mkdtemp(prefix="gc-", dir="/tmp"))   # socket paths <= 107 bytes
     root.chmod(0o755)
     state_dir = root / "state"
-    install_hook(root, state_dir, library)
+    install_hook(state_dir, library)
     processes = root / "processes" if fake_nvml else None
     wrap: tuple[str, ...] = ()
     if write_cdi is not None:
         write_cdi(root / "cdi")
     else:
-        driver = build_fake_driver(root / "driver")
+        driver = built()[1]
         if processes is not None:
             processes.mkdir()
             processes.chmod(0o777)

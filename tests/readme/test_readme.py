@@ -252,6 +252,9 @@ def excerpt_pattern(line: str) -> re.Pattern[str]:
     return re.compile(r"\S+?".join(re.escape(p) for p in parts))
 
 
+# The two tests of demo_outputs are slow (CI's lane, not the fast one): the fixture runs the demo
+# twice, which tests/integration/test_demo.py runs in the fast lane.
+@pytest.mark.slow
 def test_the_demo_prints_what_the_readme_shows(demo_outputs: dict[str, str]) -> None:
     try_it = md.section(README, "Try it")
     (excerpt,) = [b for b in md.blocks(try_it) if b.lang == "text"]
@@ -282,6 +285,7 @@ def plugin_without_kubelet_dir() -> str:
         return log.read_text().replace(scratch, "")
 
 
+@pytest.mark.slow
 def test_the_troubleshooting_quotes_are_the_programs_messages(
         demo_outputs: dict[str, str]) -> None:
     from device_plugin.placement import PlacementError, preferred
