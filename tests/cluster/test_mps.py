@@ -8,7 +8,6 @@ same pipes as the real one."""
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from tests.cluster.conftest import (
     node_pod,
     phase,
     pod_ready,
+    report,
     wait_node_ready,
     wait_until,
     workload,
@@ -60,12 +60,8 @@ def tenant(cluster: Cluster, name: str) -> dict[str, Any]:
 
 def said(cluster: Cluster, name: str) -> dict[str, str]:
     """A tenant's report, its lines `key: value` or `key=value` as a dict."""
-    out = wait_until(f"{name}'s report", lambda: (
-        text if "--- end" in (text := cluster.kubectl("logs", "-n", "default", name,
-                                                      check=False)) else None), 120,
-        lambda: cluster.kubectl("describe", "pod", "-n", "default", name, check=False))
     found = {}
-    for line in out.splitlines():
+    for line in report(cluster, name).splitlines():
         for sep in (": ", "="):
             if sep in line:
                 key, value = line.split(sep, 1)
@@ -241,4 +237,4 @@ def test_rolling_the_node_pods_leaves_the_control_daemon_and_its_tenants_running
     assert after is not None and after["metadata"]["uid"] == control["metadata"]["uid"]
     assert [c["restartCount"] for c in after["status"]["containerStatuses"]] == [0], after
     assert phase(cluster, "mps-across-roll") == "Running"
-    assert os.path.exists(SHM / "from-mps-across-roll")
+    assert (SHM / "from-mps-across-roll").is_file()
