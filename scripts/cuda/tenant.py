@@ -1,14 +1,16 @@
 """One tenant of scripts/bench-share: a saturating bf16 matmul loop measured in a common window.
 
-Usage: tenant.py SIZE SYNC_EVERY START_AT DURATION OUT
+Usage: tenant.py SIZE SYNC_EVERY START_AT DURATION OUT [ON_OFF]
   SIZE        matrix size (8192 or 2048)
   SYNC_EVERY  matmuls between host synchronisations (1 = sync after every step)
   START_AT    wall-clock time (time.time()) at which every tenant starts counting
   DURATION    seconds counted
+  ON_OFF      phases: in the window, load for ON_OFF seconds, idle as long, and again (0: always on)
 After its first matmul (context, cuBLAS) a tenant idles until RAMP seconds before START_AT, so
 every tenant of a case starts loading the GPU at the same instant: none runs alone first and
 then owes the others for it while the window is open.
-Writes {"matmuls": n, "seconds": s, "tflops": ..., "step_p50_s": median step} to OUT.
+Writes {"matmuls": n, "seconds": s, "tflops": ..., "step_p50_s": median step, "ends": each step's
+end in seconds from START_AT} to OUT (the ends let bench-share's phases case rate each phase).
 """
 
 import json
@@ -40,6 +42,7 @@ def idle_until_ramp(start_at: float) -> None:
 def main() -> None:
     size, sync_every = int(sys.argv[1]), int(sys.argv[2])
     start_at, duration, out = float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    on_off = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
     a, b, c = ready_operands(size)
     idle_until_ramp(start_at)
     while time.time() < start_at - 0.5:      # warm up until just before the common window
@@ -50,8 +53,14 @@ def main() -> None:
         time.sleep(0.0005)
     done, begin = 0, time.time()
     end = start_at + duration
-    steps = []
+    steps, ends = [], []
     while True:
+        if on_off and int((time.time() - start_at) / on_off) % 2:   # an off phase: idle through it
+            off_ends = start_at + (int((time.time() - start_at) / on_off) + 1) * on_off
+            time.sleep(max(0.0, min(off_ends, end) - time.time()))
+            if time.time() >= end:
+                now = time.time()
+                break
         step = time.perf_counter()
         for _ in range(sync_every):
             torch.matmul(a, b, out=c)
@@ -59,6 +68,7 @@ def main() -> None:
         steps.append(time.perf_counter() - step)
         done += sync_every
         now = time.time()
+        ends.append(round(now - start_at, 5))
         if now >= end:
             break
     seconds = now - begin
@@ -67,7 +77,7 @@ def main() -> None:
     with open(out, "w") as handle:
         json.dump({"matmuls": done, "seconds": seconds,
                    "tflops": 2 * size**3 * done / seconds / 1e12,
-                   "step_p50_s": statistics.median(steps)}, handle)
+                   "step_p50_s": statistics.median(steps), "ends": ends}, handle)
 
 
 if __name__ == "__main__":
