@@ -35,7 +35,7 @@ def cuda_pod(cluster: Cluster, name: str, slices: int) -> dict[str, Any]:
     script = ("echo \"allocation=$GEMINI_ALLOCATION_ID\";"
               " half=$((GEMINI_VGPU_MEMORY_LIMIT / 2 + 1048576));"
               " printf '%s\\n' init meminfo \"alloc $half\" \"alloc $half\""
-              " \"loop $(date +%s) 1 1000000 4\" quit | /usr/bin/python3 -c \"$PROGRAM\";"
+              " \"loop now 1 1000000 4\" quit | /usr/bin/python3 -c \"$PROGRAM\";"
               " echo '--- stats'; cat /tmp/hook-stats; echo '--- end'; exec sleep 3600")
     # The node image for its Debian userland and python3 (/usr/bin: Allocate's library mount
     # at /opt/gemini/lib hides the image's own virtual environment).

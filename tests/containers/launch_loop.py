@@ -10,7 +10,8 @@ interposer only through LD_PRELOAD as Allocate set it. One JSON line answers eac
     alloc BYTES              cuMemAlloc: its status
     loop START DURATION KERNEL_NS SYNC_EVERY
                              launch/sync until START + DURATION (wall clock); counts the kernels
-                             completed inside [START, START + DURATION)
+                             completed inside [START, START + DURATION); START "now" is when
+                             the step is read (one program alone needs no common instant)
     write-attempts           every way of writing under /run/gemini, and what each gave
     forge HELLO_HEX          a hello of its own (the bytes given), then every way of writing
                              the token page it brings (forgery.py, copied next to this file)
@@ -221,7 +222,8 @@ def main() -> None:
             elif op == "alloc":
                 out = cuda.alloc(int(args[0]))
             elif op == "loop":
-                out = cuda.loop(float(args[0]), float(args[1]), int(args[2]), int(args[3]))
+                start = time.time() if args[0] == "now" else float(args[0])
+                out = cuda.loop(start, float(args[1]), int(args[2]), int(args[3]))
             else:
                 out = {"error": f"unknown step {op!r}"}
         print(json.dumps(out), flush=True)
