@@ -280,10 +280,11 @@ def test_co_grants_keep_their_rules_over_generated_histories(
         assert not waiting or decision.grants, ("idle GPU while", waiting, "wait")
 
 
-def test_a_capped_tenant_co_held_is_capped_in_busy_time() -> None:
-    """A tenant limited to 0.3 that shares the GPU is charged its busy fraction of its time,
-    and its credit (0.3 s a second) runs out on that charge: over 10 s beside a tenant that
-    leaves room, it is charged no more than its cap allows."""
+def test_a_capped_tenant_takes_exclusive_turns_and_is_capped_in_holding_time() -> None:
+    """A tenant limited to 0.3 is never co-held, even beside a tenant that leaves room (its
+    busy time there could not be told from its neighbour's): it takes exclusive turns, charged
+    in full, so over 10 s it holds the GPU no longer than its cap allows, while the other,
+    uncapped, is granted whenever it is free."""
     sched = TokenScheduler(TimeshareSettings(co_schedule=True, window=100.0, co_refresh=100.0),
                            0.0)
     sched.add("a", 0.3, 0.3, 0.0)
@@ -294,18 +295,20 @@ def test_a_capped_tenant_co_held_is_capped_in_busy_time() -> None:
         assert sched.observe_utilization(0.0, 1.0, busy)
         sched.tenants[name].usage = type(sched.tenants[name].usage)(100.0)   # forget the turn
     now, step = 1.0, 0.01
-    co_held = 0
+    co_held = held_a = 0
     while now < 11.0:
         for name in ("a", "b"):
             grant = sched.grants.get(name)
             if grant is None or now >= grant.expires_at:
                 sched.request(name, now)   # always wants the GPU
         co_held += len(sched.grants) == 2
+        held_a += "a" in sched.grants
         sched.tick(now)
         now += step
     for name in ("a", "b"):
         if name in sched.grants:
             sched.release(name, now)
-    assert co_held > 100                     # they did share
+    assert co_held == 0
+    assert 0.3 * 10.0 * 0.8 <= held_a * step <= 0.3 * 10.0 + 0.3 * sched.config.cycle + 0.05
     charged = sched.tenants["a"].usage.usage(now)
     assert charged <= 0.3 * 10.0 + 0.3 * sched.config.cycle + 0.05, charged

@@ -56,8 +56,9 @@ as one back from idle (a light co-holder left behind would otherwise be the floo
 every other lead, and the largest request would win every turn). Figures that go stale while
 co-held at saturation mean exclusive turns, which measure them again. Only the first in line
 is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
-holders drain within a quota and it is granted. A capped tenant that gains credit while others
-hold is woken then (`next_deadline`): it may fit beside them.
+holders drain within a quota and it is granted. A capped tenant (limit below 1) is never co-held:
+its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
+full, and its cap holds in busy time; it is woken when its credit refills (`next_deadline`).
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -583,8 +584,13 @@ class TokenScheduler:
     def _fits(self, tenant: Tenant, now: float) -> bool:
         """The tenant may hold the GPU beside the present holders: all of them and it are
         counted for `co_room` at most (so a GPU-bound holder admits only light tenants, and
-        two that may be GPU-bound never share)."""
+        two that may be GPU-bound never share); a capped tenant never shares."""
         if not self.config.co_schedule:
+            return False
+        # A capped tenant takes exclusive turns, charged in full: its own busy time beside
+        # others is not identifiable (only the co-holders' sum is), so a charge at its figure
+        # let it run past its cap (0.72 of the GPU under a 0.3 cap over MPS, H100).
+        if tenant.limit < 1.0 or any(self.tenants[t].limit < 1.0 for t in self.grants):
             return False
         taken = add_up(self._room_taken(self.tenants[t], now) for t in self.grants)
         return taken + self._room_taken(tenant, now) <= self.config.co_room
