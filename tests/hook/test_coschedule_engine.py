@@ -36,9 +36,12 @@ LEAD, WINDOW = 4.0, 4.0
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
-def run_pair(hooked: Hooked, root: Path, co_schedule: str) -> dict[str, Any]:
-    """Both tenants under gemini-run at 0.5 each, against a daemon with co-scheduling on or off;
-    their requests in the common window and the daemon's view at its end."""
+def run_pair(hooked: Hooked, root: Path, co_schedule: str,
+             shares: tuple[str, str] = ("0.5", "0.5"),
+             limits: tuple[str | None, str | None] = (None, None)) -> dict[str, Any]:
+    """Both tenants under gemini-run at 0.5 each (or `shares`, and `limits` where given),
+    against a daemon with co-scheduling on or off; their requests in the common window and the
+    daemon's view at its end."""
     root.mkdir()
     state, engine, busy = root / "state", root / "engine", root / "busy.json"
     uuid = simulated_uuid(0)
@@ -56,8 +59,9 @@ def run_pair(hooked: Hooked, root: Path, co_schedule: str) -> dict[str, Any]:
                              preload=False)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "vgpu_runtime.run", "--state-dir", str(state),
-                 "--simulate-gpus", "1", "--hook-library", str(hooked.hook), "--share", "0.5",
-                 "--", sys.executable, str(TENANT), "infer", str(KERNEL_NS), "1", str(THINK_S),
+                 "--simulate-gpus", "1", "--hook-library", str(hooked.hook), "--share", shares[i],
+                 *(["--limit", limits[i]] if limits[i] else []), "--", sys.executable,
+                 str(TENANT), "infer", str(KERNEL_NS), "1", str(THINK_S),
                  str(start_at), str(WINDOW), str(out)], env=env, cwd=REPO))
             outs.append(out)
         # The daemon's view every half second of the window's second half: a figure goes
@@ -100,6 +104,22 @@ def test_launch_bound_tenants_fill_each_others_gaps_on_one_contended_gpu(
     # what the pair did apart (neither is starved to make room for the other).
     assert sum(together["requests"]) >= 1.2 * sum(apart["requests"]), (apart, together)
     assert min(together["requests"]) >= 0.45 * sum(apart["requests"]), (apart, together)
+
+
+def test_a_capped_tenant_is_never_co_held_and_stays_within_its_cap_on_the_engine(
+        hooked: Hooked) -> None:
+    """A launch-bound tenant (about 0.5 busy alone) limited to 0.2, beside an uncapped one that
+    leaves room, co-scheduling on: it takes exclusive turns (no co-grant: co-held, its busy
+    time could not be told from its neighbour's), so the engine runs its kernels no more than
+    its cap allows (co-held before the fix: 0.255), while the other has the turns it leaves."""
+    with tempfile.TemporaryDirectory(prefix="gm-") as short:
+        got = run_pair(hooked, Path(short) / "capped", "on", shares=("0.2", "0.5"),
+                       limits=("0.2", None))
+    assert got["gpu"]["co_grants"] == 0, json.dumps(got, indent=1)
+    # One 1 ms kernel a request: the capped tenant's busy share of the window.
+    busy = got["requests"][0] * KERNEL_NS / 1e9 / WINDOW
+    assert busy <= 0.2 + 0.05, (busy, got["requests"])
+    assert got["requests"][1] > 0
 
 
 def test_the_engine_serialises_two_processes_work(hooked: Hooked, tmp_path: Path) -> None:
