@@ -230,10 +230,15 @@ def write_cdi_spec(cluster: Cluster) -> None:
     (directory / "nvidia.com-gpu.json").write_text(json.dumps(spec, indent=1))
 
 
-def node_pod(cluster: Cluster) -> dict[str, Any] | None:
-    pods = cluster.get("pods", "-n", NAMESPACE, "-l", NODE_PODS)
+def live_pod(cluster: Cluster, selector: str) -> dict[str, Any] | None:
+    """A pod of the namespace matching `selector` that is not being deleted, or None."""
+    pods = cluster.get("pods", "-n", NAMESPACE, "-l", selector)
     running = [p for p in pods["items"] if p["metadata"].get("deletionTimestamp") is None]
     return running[0] if running else None
+
+
+def node_pod(cluster: Cluster) -> dict[str, Any] | None:
+    return live_pod(cluster, NODE_PODS)
 
 
 def pod_ready(pod: dict[str, Any] | None) -> bool:

@@ -24,6 +24,7 @@ from tests.cluster.conftest import (
     REPO,
     Cluster,
     create,
+    live_pod,
     node_pod,
     phase,
     pod_ready,
@@ -71,9 +72,7 @@ def said(cluster: Cluster, name: str) -> dict[str, str]:
 
 
 def mps_pod(cluster: Cluster) -> dict[str, Any] | None:
-    pods = cluster.get("pods", "-n", NAMESPACE, "-l", MPS_SELECTOR)["items"]
-    live = [p for p in pods if p["metadata"].get("deletionTimestamp") is None]
-    return live[0] if live else None
+    return live_pod(cluster, MPS_SELECTOR)
 
 
 def scheduler_log(cluster: Cluster, pod: dict[str, Any]) -> str:
