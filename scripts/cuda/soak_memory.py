@@ -9,7 +9,8 @@ A handshake through files in DIR lets the caller read the daemon's view at the r
   2. then allocates (sizes log-uniform from 1 MiB to N/8, plus an odd number of bytes, so the
      accounting is checked to the byte) and frees at random, never holding more than N, and
      appends "<time.time()> <operations> <live bytes>" to DIR/progress four times a second;
-  3. when DIR/stop exists: writes DIR/final.json {"live_bytes", "live_allocations",
+  3. when DIR/stop exists (and, if nothing is live then, after one more allocation, so the check
+     always has bytes to compare): writes DIR/final.json {"live_bytes", "live_allocations",
      "operations", "refused", "peak_bytes", "allocator_cached_bytes"} while still holding
      everything, waits for DIR/release, frees everything and exits 0.
 An allocation refused for memory is counted in "refused" (the tenant stays under its limit by
@@ -156,6 +157,12 @@ def main() -> None:
                 progress.write(f"{time.time():.4f} {operations} {live_bytes}\n")
                 next_report = now + REPORT_EVERY
             time.sleep(rng.uniform(0, args.pause))
+    if not live:   # the walk may stop at nothing held: hold one odd size, so bytes are compared
+        size = random_size(rng, args.max_bytes)
+        live.append((memory.alloc(size), size))
+        live_bytes += size
+        operations += 1
+        peak = max(peak, live_bytes)
     write_json(args.dir / "final.json", {
         "live_bytes": live_bytes, "live_allocations": len(live), "operations": operations,
         "refused": refused, "peak_bytes": peak, "allocator_cached_bytes": memory.cached()})
