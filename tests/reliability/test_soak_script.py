@@ -5,8 +5,6 @@ and every tenant reconnected to it, and the memory accounting exact to the byte 
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -19,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests import scriptmodule
 from tests.childenv import child_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,13 +27,8 @@ MiB = 1 << 20
 
 def load_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The script as a module (it has no .py name); dataclasses need it in sys.modules."""
-    loader = importlib.machinery.SourceFileLoader("soak_gpu", str(SCRIPT))
-    spec = importlib.util.spec_from_loader("soak_gpu", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "soak_gpu", module)
-    loader.exec_module(module)
-    return module
+    return scriptmodule.load("soak-gpu", lambda name, module: monkeypatch.setitem(
+        sys.modules, name, module))
 
 
 @pytest.fixture

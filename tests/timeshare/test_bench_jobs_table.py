@@ -5,8 +5,6 @@ job (a stub following jobs.py's protocol) is ready."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import time
 from pathlib import Path
 from types import ModuleType
@@ -14,17 +12,13 @@ from typing import Any
 
 import pytest
 
+from tests import scriptmodule
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_jobs() -> ModuleType:
-    path = str(REPO / "scripts" / "bench-jobs")
-    loader = importlib.machinery.SourceFileLoader("bench_jobs", path)
-    spec = importlib.util.spec_from_loader("bench_jobs", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return scriptmodule.load("bench-jobs")
 
 
 def job(kind: str, rate: float, late: float = 0.0) -> dict[str, Any]:

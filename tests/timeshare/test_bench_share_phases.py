@@ -4,24 +4,15 @@ idle GPU shows as such and one that stays capped does not pass for it."""
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests import scriptmodule
 
 
 def bench_share() -> ModuleType:
-    path = str(REPO / "scripts" / "bench-share")
-    loader = importlib.machinery.SourceFileLoader("bench_share", path)
-    spec = importlib.util.spec_from_loader("bench_share", loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return scriptmodule.load("bench-share")
 
 
 def steps(every: float, duration: float, keep=lambda t: True) -> list[float]:
