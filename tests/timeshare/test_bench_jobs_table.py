@@ -14,8 +14,6 @@ import pytest
 
 from tests import scriptmodule
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def bench_jobs() -> ModuleType:
     return scriptmodule.load("bench-jobs")
