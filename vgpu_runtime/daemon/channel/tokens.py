@@ -16,7 +16,8 @@ connections:
   handed back at once, so a departed waiter costs nobody anything;
 * one timer runs `tick()` at the decision's `wake_at` (revocation, a capped tenant eligible);
   another checks an idle holder at `last launch + idle_release`, only while it holds alone and
-  someone waits.
+  someone waits (before the grant's first launch, `first_launch_grace` where longer: a holder
+  woken late by a busy host would otherwise lose a grant it was about to use).
 """
 
 from __future__ import annotations
@@ -392,8 +393,15 @@ class GpuTokens:
         if holder is None or not self._someone_else_waits(holder):
             return
         reference, last_launch, last_sync = self._idle_reference(holder)
+        grace_ends = holder.granted_at + self.config.first_launch_grace
         if now - reference < self.config.idle_release:
             self._arm_idle_check(now, reference + self.config.idle_release)  # launched since
+        elif last_launch < holder.granted_at and now < grace_ends:
+            # Nothing launched under this grant yet, within its first-launch grace: look again,
+            # backing off as below, so a first launch is still noticed within 16 idle releases.
+            self._idle_backoff = min(self._idle_backoff * 2, 16 * self.config.idle_release,
+                                     self.config.max_quota)
+            self._arm_idle_check(now, min(now + self._idle_backoff, grace_ends))
         elif last_sync < last_launch:
             # Work in flight (no sync since the last launch): look again later, backing off so
             # that a long kernel costs a few wake-ups (at most one per 16 x idle_release), not
