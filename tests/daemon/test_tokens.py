@@ -350,39 +350,11 @@ def test_idle_holder_is_released_early_through_the_activity_page(
         b.close()
 
 
-@pytest.mark.parametrize("grace", [0.0, 0.3])
 def test_a_fresh_grant_waits_its_first_launch_grace_before_an_idle_release(
-        state_dir: Path, grace: float) -> None:
-    """A holder that has launched nothing under its grant (woken late) keeps it for the first
-    launch grace while another waits, where the grace is set; then its launches are what the
-    idle release watches, as without it."""
-    state_dir.mkdir(parents=True)
-    daemon = DaemonProcess(state_dir, *LONG_QUOTAS, "--first-launch-grace", str(grace))
-    daemon.wait_ready()
-    a = Tenant(make_record(state_dir))
-    b = Tenant(make_record(state_dir))
-    try:
-        a.client.request_token(0)
-        granted = time.monotonic_ns()
-        b.client.send_token_request(0)
-        if grace == 0.0:
-            b.client.recv_grant()   # the idle release (2 ms): no launch shows
-            assert time.monotonic_ns() - granted < 0.2 * NS
-            return
-        assert b.pending(0.15)       # within its grace, no launch yet: still a's
-        a.busy()                     # its first launch, then a sync and nothing after
-        a.activity.synced()
-        synced = time.monotonic_ns()
-        b.client.recv_grant()
-        assert time.monotonic_ns() - synced < 0.1 * NS   # the idle release again, not the grace
-        assert gpu_status(daemon)["idle_releases"] == 1
-    finally:
-        a.close()
-        b.close()
-        assert daemon.stop() == 0, daemon.logs()
-
-
-def test_a_fresh_grant_never_used_goes_back_when_its_grace_ends(state_dir: Path) -> None:
+        state_dir: Path) -> None:
+    """With --first-launch-grace, a holder that has launched nothing under its grant (woken
+    late) keeps it through the grace while another waits, and gives it back when the grace
+    ends; once it has launched, the idle release watches it as without the grace."""
     state_dir.mkdir(parents=True)
     daemon = DaemonProcess(state_dir, *LONG_QUOTAS, "--first-launch-grace", "0.3")
     daemon.wait_ready()
@@ -394,7 +366,14 @@ def test_a_fresh_grant_never_used_goes_back_when_its_grace_ends(state_dir: Path)
         b.client.send_token_request(0)
         b.client.recv_grant()        # a never launches: its 2 s quota does not hold b back
         assert 0.3 * NS <= time.monotonic_ns() - granted < 0.5 * NS
-        assert gpu_status(daemon)["idle_releases"] == 1
+        a.client.send_token_request(0)
+        assert a.pending(0.15)       # b, within its grace, has not launched yet: still b's
+        b.busy()                     # its first launch, then a sync and nothing after
+        b.activity.synced()
+        synced = time.monotonic_ns()
+        a.client.recv_grant()
+        assert time.monotonic_ns() - synced < 0.1 * NS   # the idle release again, not the grace
+        assert gpu_status(daemon)["idle_releases"] == 2
     finally:
         a.close()
         b.close()
