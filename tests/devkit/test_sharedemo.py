@@ -25,6 +25,9 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# Slow (CI's lane): it runs the programs until their shares converge; the fast lane keeps the
+# demo's own run of this part (tests/integration/test_demo.py).
+@pytest.mark.slow
 def test_two_programs_converge_to_their_shares_and_are_refused_past_their_limits(
         root: Path) -> None:
     out = io.StringIO()
