@@ -55,8 +55,9 @@ def main() -> None:
     end = start_at + duration
     steps, ends = [], []
     while True:
-        if on_off and int((time.time() - start_at) / on_off) % 2:   # an off phase: idle through it
-            off_ends = start_at + (int((time.time() - start_at) / on_off) + 1) * on_off
+        phase = int((time.time() - start_at) / on_off) if on_off else 0
+        if phase % 2:   # an off phase: idle through it
+            off_ends = start_at + (phase + 1) * on_off
             time.sleep(max(0.0, min(off_ends, end) - time.time()))
             if time.time() >= end:
                 now = time.time()
