@@ -37,6 +37,7 @@ def checkout(root: Path) -> Path:
     return package / "hook" / "build.py"
 
 
+@pytest.mark.slow   # builds the hook from a fresh checkout, as the image build does
 def test_two_checkouts_of_the_same_sources_build_identical_bytes(tmp_path: Path) -> None:
     """No build path, timestamp or debug info in the library: a rebuilt image of unchanged
     sources carries the very file a node already has under that name."""
@@ -52,6 +53,7 @@ def test_two_checkouts_of_the_same_sources_build_identical_bytes(tmp_path: Path)
     assert ".debug_" not in sections and ".note.gnu.build-id" in sections
 
 
+@pytest.mark.slow   # builds the hook from a fresh checkout, as the image build does
 def test_a_changed_source_gives_a_new_name(tmp_path: Path) -> None:
     script = checkout(tmp_path / "changed")
     gate = script.parent / "launch" / "gate.c"

@@ -92,6 +92,7 @@ def test_different_bytes_under_the_same_name_are_refused_and_kept(node: Path,
     assert lib_names(node) == [CURRENT]
 
 
+@pytest.mark.slow   # builds a changed hook, as the image build does
 def test_a_refusal_names_what_differs(node: Path, tmp_path: Path) -> None:
     """Two real builds under one name, the second with other flags (as another compiler would
     do): the message shows size, sha256 and build ID of both, and the SONAME is the same."""
@@ -255,6 +256,7 @@ def install_from(tree: Path, state: Path, cache: Path) -> subprocess.CompletedPr
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow   # builds a changed hook, as the image build does
 def test_an_image_with_changed_hook_sources_installs_beside_the_running_one(
         node: Path, tmp_path: Path) -> None:
     """Upgrade, rollback and cleanup across a change to the hook: never a refusal, the running
