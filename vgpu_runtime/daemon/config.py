@@ -105,7 +105,7 @@ class DaemonConfig:
         0.002, "a holder that launched nothing this long after its last sync gives the token "
         "back early when another tenant waits, seconds", cfg.number(0.0001, 10), "SECONDS")
     first_launch_grace: float = cfg.setting(
-        0.0, "a fresh grant's holder that has launched nothing yet is given this long, where "
+        0.02, "a fresh grant's holder that has launched nothing yet is given this long, where "
         "longer than the idle release, before it gives the token back early (0: the idle "
         "release; for hosts whose busy CPUs wake holders late), seconds", cfg.number(0.0, 10),
         "SECONDS")
