@@ -314,9 +314,9 @@ def test_a_capped_tenant_takes_exclusive_turns_and_is_capped_in_holding_time() -
     assert charged <= 0.3 * 10.0 + 0.3 * sched.config.cycle + 0.05, charged
 
 
-@pytest.mark.xfail(strict=True, reason="the coordinate-wise solve gives a sum-only period's "
-                   "error to the first co-holder in order (timeshare README, 'Charging co-held "
-                   "tenants'): 0.46 / 0.14 one way, 0.54 / 0.06 the other")
+@pytest.mark.xfail(strict=True, reason="co-held periods enter an additive least squares, "
+                   "which over MPS (overlapping kernels) cannot split them: 0.46 / 0.14 one way, "
+                   "0.54 / 0.06 the other (timeshare README, 'Charging co-held tenants')")
 def test_co_held_periods_below_the_figures_scale_the_co_holders_alike_in_either_order() -> None:
     """Over MPS co-held kernels overlap, so the device's utilisation is below the co-holders'
     figures: the error is theirs together, and which of them was measured first must not
