@@ -185,6 +185,7 @@ def test_the_sidecar_rereads_the_node_after_the_api_server_fails(
         assert sidecar.stop() == 0, sidecar.logs()
 
 
+@pytest.mark.slow   # restarts the daemon under its sidecar, twice: a restart case, CI's lane
 def test_the_daemon_restarts_for_its_changed_settings_only(api: FakeApiServer, configs: Path,
                                                            tmp_path: Path) -> None:
     """gemini-daemon reads the sidecar's file: a change of another program's section or an

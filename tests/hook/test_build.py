@@ -190,6 +190,7 @@ def symbols(obj: Path, *flags: str) -> set[str]:
     return {line.split()[-1] for line in out.splitlines() if line.split()[-1].startswith("gm_")}
 
 
+@pytest.mark.slow   # compiles every object of the hook, as the image build does
 def test_the_families_depend_one_way(tmp_path: Path) -> None:
     """The channel once called up into launch/ and memory/ (pages, fork resets, what is held),
     and token.c back into the channel: now news goes up only through the lifecycle. Checked on

@@ -20,6 +20,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.daemon.helpers import DaemonProcess, wait_for, wait_served
 from tests.hook.conftest import PRELUDE, DaemonNode, Hooked, MiB, start_node, stop_node
 from tests.hook.tokenkit import Loop
@@ -157,6 +159,7 @@ LAST_GRANT_NS = 250_000_000
 KILL_AFTER = float(os.environ.get("GEMINI_TEST_KILL_AFTER", "0.02"))
 
 
+@pytest.mark.slow   # an outage case: CI's lane
 def test_a_daemon_outage_keeps_the_tenant_within_its_share_and_gating_resumes_within_a_second(
         hooked: Hooked) -> None:
     """While the daemon is away after a hello (killed just after the hellos, the case the

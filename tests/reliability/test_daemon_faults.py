@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import pytest
+
 from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.conftest import Hooked
 from tests.integration.conftest import PluginNode
@@ -54,6 +56,7 @@ def tenants_on_gpu(daemon: DaemonProcess) -> list[Any]:
     return [t for g in daemon.status()["gpus"] for t in g["tenants"]]
 
 
+@pytest.mark.slow   # a fault case with three containers: CI's lane
 async def test_daemon_sigkill_with_three_containers_rebuilds_accounting(
         node: PluginNode, hooked: Hooked) -> None:
     """Pass: every container keeps launching after the restart, its memory is counted once
