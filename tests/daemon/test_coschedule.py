@@ -16,6 +16,7 @@ import pytest
 
 from tests.daemon.helpers import REPO, UUID_A, MiB, make_record, wait_for, wait_served
 from tests.daemon.inprocess import InProcessDaemon
+from vgpu_runtime.daemon.config import DaemonConfig
 
 # A tenant process: hello, then one command a line: "ask" prints the grant it gets (blocking
 # until it comes) and launches, "release" gives the token back.
@@ -161,3 +162,10 @@ def test_a_malformed_busy_file_is_reported_and_changes_nothing(
     busy_file.write_text(json.dumps({UUID_A: [[time.monotonic(), 7]]}))
     wait_for(lambda: "busy fraction outside [0, 1]" in daemon.logs(), 5, "the warning")
     assert [t["busy"] for t in gpu_status(daemon)["tenants"]] == [None, None]
+
+
+def test_tenants_of_an_mps_server_are_co_scheduled_as_overlapping() -> None:
+    """Where the daemon runs its tenants as clients of one MPS server, co-held kernels run side
+    by side, and the algorithm is told so (policy.py, `co_overlap`)."""
+    assert DaemonConfig(mps=True).algorithm().co_overlap
+    assert not DaemonConfig().algorithm().co_overlap

@@ -16,6 +16,10 @@ instant: a tenant's busy time would then depend on a speed-up model of its kerne
 scheduler's charge, busy fraction x time held, could not be checked against it.) The engine
 pays `handoff` when it switches to a tenant whose token passed (the token's handoff cost), and
 `co_switch` (0, as the fake engine) between the pieces of tenants that hold the GPU together.
+With `overlap` the engine is an MPS server's instead: each tenant's work runs on its own stream
+beside the others' at its own rate (launch-bound kernels that leave SMs free), and the device's
+utilisation is the union of the tenants' busy time, below its sum while they overlap (no
+slow-down where they do: for launch-bound mixes; GPU-bound tenants would share the SMs).
 
 Like the daemon, the model releases an idle holder (no launch for `idle_release` after its
 sync) only while it holds alone (channel/tokens.py: co-holders' quotas bound any wait), calls
@@ -78,7 +82,7 @@ class SimTenant:
 class Simulation:
     def __init__(self, config: TimeshareSettings, handoff: float = 0.0005,
                  idle_release: float = 0.002, co_switch: float = 0.0,
-                 sample_lag: float = 0.0) -> None:
+                 sample_lag: float = 0.0, overlap: bool = False) -> None:
         if not 0 <= sample_lag < SAMPLE_INTERVAL:
             raise ValueError(f"need 0 <= sample_lag < {SAMPLE_INTERVAL}, got {sample_lag}")
         self.scheduler = TokenScheduler(config, 0.0)
@@ -86,6 +90,7 @@ class Simulation:
         self.idle_release = idle_release
         self.co_switch = co_switch
         self.sample_lag = sample_lag
+        self.overlap = overlap
         self.samples: list[tuple[float, float]] = []   # (period end, busy) fed to the scheduler
         self._sampling = False
         self.tenants: dict[str, SimTenant] = {}
@@ -136,8 +141,18 @@ class Simulation:
 
     def utilization(self, start: float, end: float) -> float:
         """The device's utilisation over [start, end), as NVML reads it: the part some work
-        ran (the engine runs one piece at a time, so the tenants' parts add up)."""
-        return sum(t.work_between(start, end) for t in self.tenants.values()) / (end - start)
+        ran (the engine runs one piece at a time, so the tenants' parts add up; overlapping,
+        the union of their parts)."""
+        if not self.overlap:
+            return sum(t.work_between(start, end) for t in self.tenants.values()) / (end - start)
+        pieces = sorted((max(s, start), min(e, end)) for t in self.tenants.values()
+                        for s, e in t.work if min(e, end) > max(s, start))
+        covered, reach = 0.0, start
+        for s, e in pieces:
+            if e > reach:
+                covered += e - max(s, reach)
+                reach = e
+        return covered / (end - start)
 
     # ---- the scheduler's side ----
 
@@ -217,8 +232,8 @@ class Simulation:
 
     def _run_burst(self, tenant: SimTenant) -> None:
         wl = tenant.workload
-        start = max(self.now, self.gpu_free)
-        if self.gpu_last not in (None, tenant.name):
+        start = max(self.now, tenant.last_work_end if self.overlap else self.gpu_free)
+        if self.gpu_last not in (None, tenant.name) and not self.overlap:
             # Between co-holders' pieces no token passed: the engine switches contexts only.
             co_held = self.gpu_last in self.scheduler.grants and len(self.scheduler.grants) > 1
             start += self.co_switch if co_held else self.handoff

@@ -248,9 +248,11 @@ class DaemonConfig:
     log_format: str = cfg.setting("json", "log format", cfg.choice("json", "text"), "FORMAT")
 
     def algorithm(self) -> TimeshareSettings:
-        """The token scheduler's constants, from the settings of the same names."""
-        names = [f.name for f in dataclasses.fields(TimeshareSettings)]
-        return TimeshareSettings(**{name: getattr(self, name) for name in names})
+        """The token scheduler's constants, from the settings of the same names; co-held
+        kernels overlap where the tenants are clients of one MPS server (`mps`)."""
+        names = [f.name for f in dataclasses.fields(TimeshareSettings) if f.name != "co_overlap"]
+        return TimeshareSettings(**{name: getattr(self, name) for name in names},
+                                 co_overlap=bool(self.mps))
 
     def check(self) -> None:
         """Relations between settings; raises cfg.ConfigError naming them."""

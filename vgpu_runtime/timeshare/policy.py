@@ -50,7 +50,11 @@ launch-bound jobs fill each other's idle gaps, as under time-slicing, and a ligh
 inference loop) fills a GPU-bound one's, while two that may be GPU-bound never share, so their
 shares stay exact where they contend. A co-held grant is charged its busy fraction of its time
 (what the tenant used of the GPU; in full where unmeasured); an exclusive grant is charged in
-full (it kept everyone else out). A co-held tenant ran all it launched, kept waiting by nobody:
+full (it kept everyone else out). Over MPS (`co_overlap`) co-held kernels run side by side, so a
+co-held period's utilisation is the union of the co-holders' busy time, below its sum: solved
+as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
+below saturation it renews the co-holders' figures from their turns alone, so each is charged
+its own busy time. A co-held tenant ran all it launched, kept waiting by nobody:
 when its grant ends it starts no further behind than the least advanced other active tenant,
 as one back from idle (a light co-holder left behind would otherwise be the floor that pins
 every other lead, and the largest request would win every turn). Figures that go stale while
@@ -111,6 +115,7 @@ class TimeshareSettings:
     co_room: float = 1.25         # the most the co-holders' busy fractions may add up to
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
     co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
+    co_overlap: bool = False      # co-held kernels run side by side (MPS), not in turns
 
     @property
     def debt(self) -> float:
@@ -329,6 +334,13 @@ class TokenScheduler:
                            if min(e, end) > max(s, start)) / span for t in self.tenants}
         for tenant, grant in self.grants.items():   # grants in progress
             parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
+        if co_held and self.config.co_overlap:
+            # Overlapping kernels: the period's utilisation is below its co-holders' sum and
+            # says nothing of each, but that they fit: their figures stay, renewed.
+            for tenant, part in parts.items():
+                if part > 0 and self.tenants[tenant].busy is not None:
+                    self.tenants[tenant].busy_at = end
+            return False
         self._periods.append(({t: p for t, p in parts.items() if p > 0},
                               min(max(busy, 0.0), 1.0)))
         self._estimate_busy(end)
