@@ -8,10 +8,21 @@ showed the same (two identical trainers charged 0.13 / 0.74 and 0.05 / 0.88; BEN
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.timeshare.sim import Simulation
-from tests.timeshare.test_co_invariants import IDLE_RELEASE, KINDS
-from vgpu_runtime.timeshare.policy import TimeshareSettings
+from tests.timeshare.test_co_invariants import (
+    EXAMPLES,
+    IDLE_RELEASE,
+    KINDS,
+    LAUNCH_BOUND_HOLDING,
+    TOLERANCE,
+    Member,
+    lags,
+    members,
+)
+from vgpu_runtime.timeshare.policy import MEASURE_TURN, TimeshareSettings
 
 OPENS, ENDS = 5.0, 15.0
 MIXES = {
@@ -55,3 +66,53 @@ def test_the_model_shows_the_drift_of_an_additive_solve_over_mps(
     charged far less than it ran."""
     errors = charge_errors(run(members, co_overlap=False))
     assert min(errors.values()) < -0.1, errors
+
+
+def fit_the_room(mix: list[Member]) -> bool:
+    """Their busy fractions alone add up to `co_room` at most: all of them hold at once."""
+    return sum(KINDS[m.kind].alone_rate() for m in mix) <= TimeshareSettings().co_room
+
+
+def run_generated(mix: list[Member], sample_lag: float) -> Simulation:
+    sim = Simulation(TimeshareSettings(co_schedule=True, co_overlap=True), handoff=0.0,
+                     idle_release=IDLE_RELEASE, sample_lag=sample_lag, overlap=True)
+    for i, m in enumerate(mix):
+        sim.add(f"t{i}", m.request / 10, 1.0, KINDS[m.kind], start=0.01 * i)
+    sim.run(ENDS)
+    return sim
+
+
+@EXAMPLES
+@given(members(LAUNCH_BOUND_HOLDING, st.just(False)), lags)
+def test_over_mps_no_tenant_is_charged_less_than_it_ran_over_generated_mixes(
+        mix: list[Member], sample_lag: float) -> None:
+    """Co-held grants are charged the tenant's own busy time, exclusive ones in full (at least
+    what it ran): nobody runs on the GPU for free, whatever its neighbours."""
+    errors = charge_errors(run_generated(mix, sample_lag))
+    assert min(errors.values()) >= -TOLERANCE, errors
+
+
+M = Member
+
+
+@pytest.mark.parametrize("sample_lag", [0.0, 0.125, 0.159])
+@pytest.mark.parametrize("mix", [
+    [M(4, False, "launch-0.2"), M(6, False, "launch-0.2"), M(7, False, "launch-0.2")],
+    [M(6, False, "launch-0.2"), M(7, False, "launch-0.53"), M(5, False, "launch-0.33")],
+    [M(5, False, "launch-0.33"), M(3, False, "launch-0.67")],
+], ids=["three-0.2", "0.2-0.53-0.33", "0.33-0.67"])
+def test_over_mps_tenants_that_fit_together_are_charged_what_they_ran(
+        mix: list[Member], sample_lag: float) -> None:
+    """All of them fit `co_room`: each is measured in a turn alone (one that spans a whole
+    utilisation period), then co-held and charged its own busy time. The measuring turns are
+    exclusive, charged in full: at most one per `co_refresh` (a figure is renewed while
+    co-held below saturation), so a tenant of busy fraction d pays at most (1 - d) of one
+    MEASURE_TURN per co_refresh more than it ran."""
+    assert fit_the_room(mix)
+    sim = run_generated(mix, sample_lag)
+    assert sim.scheduler.co_grants > 100
+    errors = charge_errors(sim)
+    config = sim.scheduler.config
+    for i, m in enumerate(mix):
+        most = (1 - KINDS[m.kind].alone_rate()) * MEASURE_TURN / config.co_refresh
+        assert -TOLERANCE <= errors[f"t{i}"] <= most + TOLERANCE, errors

@@ -54,7 +54,8 @@ full (it kept everyone else out). Over MPS (`co_overlap`) co-held kernels run si
 co-held period's utilisation is the union of the co-holders' busy time, below its sum: solved
 as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
 below saturation it renews the co-holders' figures from their turns alone, so each is charged
-its own busy time. A co-held tenant ran all it launched, kept waiting by nobody:
+its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
+`MEASURE_TURN` at least, so that a whole utilisation period measures it. A co-held tenant ran all it launched, kept waiting by nobody:
 when its grant ends it starts no further behind than the least advanced other active tenant,
 as one back from idle (a light co-holder left behind would otherwise be the floor that pins
 every other lead, and the largest request would win every turn). Figures that go stale while
@@ -86,6 +87,8 @@ MAX_TENANTS = 1024
 # period (summed over them) a tenant must have held alone to be estimated.
 BUSY_PERIODS = 15
 BUSY_EVIDENCE = 1.0
+# A turn that measures a tenant over MPS: two of NVML's 200 ms periods, so one lies whole inside.
+MEASURE_TURN = 0.4
 BUSY_RIDGE = 0.05
 # A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
 # token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
@@ -587,11 +590,14 @@ class TokenScheduler:
     def _room_taken(self, tenant: Tenant, now: float) -> float:
         """The part of the GPU a tenant is counted for beside others: its busy fraction where
         measured recently enough, and the whole GPU where GPU-bound, unmeasured or stale."""
-        cfg = self.config
-        if (tenant.busy is None or now - tenant.busy_at > cfg.co_refresh
-                or tenant.busy > cfg.co_busy_max):
+        if tenant.busy is None or not self._fresh(tenant, now):
+            return 1.0
+        if tenant.busy > self.config.co_busy_max:
             return 1.0
         return tenant.busy
+
+    def _fresh(self, tenant: Tenant, now: float) -> bool:
+        return tenant.busy is not None and now - tenant.busy_at <= self.config.co_refresh
 
     def _fits(self, tenant: Tenant, now: float) -> bool:
         """The tenant may hold the GPU beside the present holders: all of them and it are
@@ -603,6 +609,11 @@ class TokenScheduler:
         # others is not identifiable (only the co-holders' sum is), so a charge at its figure
         # let it run past its cap (0.72 of the GPU under a 0.3 cap over MPS, H100).
         if tenant.limit < 1.0 or any(self.tenants[t].limit < 1.0 for t in self.grants):
+            return False
+        # Over MPS only a turn alone measures a tenant: one with no fresh figure takes
+        # exclusive turns until it has one (co-held, it would be charged in full for ever).
+        if self.config.co_overlap and not all(
+                self._fresh(self.tenants[t], now) for t in (*self.grants, tenant.id)):
             return False
         taken = add_up(self._room_taken(self.tenants[t], now) for t in self.grants)
         return taken + self._room_taken(tenant, now) <= self.config.co_room
@@ -654,7 +665,12 @@ class TokenScheduler:
                 self._share_holders(now)
                 self.co_grants += 1
             self.generation += 1
-            grant = Grant(chosen.id, self.generation, now, self._quota(chosen, now), shared)
+            quota = self._quota(chosen, now)
+            if (self.config.co_overlap and not shared and len(self.tenants) > 1
+                    and not self._fresh(chosen, now) and chosen.limit >= 1.0):
+                # Over MPS only a period held alone measures a tenant: its turn spans one.
+                quota = max(quota, MEASURE_TURN)
+            grant = Grant(chosen.id, self.generation, now, quota, shared)
             self.grants[chosen.id] = grant
             chosen.last_quota = grant.quota
             if chosen.waiting_since is not None:
