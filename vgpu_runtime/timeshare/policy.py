@@ -55,8 +55,9 @@ co-held period's utilisation is the union of the co-holders' busy time, below it
 as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
 below saturation it renews the co-holders' figures from their turns alone, so each is charged
 its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
-`MEASURE_TURN` at least, so that a whole utilisation period measures it. A co-held tenant ran all it launched, kept waiting by nobody:
-when its grant ends it starts no further behind than the least advanced other active tenant,
+`MEASURE_TURN` at least, so that a whole utilisation period measures it. A co-held tenant ran
+all it launched, kept waiting by nobody: when its grant ends it starts no further behind than
+the least advanced other active tenant,
 as one back from idle (a light co-holder left behind would otherwise be the floor that pins
 every other lead, and the largest request would win every turn). Figures that go stale while
 co-held at saturation mean exclusive turns, which measure them again. Only the first in line
