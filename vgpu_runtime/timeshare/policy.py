@@ -57,9 +57,9 @@ below saturation it renews the co-holders' figures from their turns alone, so ea
 its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
 `MEASURE_TURN` at least, so that a whole utilisation period measures it. A co-held tenant ran
 all it launched, kept waiting by nobody: when its grant ends it starts no further behind than
-the least advanced other active tenant,
-as one back from idle (a light co-holder left behind would otherwise be the floor that pins
-every other lead, and the largest request would win every turn). Figures that go stale while
+the least advanced other active tenant, as one back from idle (a light co-holder left behind
+would otherwise be the floor that pins every other lead, and the largest request would win
+every turn). Figures that go stale while
 co-held at saturation mean exclusive turns, which measure them again. Only the first in line
 is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
 holders drain within a quota and it is granted. A capped tenant (limit below 1) is never co-held:
