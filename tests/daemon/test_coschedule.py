@@ -16,10 +16,12 @@ import pytest
 
 from tests.daemon.helpers import REPO, UUID_A, MiB, make_record, wait_for, wait_served
 from tests.daemon.inprocess import InProcessDaemon
+from tests.mpsfake import fake_mps_control
 from vgpu_runtime.daemon.config import DaemonConfig
 
 # A tenant process: hello, then one command a line: "ask" prints the grant it gets (blocking
-# until it comes) and launches, "release" gives the token back.
+# until it comes) and launches, "sync" ends that work (idle from then), "release" gives the
+# token back.
 TENANT = """
 import json, os, sys
 from vgpu_runtime.daemon.channel.client import ChannelClient
@@ -32,6 +34,8 @@ for line in sys.stdin:
         grant = client.request_token(0)
         activity.launched()   # work in flight: busy, never released as idle
         print(json.dumps({"generation": grant.generation}), flush=True)
+    elif line.strip() == "sync":
+        activity.synced()
     elif line.strip() == "release":
         client.release_token(0)
 """
@@ -169,3 +173,30 @@ def test_tenants_of_an_mps_server_are_co_scheduled_as_overlapping() -> None:
     by side, and the algorithm is told so (policy.py, `co_overlap`)."""
     assert DaemonConfig(mps=True).algorithm().co_overlap
     assert not DaemonConfig().algorithm().co_overlap
+
+
+def test_over_mps_a_measuring_turn_is_not_cut_short_by_the_idle_release(
+        state_dir: Path, busy_file: Path, tmp_path: Path) -> None:
+    """Over MPS an unmeasured tenant's turn is its measurement (policy.py, MEASURE_TURN): it
+    lasts its quota even while the holder idles and another waits, where the idle release
+    would otherwise hand the GPU over within milliseconds."""
+    served = InProcessDaemon(state_dir, "--co-schedule", "on", "--mps", "on", "--mps-manage",
+                             "false", "--mps-control", str(fake_mps_control(tmp_path)),
+                             "--gpu-busy", "simulated",
+                             "--gpu-busy-file", str(busy_file)).wait_ready()
+    records = [make_record(state_dir, gpus=((UUID_A, 100 * MiB, 0.5),)) for _ in range(2)]
+    a, b = (TenantProcess(wait_served(r)) for r in records)
+    try:
+        a.ask()
+        assert a.granted()
+        a.send("sync")           # launched once, synced, idle from here
+        asked = time.monotonic()
+        b.ask()
+        assert not b.granted(timeout=0.3)
+        assert b.granted(timeout=2.0)
+        assert time.monotonic() - asked >= 0.35
+        assert gpu_status(served)["idle_releases"] == 0
+    finally:
+        a.close()
+        b.close()
+        assert served.stop() == 0, served.logs()

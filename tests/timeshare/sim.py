@@ -255,7 +255,8 @@ class Simulation:
     def _idle_check(self, tenant: SimTenant, since: float) -> None:
         # The daemon checks an idle holder only while it holds alone.
         grants = self.scheduler.grants
-        if list(grants) == [tenant.name] and tenant.last_work_end == since:
+        if (list(grants) == [tenant.name] and tenant.last_work_end == since
+                and not grants[tenant.name].measuring):
             tenant.released_at = self.now
             self.apply(self.scheduler.release(tenant.name, self.now))
 

@@ -116,3 +116,15 @@ def test_over_mps_tenants_that_fit_together_are_charged_what_they_ran(
     for i, m in enumerate(mix):
         most = (1 - KINDS[m.kind].alone_rate()) * MEASURE_TURN / config.co_refresh
         assert -TOLERANCE <= errors[f"t{i}"] <= most + TOLERANCE, errors
+
+
+def test_over_mps_an_inference_loop_is_measured_in_a_turn_kept_from_the_idle_release() -> None:
+    """The loop thinks 4 ms between bursts, past the idle release (2 ms): a turn cut at every
+    gap never spans a whole utilisation period, so it was never measured and never co-held
+    (0.03 of its alone rate beside the trainer). Its measuring turn now lasts its quota."""
+    sim = run([("infer-0.29", 0.3), ("launch-0.53", 0.7)], co_overlap=True)
+    assert sim.scheduler.tenants["t0"].busy is not None
+    assert sim.scheduler.co_grants > 100
+    assert all(sim.share(name, OPENS, ENDS) >= 0.98 for name in sim.tenants)
+    errors = charge_errors(sim)
+    assert all(abs(e) <= 0.02 for e in errors.values()), errors

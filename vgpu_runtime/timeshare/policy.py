@@ -55,7 +55,8 @@ co-held period's utilisation is the union of the co-holders' busy time, below it
 as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
 below saturation it renews the co-holders' figures from their turns alone, so each is charged
 its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
-`MEASURE_TURN` at least, so that a whole utilisation period measures it. A co-held tenant ran
+`MEASURE_TURN` at least, so that a whole utilisation period measures it (a measuring turn, which
+the daemon does not cut short at the holder's idle gaps). A co-held tenant ran
 all it launched, kept waiting by nobody: when its grant ends it starts no further behind than
 the least advanced other active tenant, as one back from idle (a light co-holder left behind
 would otherwise be the floor that pins every other lead, and the largest request would win
@@ -149,6 +150,7 @@ class Grant:
     granted_at: float
     quota: float
     shared: bool = False    # held beside others: charged at the tenant's busy fraction
+    measuring: bool = False  # over MPS, a turn that measures the holder: no idle release
 
     @property
     def expires_at(self) -> float:
@@ -667,11 +669,14 @@ class TokenScheduler:
                 self.co_grants += 1
             self.generation += 1
             quota = self._quota(chosen, now)
+            measuring = False
             if (self.config.co_overlap and not shared and len(self.tenants) > 1
                     and not self._fresh(chosen, now) and chosen.limit >= 1.0):
-                # Over MPS only a period held alone measures a tenant: its turn spans one.
+                # Over MPS only a period held alone measures a tenant: its turn spans one,
+                # and is not cut short in the tenant's idle gaps.
                 quota = max(quota, MEASURE_TURN)
-            grant = Grant(chosen.id, self.generation, now, quota, shared)
+                measuring = True
+            grant = Grant(chosen.id, self.generation, now, quota, shared, measuring)
             self.grants[chosen.id] = grant
             chosen.last_quota = grant.quota
             if chosen.waiting_since is not None:

@@ -363,8 +363,8 @@ class GpuTokens:
     def _arm_idle_check(self, now: float, at: float | None = None,
                         holders: Mapping[str, Grant] | None = None) -> None:
         holder = self._alone_holder(holders)
-        if holder is None or not self._someone_else_waits(holder):
-            self._cancel_idle_check()
+        if holder is None or holder.measuring or not self._someone_else_waits(holder):
+            self._cancel_idle_check()   # a measuring turn lasts its quota (policy.py)
             return
         if self._idle_timer is not None and at is None:
             return   # one check is pending already
