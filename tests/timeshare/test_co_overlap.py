@@ -33,9 +33,11 @@ MIXES = {
 }
 
 
-def run(members: list[tuple[str, float]], co_overlap: bool) -> Simulation:
+def run(members: list[tuple[str, float]], co_overlap: bool,
+        sample_lag: float = 0.05) -> Simulation:
+    """The tenants (kind, request) on the overlapping engine, from 0.01 s apart to ENDS."""
     sim = Simulation(TimeshareSettings(co_schedule=True, co_overlap=co_overlap), handoff=0.0,
-                     idle_release=IDLE_RELEASE, sample_lag=0.05, overlap=True)
+                     idle_release=IDLE_RELEASE, sample_lag=sample_lag, overlap=True)
     for i, (kind, request) in enumerate(members):
         sim.add(f"t{i}", request, 1.0, KINDS[kind], start=0.01 * i)
     sim.run(ENDS)
@@ -74,12 +76,7 @@ def fit_the_room(mix: list[Member]) -> bool:
 
 
 def run_generated(mix: list[Member], sample_lag: float) -> Simulation:
-    sim = Simulation(TimeshareSettings(co_schedule=True, co_overlap=True), handoff=0.0,
-                     idle_release=IDLE_RELEASE, sample_lag=sample_lag, overlap=True)
-    for i, m in enumerate(mix):
-        sim.add(f"t{i}", m.request / 10, 1.0, KINDS[m.kind], start=0.01 * i)
-    sim.run(ENDS)
-    return sim
+    return run([(m.kind, m.request / 10) for m in mix], co_overlap=True, sample_lag=sample_lag)
 
 
 @EXAMPLES

@@ -56,12 +56,12 @@ as a sum it would hand the whole overlap to one of them. There a co-held period 
 below saturation it renews the co-holders' figures from their turns alone, so each is charged
 its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
 `MEASURE_TURN` at least, so that a whole utilisation period measures it (a measuring turn, which
-the daemon does not cut short at the holder's idle gaps). A co-held tenant ran
-all it launched, kept waiting by nobody: when its grant ends it starts no further behind than
-the least advanced other active tenant, as one back from idle (a light co-holder left behind
-would otherwise be the floor that pins every other lead, and the largest request would win
-every turn). Figures that go stale while
-co-held at saturation mean exclusive turns, which measure them again. Only the first in line
+the daemon does not cut short at the holder's idle gaps). A co-held tenant ran all it
+launched, kept waiting by nobody: when its grant ends it starts no further behind than the
+least advanced other active tenant, as one back from idle (a light co-holder left behind would
+otherwise be the floor that pins every other lead, and the largest request would win every
+turn). Figures that go stale while co-held at saturation mean exclusive turns, which measure
+them again. Only the first in line
 is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
 holders drain within a quota and it is granted. A capped tenant (limit below 1) is never co-held:
 its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
@@ -593,11 +593,10 @@ class TokenScheduler:
     def _room_taken(self, tenant: Tenant, now: float) -> float:
         """The part of the GPU a tenant is counted for beside others: its busy fraction where
         measured recently enough, and the whole GPU where GPU-bound, unmeasured or stale."""
-        if tenant.busy is None or not self._fresh(tenant, now):
+        busy = tenant.busy
+        if busy is None or not self._fresh(tenant, now) or busy > self.config.co_busy_max:
             return 1.0
-        if tenant.busy > self.config.co_busy_max:
-            return 1.0
-        return tenant.busy
+        return busy
 
     def _fresh(self, tenant: Tenant, now: float) -> bool:
         return tenant.busy is not None and now - tenant.busy_at <= self.config.co_refresh
@@ -669,13 +668,12 @@ class TokenScheduler:
                 self.co_grants += 1
             self.generation += 1
             quota = self._quota(chosen, now)
-            measuring = False
-            if (self.config.co_overlap and not shared and len(self.tenants) > 1
-                    and not self._fresh(chosen, now) and chosen.limit >= 1.0):
-                # Over MPS only a period held alone measures a tenant: its turn spans one,
-                # and is not cut short in the tenant's idle gaps.
+            # Over MPS only a period held alone measures a tenant: its turn spans one, and is
+            # not cut short in the tenant's idle gaps.
+            measuring = (self.config.co_overlap and not shared and len(self.tenants) > 1
+                         and not self._fresh(chosen, now) and chosen.limit >= 1.0)
+            if measuring:
                 quota = max(quota, MEASURE_TURN)
-                measuring = True
             grant = Grant(chosen.id, self.generation, now, quota, shared, measuring)
             self.grants[chosen.id] = grant
             chosen.last_quota = grant.quota
