@@ -62,12 +62,13 @@ def test_over_mps_co_held_tenants_are_charged_their_own_busy_time(
 
 
 @pytest.mark.parametrize("members", list(MIXES.values()), ids=list(MIXES))
-def test_the_model_shows_the_drift_of_an_additive_solve_over_mps(
+def test_the_model_shows_the_undercharge_of_an_additive_solve_over_mps(
         members: list[tuple[str, float]]) -> None:
-    """The model is faithful to what the H100 showed: without `co_overlap` some co-holder is
-    charged far less than it ran."""
+    """The model is faithful to what the H100 showed: without `co_overlap` the co-holders are
+    charged less than they ran (their overlap read as idle time: each scaled down in
+    proportion, as a coordinate-wise solve once gave it all to one of them)."""
     errors = charge_errors(run(members, co_overlap=False))
-    assert min(errors.values()) < -0.1, errors
+    assert sum(errors.values()) < -0.15 and max(errors.values()) < -0.05, errors
 
 
 def fit_the_room(mix: list[Member]) -> bool:

@@ -40,9 +40,12 @@ Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time it
 keep the GPU busy while it holds the token) is estimated from the device's own utilisation
 (`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover exactly the 200 ms
 before their timestamp): each period is an equation, utilisation = sum of (busy fraction x part
-of the period held), and the last `BUSY_PERIODS` of them are solved by least squares. A period
-that co-held grants touched is taken only while the GPU was not saturated (`BUSY_SATURATED`):
-there the holders filled each other's gaps; in a saturated one they contended. Beside others
+of the period held), over the last `BUSY_PERIODS` of them. A figure is a base times a scale: the
+base solved by least squares from the tenants' turns alone, the scale from their co-held time
+(its utilisation over what the co-holders' bases predict), so co-held time, which fixes only
+the co-holders' sum, moves them in proportion. A period that co-held grants touched is taken
+only while the GPU was not saturated (`BUSY_SATURATED`): there the holders filled each other's
+gaps; in a saturated one they contended. Beside others
 a tenant counts for its figure, or for the whole GPU where it is GPU-bound (above
 `co_busy_max`), unmeasured, or measured longer than `co_refresh` ago. The waiting tenant first
 in line is granted beside the holders while all of them and it count for `co_room` at most:
@@ -92,6 +95,8 @@ BUSY_EVIDENCE = 1.0
 # A turn that measures a tenant over MPS: two of NVML's 200 ms periods, so one lies whole inside.
 MEASURE_TURN = 0.4
 BUSY_RIDGE = 0.05
+# The most a co-held period's utilisation moves its co-holders' figures, either way.
+BUSY_SCALE_MAX = 2.0
 # A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
 # token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
 BUSY_IDLE = 0.02
@@ -99,6 +104,15 @@ BUSY_IDLE = 0.02
 # less than it would alone), so the sum of their figures is not what they would use. Below
 # it they filled each other's gaps, and the period measures them as one held alone does.
 BUSY_SATURATED = 0.9
+
+
+@dataclass(frozen=True)
+class Period:
+    """A utilisation period taken: each tenant's part of it held alone and co-held."""
+
+    alone: dict[str, float]
+    shared: dict[str, float]
+    util: float
 
 
 @dataclass(frozen=True)
@@ -192,6 +206,8 @@ class Tenant:
     last_quota: float | None = None
     waits: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     busy: float | None = None   # its kernels' part of the time it held the GPU alone
+    busy_base: float | None = None   # that, from its turns alone (busy: it scaled)
+    measured_alone: bool = False     # its base came from turns alone (else from all its time)
     busy_at: float = float("-inf")
 
 
@@ -222,9 +238,9 @@ class TokenScheduler:
         self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
         # History for the busy fractions: who held when (alone or co-held), when grants were
         # co-held, and the utilisation periods taken.
-        self._held: dict[str, deque[tuple[float, float]]] = {}
+        self._held: dict[str, deque[tuple[float, float, bool]]] = {}
         self._shared: deque[tuple[float, float]] = deque(maxlen=256)
-        self._periods: deque[tuple[dict[str, float], float]] = deque(maxlen=BUSY_PERIODS)
+        self._periods: deque[Period] = deque(maxlen=BUSY_PERIODS)
         self.generation = 0
         self.preemptions = 0
         self.co_grants = 0
@@ -336,53 +352,133 @@ class TokenScheduler:
         if co_held and busy >= BUSY_SATURATED:
             return False
         span = end - start
-        parts = {t: add_up(min(e, end) - max(s, start) for s, e in self._held.get(t, ())
-                           if min(e, end) > max(s, start)) / span for t in self.tenants}
+        alone: dict[str, float] = {}
+        shared: dict[str, float] = {}
+        for tenant in self.tenants:
+            for s, e, was_shared in self._held.get(tenant, ()):
+                if min(e, end) > max(s, start):
+                    into = shared if was_shared else alone
+                    into[tenant] = into.get(tenant, 0.0) + (min(e, end) - max(s, start)) / span
         for tenant, grant in self.grants.items():   # grants in progress
-            parts[tenant] += max(0.0, end - max(start, grant.granted_at)) / span
+            if end > max(start, grant.granted_at):
+                into = shared if grant.shared else alone
+                into[tenant] = into.get(tenant, 0.0) + (end - max(start, grant.granted_at)) / span
         if co_held and self.config.co_overlap:
             # Overlapping kernels: the period's utilisation is below its co-holders' sum and
             # says nothing of each, but that they fit: their figures stay, renewed.
-            for tenant, part in parts.items():
-                if part > 0 and self.tenants[tenant].busy is not None:
+            for tenant in alone.keys() | shared.keys():
+                if self.tenants[tenant].busy is not None:
                     self.tenants[tenant].busy_at = end
             return False
-        self._periods.append(({t: p for t, p in parts.items() if p > 0},
-                              min(max(busy, 0.0), 1.0)))
+        self._periods.append(Period(alone, shared, min(max(busy, 0.0), 1.0)))
         self._estimate_busy(end)
         return True
 
     def _estimate_busy(self, now: float) -> None:
-        """Least squares over the kept periods (Gauss-Seidel: a few sweeps of each tenant's
-        own normal equation), for tenants that held the GPU alone long enough in them."""
+        """Each tenant's figure is its base, solved from its turns alone, times its scale,
+        solved from its co-held time.
+
+        The base: least squares over the kept periods' time held alone, the co-held time in
+        them counted at the co-holders' figures. The scale: the utilisation of a period's
+        co-held time (what its turns alone at their bases leave of it) over what the
+        co-holders' bases predict, averaged over the periods a tenant was co-held in, by its
+        part of each. Co-held time fixes only its co-holders' sum; solved with the turns alone
+        it gave the whole error to one of them (the first solved, or the one whose alone period
+        left the kept 3 s last: 0.09 / 0.55 for 0.2 / 0.6 taken at 0.8 of their sum), where
+        the scale moves co-holders in proportion and never changes their bases."""
+        base = self._solve_base()
+        def base_of(tenant: str) -> float | None:
+            return base.get(tenant, self.tenants[tenant].busy_base)
+        weight: dict[str, float] = {}
+        scaled: dict[str, float] = {}
+        for period in self._periods:
+            if not period.shared:
+                continue
+            bases = {t: base_of(t) for t in period.alone.keys() | period.shared.keys()}
+            if any(b is None for b in bases.values()):
+                continue   # someone in it never measured: it fixes nobody's scale
+            # Scaled: the co-held time of tenants measured alone; the rest at its base.
+            scaling = {t: p for t, p in period.shared.items() if self.tenants[t].measured_alone}
+            predicted = add_up(p * (bases[t] or 0.0) for t, p in scaling.items())
+            left = period.util - add_up(p * (bases[t] or 0.0) for t, p in period.alone.items())
+            left -= add_up(p * (bases[t] or 0.0) for t, p in period.shared.items()
+                           if t not in scaling)
+            if predicted <= 0:
+                continue
+            ratio = min(BUSY_SCALE_MAX, max(1 / BUSY_SCALE_MAX, left / predicted))
+            for tenant, part in scaling.items():
+                weight[tenant] = weight.get(tenant, 0.0) + part
+                scaled[tenant] = scaled.get(tenant, 0.0) + part * ratio
+        for tenant in base.keys() | weight.keys():
+            state = self.tenants[tenant]
+            if tenant in base:
+                state.busy_base = base[tenant]
+            if state.busy_base is None:
+                continue
+            scale = scaled[tenant] / weight[tenant] if weight.get(tenant) else 1.0
+            state.busy = min(1.0, max(0.0, state.busy_base * scale))
+            state.busy_at = now
+
+    def _solve_base(self) -> dict[str, float]:
+        """Least squares of the periods' time held alone, for the tenants that held alone long
+        enough in them (Gauss-Seidel: a few sweeps of each tenant's own normal equation, from
+        the bases before; their few sweeps also keep an early, underdetermined system near
+        them, where an exact solve swung two tenants met only together to 1 and 0)."""
+        # A tenant never measured alone is solved from its co-held time too, as one sum (beside
+        # a light tenant it may be co-held before it ever held alone); one measured alone from
+        # its turns alone, its co-held time left to its scale.
+        alone: dict[str, float] = {}
+        for period in self._periods:
+            for tenant, part in period.alone.items():
+                alone[tenant] = alone.get(tenant, 0.0) + part
+        for tenant, part in alone.items():
+            if part >= BUSY_EVIDENCE and tenant in self.tenants:
+                self.tenants[tenant].measured_alone = True
+
+        def solved_parts(period: Period) -> dict[str, float]:
+            parts = dict(period.alone)
+            for tenant, part in period.shared.items():
+                if not self.tenants[tenant].measured_alone:
+                    parts[tenant] = parts.get(tenant, 0.0) + part
+            return parts
+
         held: dict[str, float] = {}
-        for parts, _ in self._periods:
-            for tenant, part in parts.items():
+        for period in self._periods:
+            for tenant, part in solved_parts(period).items():
                 held[tenant] = held.get(tenant, 0.0) + part
         known = [t for t, h in held.items() if h >= BUSY_EVIDENCE and t in self.tenants]
         if not known:
-            return
+            return {}
+        # Each period as (parts of the tenants solved for, the utilisation they leave): the
+        # rest counts at what is known, a measured co-holder's time at its figure, a turn alone
+        # of a tenant not solved for at its base.
+        rows: list[tuple[dict[str, float], float]] = []
+        for period in self._periods:
+            parts = solved_parts(period)
+            rest = add_up(p * (self.tenants[t].busy_base or 0.0)
+                          for t, p in parts.items() if t not in known)
+            rest += add_up(p * (self.tenants[t].busy or 0.0) for t, p in period.shared.items()
+                           if self.tenants[t].measured_alone)
+            rows.append(({t: p for t, p in parts.items() if t in known}, period.util - rest))
         b: dict[str, float] = {}
         for tenant in known:
-            previous = self.tenants[tenant].busy
+            previous = self.tenants[tenant].busy_base
             b[tenant] = 0.5 if previous is None else previous
         for _ in range(8):
             for tenant in known:
                 num = den = 0.0
-                for parts, util in self._periods:
+                for parts, util in rows:
                     mine = parts.get(tenant, 0.0)
                     if mine <= 0:
                         continue
-                    others = add_up(b.get(o, 0.0) * p for o, p in parts.items() if o != tenant)
+                    others = add_up(b[o] * p for o, p in parts.items() if o != tenant)
                     num += mine * (util - others)
                     den += mine * mine
-                # A little weight on the previous figure keeps it where turns always split
+                # A little weight on the figure so far keeps it where turns always split
                 # periods alike (then only the sum of the figures is known).
                 prior = b[tenant]
                 b[tenant] = min(1.0, max(0.0, (num + BUSY_RIDGE * prior) / (den + BUSY_RIDGE)))
-        for tenant in known:
-            self.tenants[tenant].busy = b[tenant]
-            self.tenants[tenant].busy_at = now
+        return b
 
     @property
     def holder(self) -> Grant | None:
@@ -491,7 +587,7 @@ class TokenScheduler:
                 state.vtime = max(state.vtime, floor)
         else:
             self._charge(state, grant.granted_at, end)
-        self._held_for(tenant, grant.granted_at, end)
+        self._held_for(tenant, grant.granted_at, end, grant.shared)
         state.last_release = now
 
     def _preempt_for(self, waiter: Tenant, now: float) -> None:
@@ -594,7 +690,11 @@ class TokenScheduler:
         """The part of the GPU a tenant is counted for beside others: its busy fraction where
         measured recently enough, and the whole GPU where GPU-bound, unmeasured or stale."""
         busy = tenant.busy
-        if busy is None or not self._fresh(tenant, now) or busy > self.config.co_busy_max:
+        if busy is None or not self._fresh(tenant, now):
+            return 1.0
+        # GPU-bound by its turns alone too: a scale below 1 (it was slowed beside others)
+        # does not make it light.
+        if max(busy, tenant.busy_base or 0.0) > self.config.co_busy_max:
             return 1.0
         return busy
 
@@ -691,9 +791,9 @@ class TokenScheduler:
                 continue
             state = self.tenants[tenant]
             self._charge(state, grant.granted_at, max(now, grant.granted_at))
-            self._held_for(tenant, grant.granted_at, now)
+            self._held_for(tenant, grant.granted_at, now, False)
             self.grants[tenant] = Grant(tenant, grant.generation, now,
                                         grant.expires_at - now, True)
 
-    def _held_for(self, tenant: str, start: float, end: float) -> None:
-        self._held.setdefault(tenant, deque(maxlen=64)).append((start, end))
+    def _held_for(self, tenant: str, start: float, end: float, shared: bool) -> None:
+        self._held.setdefault(tenant, deque(maxlen=64)).append((start, end, shared))
