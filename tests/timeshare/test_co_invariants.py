@@ -27,13 +27,13 @@ TOLERANCE (0.05 of the GPU) covers what co-scheduling off is allowed (max_quota 
 0.01), the busy figures' error (least squares over 200 ms periods that quotas split) and the
 samples' lag; a scheduler that ignored requests or caps misses it by far more.
 
-Bounded debt and (b) hold over every generated mix, (c) over all but about one in a thousand
-(a waiter ahead of co-holders charged little: none is kept, the found one passes now), and (d) as the scheduler counts busy time (its charge) over all. (a) and (d) in
-busy time as the engine ran it hold where co-scheduling never makes tenants contend: GPU-bound
-tenants (exclusive turns), and launch-bound tenants whose busy fractions add up to the GPU at
-most. Beyond that the properties found the cases in UNFAIR, kept as strict xfails: the README's
-invariants section says why. The cases in FIXED, FIXED_BY_FIGURES and OVER_CAP were fixed in
-policy.py.
+Bounded debt and (b) hold over every generated mix, (c) over all but about one in a thousand (a
+waiter ahead of co-holders charged little: none is kept, the found one passes now), and (d) as the
+scheduler counts busy time (its charge) over all. (a) and (d) in busy time as the engine ran it
+hold where co-scheduling never makes tenants contend: GPU-bound tenants (exclusive turns), and
+launch-bound tenants whose busy fractions add up to the GPU at most. Beyond that the properties
+found the cases in UNFAIR, kept as strict xfails: the README's invariants section says why. The
+cases in FIXED, FIXED_BY_FIGURES and OVER_CAP were fixed in policy.py.
 """
 
 from __future__ import annotations
@@ -236,9 +236,10 @@ def fit_the_gpu(mix: list[Member]) -> bool:
 
 any_mix = members(sorted(KINDS), st.booleans())
 lags = st.floats(0.0, 0.19)
-# Derandomized: the same 30 mixes every run. Bounded waiting fails in about one generated mix in
-# a thousand (README, "Bounded waiting"), and a search that found it by chance would fail CI by chance;
-# wider searches are run by hand (1,500 random mixes, 300 derandomized per property).
+# Derandomized: the same 30 mixes every run. Bounded waiting failed in about one generated
+# mix in a thousand (README, "Bounded waiting"), and a search that found such a case by chance
+# would fail CI by chance; wider searches are run by hand (1,500 random mixes, 300
+# derandomized per property).
 EXAMPLES = settings(max_examples=examples(30), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 

@@ -335,6 +335,23 @@ def test_co_held_periods_move_the_co_holders_in_proportion_in_either_order() -> 
     assert ends[0] == pytest.approx({"a": 0.48, "b": 0.16}, abs=0.01)
 
 
+def test_a_tenant_that_leaves_takes_its_periods_along() -> None:
+    """Periods it held in cannot be explained without it: the figures left are solved from the
+    others' periods, and a figure of its own is never asked for (it is gone)."""
+    sched = scheduler_with({"a": 0.6, "b": 0.2, "c": 0.3})
+    sched.request("a", 1.0)
+    assert sched.request("b", 1.0).grant is not None
+    for i in range(3):
+        assert sched.observe_utilization(1.0 + 0.2 * i, 1.2 + 0.2 * i, 0.8)
+    sched.remove("b", 1.6)
+    sched.release("a", 1.6)
+    sched.request("c", 1.6)
+    assert set(sched.grants) == {"c"}
+    assert sched.observe_utilization(1.6, 1.8, 0.3)
+    assert sched.tenants["c"].busy == pytest.approx(0.3)
+    assert sched.tenants["a"].busy == pytest.approx(0.6)
+
+
 def test_over_mps_co_held_periods_keep_the_figures_in_either_order() -> None:
     """Over MPS co-held kernels overlap, so the device's utilisation is below the co-holders'
     figures and says nothing of each (an additive solve gave the whole gap to the first of

@@ -271,6 +271,9 @@ class TokenScheduler:
             self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
         self._held.pop(tenant, None)
+        # Periods it held in cannot be explained without it.
+        kept = [p for p in self._periods if tenant not in p.alone and tenant not in p.shared]
+        self._periods = deque(kept, maxlen=BUSY_PERIODS)
         self._rescale()
         return self._decided(now, self._dispatch(now))
 
