@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.examples import examples
-from vgpu_runtime.timeshare.policy import Tenant, TimeshareSettings, TokenScheduler
+from vgpu_runtime.timeshare.policy import MEASURE_TURN, Tenant, TimeshareSettings, TokenScheduler
 
 
 def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
@@ -333,6 +333,30 @@ def test_co_held_periods_move_the_co_holders_in_proportion_in_either_order() -> 
         ends.append({name: sched.tenants[name].busy or 0.0 for name in figures})
     assert ends[0] == pytest.approx(ends[1], abs=1e-9)
     assert ends[0] == pytest.approx({"a": 0.48, "b": 0.16}, abs=0.01)
+
+
+@pytest.mark.parametrize("co_overlap", [True, False], ids=["over MPS", "time-sliced"])
+def test_co_held_time_busier_than_the_figures_allow_makes_them_stale(co_overlap: bool) -> None:
+    """Figures taken in a warm-up (0.06 and 0.04 for two trainers busy 0.9 together on an H100,
+    charged at them for a whole run) cannot explain a co-held period at 0.6: they go stale, the
+    next turns are exclusive, and a turn alone measures the tenant again."""
+    sched = scheduler_with({"a": 0.06, "b": 0.04}, co_overlap=co_overlap)
+    sched.request("a", 1.0)
+    assert sched.request("b", 1.0).grant is not None   # co-held at their low figures
+    sched.observe_utilization(1.0, 1.2, 0.6)
+    assert not any(sched._fresh(t, 1.2) for t in sched.tenants.values())
+    sched.release("a", 1.2)
+    sched.release("b", 1.2)
+    sched.request("a", 1.2)
+    sched.request("b", 1.2)
+    assert len(sched.grants) == 1   # exclusive turns until measured again
+    (holder,) = sched.grants
+    end = 1.2 + max(MEASURE_TURN, 0.2)
+    sched.release(holder, end)
+    assert sched.observe_utilization(1.2, 1.4, 0.45)
+    # Raised (the warm-up period, still kept, holds it below 0.45 for a while) and fresh.
+    assert (sched.tenants[holder].busy or 0.0) >= 0.2
+    assert sched._fresh(sched.tenants[holder], 1.4)
 
 
 def test_a_tenant_that_leaves_takes_its_periods_along() -> None:

@@ -56,7 +56,9 @@ shares stay exact where they contend. A co-held grant is charged its busy fracti
 full (it kept everyone else out). Over MPS (`co_overlap`) co-held kernels run side by side, so a
 co-held period's utilisation is the union of the co-holders' busy time, below its sum: solved
 as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
-below saturation it renews the co-holders' figures from their turns alone, so each is charged
+below saturation it renews the co-holders' figures from their turns alone (unless it is busier
+than their sum allows: then they go stale, as they do time-sliced where the scale would pass
+its most), so each is charged
 its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
 `MEASURE_TURN` at least, so that a whole utilisation period measures it (a measuring turn, which
 the daemon does not cut short at the holder's idle gaps). A co-held tenant ran all it
@@ -95,8 +97,11 @@ BUSY_EVIDENCE = 1.0
 # A turn that measures a tenant over MPS: two of NVML's 200 ms periods, so one lies whole inside.
 MEASURE_TURN = 0.4
 BUSY_RIDGE = 0.05
-# The most a co-held period's utilisation moves its co-holders' figures, either way.
+# The most a co-held period's utilisation moves its co-holders' figures, either way; co-held
+# time busier than their figures allow by more than BUSY_UNEXPLAINED (a scale past the most,
+# or over MPS above their sum) makes their figures stale: an exclusive turn measures them again.
 BUSY_SCALE_MAX = 2.0
+BUSY_UNEXPLAINED = 0.1
 # A period in which (almost) nothing ran tells nothing of a holder's demand: a job holding the
 # token while it loads or sleeps launches nothing, and would read as a job that needs no GPU.
 BUSY_IDLE = 0.02
@@ -368,8 +373,18 @@ class TokenScheduler:
                 into[tenant] = into.get(tenant, 0.0) + (end - max(start, grant.granted_at)) / span
         if co_held and self.config.co_overlap:
             # Overlapping kernels: the period's utilisation is below its co-holders' sum and
-            # says nothing of each, but that they fit: their figures stay, renewed.
-            for tenant in alone.keys() | shared.keys():
+            # says nothing of each, but that they fit: their figures stay, renewed. Unless it
+            # is above that sum: then the figures are too low (taken in a warm-up, say, 0.06
+            # for a trainer busy 0.5 on an H100) and go stale, so a turn alone measures them.
+            held = alone.keys() | shared.keys()
+            allowed = add_up((self.tenants[t].busy or 0.0)
+                             * (alone.get(t, 0.0) + shared.get(t, 0.0)) for t in held)
+            measured = all(self.tenants[t].busy is not None for t in held)
+            if measured and busy > allowed + BUSY_UNEXPLAINED:
+                for tenant in held:
+                    self.tenants[tenant].busy_at = float("-inf")
+                return False
+            for tenant in held:
                 if self.tenants[tenant].busy is not None:
                     self.tenants[tenant].busy_at = end
             return False
@@ -394,6 +409,7 @@ class TokenScheduler:
             return base.get(tenant, self.tenants[tenant].busy_base)
         weight: dict[str, float] = {}
         scaled: dict[str, float] = {}
+        unexplained: set[str] = set()
         for period in self._periods:
             if not period.shared:
                 continue
@@ -408,6 +424,8 @@ class TokenScheduler:
                            if t not in scaling)
             if predicted <= 0:
                 continue
+            if left > BUSY_SCALE_MAX * predicted + BUSY_UNEXPLAINED:
+                unexplained.update(scaling)
             ratio = min(BUSY_SCALE_MAX, max(1 / BUSY_SCALE_MAX, left / predicted))
             for tenant, part in scaling.items():
                 weight[tenant] = weight.get(tenant, 0.0) + part
@@ -420,7 +438,7 @@ class TokenScheduler:
                 continue
             scale = scaled[tenant] / weight[tenant] if weight.get(tenant) else 1.0
             state.busy = min(1.0, max(0.0, state.busy_base * scale))
-            state.busy_at = now
+            state.busy_at = float("-inf") if tenant in unexplained else now
 
     def _solve_base(self) -> dict[str, float]:
         """Least squares of the periods' time held alone, for the tenants that held alone long
