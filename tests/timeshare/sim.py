@@ -49,6 +49,8 @@ class Workload:
     cpu_gap: float = 0.0   # host time after each synchronisation
     warmup: float = 0.0    # > 0: a first burst this long (a warm-up), synced, then idle
     idle_until: float = 0.0   # after the warm-up: host idle until this time, then the loop
+    slow_until: float = 0.0   # before this time the host takes slow_gap after each burst (a
+    slow_gap: float = 0.0     # start-up mostly on the host: loading, compiling)
 
     def __post_init__(self) -> None:
         if self.kernel <= 0 or self.per_sync < 1 or self.cpu_gap < 0:
@@ -244,7 +246,7 @@ class Simulation:
         self.gpu_free, self.gpu_last = end, tenant.name
         self.scheduler.observe_burst(tenant.name, start, end)
         # The host blocks in the synchronisation until the burst ends.
-        ready = end + wl.cpu_gap
+        ready = end + (wl.slow_gap if start < wl.slow_until else wl.cpu_gap)
         if warming:
             tenant.warmed = True
             ready = max(end, wl.idle_until)

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
@@ -381,8 +381,7 @@ class TokenScheduler:
                              * (alone.get(t, 0.0) + shared.get(t, 0.0)) for t in held)
             measured = all(self.tenants[t].busy is not None for t in held)
             if measured and busy > allowed + BUSY_UNEXPLAINED:
-                for tenant in held:
-                    self.tenants[tenant].busy_at = float("-inf")
+                self._go_stale(held)
                 return False
             for tenant in held:
                 if self.tenants[tenant].busy is not None:
@@ -438,7 +437,19 @@ class TokenScheduler:
                 continue
             scale = scaled[tenant] / weight[tenant] if weight.get(tenant) else 1.0
             state.busy = min(1.0, max(0.0, state.busy_base * scale))
-            state.busy_at = float("-inf") if tenant in unexplained else now
+            state.busy_at = now
+        if unexplained:
+            self._go_stale(unexplained)
+
+    def _go_stale(self, tenants: Iterable[str]) -> None:
+        """Figures the co-held time cannot explain: stale, so the next turns are exclusive,
+        and the periods they were solved from forgotten (they describe a past phase of the
+        job, a start-up say: kept, they held a trainer re-measured at 0.53 to 0.30)."""
+        gone = set(tenants)
+        for tenant in gone:
+            self.tenants[tenant].busy_at = float("-inf")
+        kept = [p for p in self._periods if not gone & (p.alone.keys() | p.shared.keys())]
+        self._periods = deque(kept, maxlen=BUSY_PERIODS)
 
     def _solve_base(self) -> dict[str, float]:
         """Least squares of the periods' time held alone, for the tenants that held alone long
