@@ -241,10 +241,9 @@ class TokenScheduler:
         self.started = now
         self.tenants: dict[str, Tenant] = {}
         self.grants: dict[str, Grant] = {}   # who holds the token now, by tenant
-        # History for the busy fractions: who held when (alone or co-held), when grants were
-        # co-held, and the utilisation periods taken.
+        # History for the busy fractions: who held when, alone or co-held, and the utilisation
+        # periods taken.
         self._held: dict[str, deque[tuple[float, float, bool]]] = {}
-        self._shared: deque[tuple[float, float]] = deque(maxlen=256)
         self._periods: deque[Period] = deque(maxlen=BUSY_PERIODS)
         self.generation = 0
         self.preemptions = 0
@@ -276,9 +275,7 @@ class TokenScheduler:
             self._end_grant(tenant, now)
         self.tenants.pop(tenant, None)
         self._held.pop(tenant, None)
-        # Periods it held in cannot be explained without it.
-        kept = [p for p in self._periods if tenant not in p.alone and tenant not in p.shared]
-        self._periods = deque(kept, maxlen=BUSY_PERIODS)
+        self._forget_periods({tenant})   # they cannot be explained without it
         self._rescale()
         return self._decided(now, self._dispatch(now))
 
@@ -355,10 +352,6 @@ class TokenScheduler:
         are estimated again. Returns whether it was taken."""
         if end <= start or busy < BUSY_IDLE:
             return False
-        co_held = (any(s < end and e > start for s, e in self._shared)
-                   or any(g.shared for g in self.grants.values()))
-        if co_held and busy >= BUSY_SATURATED:
-            return False
         span = end - start
         alone: dict[str, float] = {}
         shared: dict[str, float] = {}
@@ -371,6 +364,9 @@ class TokenScheduler:
             if end > max(start, grant.granted_at):
                 into = shared if grant.shared else alone
                 into[tenant] = into.get(tenant, 0.0) + (end - max(start, grant.granted_at)) / span
+        co_held = bool(shared) or any(g.shared for g in self.grants.values())
+        if co_held and busy >= BUSY_SATURATED:
+            return False
         if co_held and self.config.co_overlap:
             # Overlapping kernels: the period's utilisation is below its co-holders' sum and
             # says nothing of each, but that they fit: their figures stay, renewed. Unless it
@@ -448,7 +444,11 @@ class TokenScheduler:
         gone = set(tenants)
         for tenant in gone:
             self.tenants[tenant].busy_at = float("-inf")
-        kept = [p for p in self._periods if not gone & (p.alone.keys() | p.shared.keys())]
+        self._forget_periods(gone)
+
+    def _forget_periods(self, tenants: set[str]) -> None:
+        """Drop the kept periods any of these tenants held in."""
+        kept = [p for p in self._periods if not tenants & (p.alone.keys() | p.shared.keys())]
         self._periods = deque(kept, maxlen=BUSY_PERIODS)
 
     def _solve_base(self) -> dict[str, float]:
@@ -611,7 +611,6 @@ class TokenScheduler:
             busy = state.busy if state.busy is not None else 1.0
             start = grant.granted_at
             self._charge(state, start, start + busy * (end - start))
-            self._shared.append((start, end))
             # It ran all it launched, kept waiting by nobody: like idle time, its lag behind
             # the others is not banked (left behind, it would pin every other lead).
             floor = self._floor(exclude=tenant, idle_too=False)
