@@ -80,12 +80,12 @@ class Member:
 def counted(tenant: Tenant, now: float, config: TimeshareSettings) -> float:
     """What a tenant counts for beside others (README, "Co-scheduling"): its fresh figure
     where neither it nor its base from turns alone is above co_busy_max, else the whole GPU;
-    a capped tenant all of co_room (it never shares)."""
-    if tenant.limit < 1.0:
-        return config.co_room
+    a capped tenant, or one without a fresh figure from turns alone, all of co_room (it never
+    shares)."""
     figure = tenant.busy
-    if figure is None or now - tenant.busy_at > config.co_refresh:
-        return 1.0
+    if (tenant.limit < 1.0 or figure is None or not tenant.measured_alone
+            or now - tenant.busy_at > config.co_refresh):
+        return config.co_room
     return figure if max(figure, tenant.busy_base or 0.0) <= config.co_busy_max else 1.0
 
 
@@ -309,6 +309,13 @@ FIXED = {
                                   M(3, False, "gpu-8192")], 0.0),
     # A capped waiter, raised to the eligible waiters' virtual time, was not bounded against a
     # holder further behind: 0.93 s ahead (debt 0.55 s).
+    # Two launch-bound co-holders far behind, each the other's floor, charged at figures of
+    # 0.27 / 0.31, paid their lag back at a third of the pace longest_wait assumes: an inference
+    # loop ahead of them, behind a capped tenant's exclusive turn, waited 5.3 s against 5.0 s.
+    "co-holders-lag-behind-waiters-bounded": ([M(6, False, "infer-0.29"),
+                                               M(1, True, "gpu-sync"),
+                                               M(6, False, "launch-0.33"),
+                                               M(2, False, "infer-0.29")], 0.12539810088841075),
     "capped-waiter-lead-bounded": ([M(1, False, "infer-0.29"), M(1, False, "launch-0.2"),
                                     M(2, True, "gpu-8192")], 0.0),
 }

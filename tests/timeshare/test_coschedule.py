@@ -115,12 +115,46 @@ def test_a_light_tenant_shares_with_one_that_takes_the_whole_gpu(
     assert decision.grant is not None and decision.grant.shared, why
 
 
-def test_a_stale_holder_counts_for_the_whole_gpu() -> None:
+def test_a_stale_holder_takes_a_measuring_turn_alone() -> None:
+    """Only a turn alone measures a tenant: a stale one is neither joined nor joins, and its
+    turn spans a whole utilisation period, kept from the idle release."""
     sched = scheduler_with({"a": 0.6, "b": 0.2, "c": 0.3}, co_refresh=5.0)
     sched.tenants["b"].busy_at = sched.tenants["c"].busy_at = 6.0   # b, c measured again
-    sched.request("a", 6.0)                          # a's figure, from before 1.0, is stale
-    assert sched.request("b", 6.0).grant is not None       # 1.0 + 0.2 fits the room
-    assert sched.request("c", 6.0).grant is None           # 1.0 + 0.2 + 0.3 does not
+    grant = sched.request("a", 6.0).grant            # a's figure, from before 1.0, is stale
+    assert grant is not None and grant.measuring and grant.quota >= MEASURE_TURN
+    assert sched.request("b", 6.0).grant is None     # light, but beside an unmeasured holder
+    sched.release("a", 6.0 + MEASURE_TURN)
+    assert sched.observe_utilization(6.0, 6.2, 0.6)
+    assert sched.grants["b"].shared is False          # b's turn; a measured again:
+    assert sched.request("a", 6.4).grant is not None  # joins it, 0.6 + 0.2 fits the room
+
+
+def test_a_tenant_solved_only_from_co_held_time_is_not_co_held_again() -> None:
+    """Time-sliced co-held time fixes the co-holders' sum only; a figure from it (a tenant
+    never measured alone) is no figure to co-hold by: its next turn is alone and measures it."""
+    sched = scheduler_with({"a": 0.3})
+    sched.add("b", 0.5, 1.0, 1.0)
+    sched.tenants["b"].busy, sched.tenants["b"].busy_at = 0.3, 1.0   # as if solved from sums
+    sched.request("a", 1.0)
+    assert sched.request("b", 1.0).grant is None
+
+
+def test_a_co_holder_starts_at_most_the_debt_behind_the_tenants_waiting() -> None:
+    """Charged only its busy time, a co-holder pays a lag back slowly: two co-holders, each the
+    other's floor, kept a waiter ahead of them 5.3 s against a 5.0 s bound. When a co-held
+    grant ends its lag behind the least advanced waiter is cut to `debt`, and no further."""
+    sched = scheduler_with({"a": 0.3, "b": 0.3}, shares={"a": 0.4, "b": 0.4})
+    sched.add("w", 0.1, 0.1, 0.4)                 # capped: exclusive turns only
+    sched.request("a", 0.5)
+    assert sched.request("b", 0.5).grant is not None and sched.grants["b"].shared
+    for tenant in sched.tenants.values():
+        tenant.vtime = 0.0
+    sched.tenants["w"].vtime = 5.0                # ahead by its debt bound (0.55 / 0.1)
+    assert sched.request("w", 0.5).grant is None
+    sched.release("a", 0.6)
+    most_behind = 5.0 - sched.config.debt / 0.4
+    assert most_behind - 1e-9 <= sched.tenants["a"].vtime < 5.0
+    assert sched.tenants["b"].vtime < most_behind   # still holding: charged when it ends
 
 
 def test_a_co_held_period_with_room_measures_the_holders_again() -> None:

@@ -59,14 +59,16 @@ as a sum it would hand the whole overlap to one of them. There a co-held period 
 below saturation it renews the co-holders' figures from their turns alone (unless it is busier
 than their sum allows: then they go stale, as they do time-sliced where the scale would pass
 its most), so each is charged
-its own busy time; a tenant with no fresh figure is never co-held, and its exclusive turn lasts
-`MEASURE_TURN` at least, so that a whole utilisation period measures it (a measuring turn, which
-the daemon does not cut short at the holder's idle gaps). A co-held tenant ran all it
+its own busy time. On both paths only a turn alone measures a tenant: one with no fresh figure
+from turns alone is never co-held, and its exclusive turn lasts `MEASURE_TURN` at least, so
+that a whole utilisation period measures it (a measuring turn, which the daemon does not cut
+short at the holder's idle gaps; `longest_wait` counts it). A co-held tenant ran all it
 launched, kept waiting by nobody: when its grant ends it starts no further behind than the
 least advanced other active tenant, as one back from idle (a light co-holder left behind would
 otherwise be the floor that pins every other lead, and the largest request would win every
-turn). Figures that go stale while co-held at saturation mean exclusive turns, which measure
-them again. Only the first in line
+turn), nor more than `debt` behind the least advanced waiter (charged only its busy time, it
+would pay a longer lag back slower than `longest_wait` allows). Figures that go stale while
+co-held at saturation mean exclusive turns, which measure them again. Only the first in line
 is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
 holders drain within a quota and it is granted. A capped tenant (limit below 1) is never co-held:
 its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
@@ -152,12 +154,17 @@ class TimeshareSettings:
         never less than a revoked least grant (so a cap holds whatever the limit)."""
         return -max(limit * self.debt, self.revoke_grace + self.min_quota)
 
+    @property
+    def longest_grant(self) -> float:
+        """The longest grant: `max_quota`, or with co-scheduling a measuring turn."""
+        return max(self.max_quota, MEASURE_TURN) if self.co_schedule else self.max_quota
+
     def longest_wait(self, share: float, limit: float, tenants: int) -> float:
         """The bound on how long a tenant asking continuously waits for a grant (effective
         request, limit, tenants on the GPU), handoffs aside: its lead paid back at its
-        request, one grant plus grace of each other tenant, and its credit refilled."""
+        request, one longest grant plus grace of each other tenant, and its credit refilled."""
         lead = self.debt * (1 - share) / share
-        grants = (tenants - 1) * (self.max_quota + self.revoke_grace)
+        grants = (tenants - 1) * (self.longest_grant + self.revoke_grace)
         credit = (self.min_quota - self.credit_floor(limit)) / limit if limit < 1 else 0.0
         return lead + grants + credit
 
@@ -612,10 +619,17 @@ class TokenScheduler:
             start = grant.granted_at
             self._charge(state, start, start + busy * (end - start))
             # It ran all it launched, kept waiting by nobody: like idle time, its lag behind
-            # the others is not banked (left behind, it would pin every other lead).
+            # the others is not banked (left behind, it would pin every other lead). Behind
+            # the tenants waiting, at most `debt`: co-held, it is charged only its busy time,
+            # so a lag paid back at that pace kept a waiter ahead of two co-holders 5 s.
             floor = self._floor(exclude=tenant, idle_too=False)
             if floor is not None:
                 state.vtime = max(state.vtime, floor)
+            waiting = [t.vtime for t in self.tenants.values()
+                       if t.id != tenant and t.waiting_since is not None]
+            if waiting:
+                state.vtime = max(state.vtime,
+                                  min(waiting) - self.config.debt / self._shares[tenant])
         else:
             self._charge(state, grant.granted_at, end)
         self._held_for(tenant, grant.granted_at, end, grant.shared)
@@ -729,6 +743,9 @@ class TokenScheduler:
             return 1.0
         return busy
 
+    def _measured(self, tenant: Tenant, now: float) -> bool:
+        return tenant.measured_alone and self._fresh(tenant, now)
+
     def _fresh(self, tenant: Tenant, now: float) -> bool:
         return tenant.busy is not None and now - tenant.busy_at <= self.config.co_refresh
 
@@ -743,10 +760,10 @@ class TokenScheduler:
         # let it run past its cap (0.72 of the GPU under a 0.3 cap over MPS, H100).
         if tenant.limit < 1.0 or any(self.tenants[t].limit < 1.0 for t in self.grants):
             return False
-        # Over MPS only a turn alone measures a tenant: one with no fresh figure takes
-        # exclusive turns until it has one (co-held, it would be charged in full for ever).
-        if self.config.co_overlap and not all(
-                self._fresh(self.tenants[t], now) for t in (*self.grants, tenant.id)):
+        # Only a turn alone measures a tenant (over MPS co-held time says nothing of each;
+        # time-sliced only the co-holders' sum): one with no fresh figure from turns alone
+        # takes exclusive turns until it has one.
+        if not all(self._measured(self.tenants[t], now) for t in (*self.grants, tenant.id)):
             return False
         taken = add_up(self._room_taken(self.tenants[t], now) for t in self.grants)
         return taken + self._room_taken(tenant, now) <= self.config.co_room
@@ -799,10 +816,10 @@ class TokenScheduler:
                 self.co_grants += 1
             self.generation += 1
             quota = self._quota(chosen, now)
-            # Over MPS only a period held alone measures a tenant: its turn spans one, and is
-            # not cut short in the tenant's idle gaps.
-            measuring = (self.config.co_overlap and not shared and len(self.tenants) > 1
-                         and not self._fresh(chosen, now) and chosen.limit >= 1.0)
+            # Only a period held alone measures a tenant: its turn spans one, and is not cut
+            # short in the tenant's idle gaps.
+            measuring = (self.config.co_schedule and not shared and len(self.tenants) > 1
+                         and not self._measured(chosen, now) and chosen.limit >= 1.0)
             if measuring:
                 quota = max(quota, MEASURE_TURN)
             grant = Grant(chosen.id, self.generation, now, quota, shared, measuring)
