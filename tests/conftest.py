@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests import sharedbuild
+
 # Host-wide GPU locks (vgpu_runtime/gpulock.py) in a directory of this run's own, inherited by
 # every process the tests start: runs beside each other (and real users' daemons) hold the same
 # simulated GPUs' UUIDs, and must not refuse each other; nor need the machine have /run/lock.
@@ -27,6 +29,14 @@ _INHERITED = os.environ.get("GEMINI_TEST_LOCKS")
 if os.environ.get("GEMINI_GPU_LOCK_DIR", _INHERITED) == _INHERITED:
     os.environ["GEMINI_GPU_LOCK_DIR"] = os.environ["GEMINI_TEST_LOCKS"] = _LOCKS
 atexit.register(shutil.rmtree, _LOCKS, True)
+# The libraries every worker preloads are built once per run into one directory (tests/
+# sharedbuild.py): made here by the controller (or the one process of a serial run), inherited by
+# its workers, removed when the controller exits.
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    _BUILT = tempfile.mkdtemp(prefix="gm-built-")
+    os.chmod(_BUILT, 0o755)   # other uids and containers read what is built there
+    os.environ[sharedbuild.ROOT_VARIABLE] = _BUILT
+    atexit.register(shutil.rmtree, _BUILT, True)
 # No kubelet's PodResources unless a test gives one (--pod-resources-socket wins): on a machine
 # with a real kubelet (the cluster lane's leaves its socket) every daemon the tests start would
 # otherwise List it, find no pod, and make each kubelet record's hello wait its bind timeout

@@ -13,8 +13,6 @@ interposer and the channel arrive only through the Allocate response.
 from __future__ import annotations
 
 import asyncio
-import atexit
-import functools
 import json
 import shutil
 import subprocess
@@ -29,13 +27,13 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests import sharedbuild
 from tests.childenv import child_env
 from tests.daemon.helpers import DaemonProcess, wait_for
 from tests.hook.cudaprobe import COUNTERS
 from vgpu_runtime import hooklib
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.contracts.allocation import AllocationRecord
-from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.devkit.kubelet_emulator import KubeletEmulator, Pod
 from vgpu_runtime.devkit.kubelet_emulator.plugin_process import PluginProcess
 from vgpu_runtime.devkit.kubelet_emulator.runtime import (
@@ -48,7 +46,6 @@ from vgpu_runtime.devkit.kubelet_emulator.runtime import (
     runc_refusal,
 )
 from vgpu_runtime.gpus.simulated import simulated_uuid
-from vgpu_runtime.hook import build
 
 T = TypeVar("T")
 GiB = 1 << 30
@@ -239,15 +236,11 @@ class ContainerNode:
                 f"---- plugin ----\n{self.plugin.log_text()[-2000:]}")
 
 
-@functools.cache
 def built() -> tuple[Path, Path]:
-    """The strict interposer and the fake driver, built once per test process (their sources
-    do not change during a run): every node installs the one and mounts the other, read-only,
-    so nodes need not compile them again."""
-    root = Path(tempfile.mkdtemp(prefix="gc-built-", dir="/tmp"))
-    root.chmod(0o755)   # containers of other uids read the driver
-    atexit.register(shutil.rmtree, root, True)
-    return build.build_library(root / "hook", strict=True), build_fake_driver(root / "driver")
+    """The strict interposer and the fake driver, built once per run (tests/sharedbuild.py):
+    every node installs the one and mounts the other, read-only (containers of other uids read
+    the driver), so nodes need not compile them again."""
+    return sharedbuild.hook_library(), sharedbuild.fake_driver()
 
 
 def install_hook(state_dir: Path, library: Path | None = None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests import sharedbuild
 from tests.childenv import python_path
 from tests.daemon.inprocess import InProcessDaemon
 from vgpu_runtime.devkit.daemon_node import (
@@ -28,8 +29,6 @@ from vgpu_runtime.devkit.daemon_node import (
     stop_node,
 )
 from vgpu_runtime.devkit.daemon_process import make_record, wait_served
-from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
-from vgpu_runtime.hook import build
 
 REPO = Path(__file__).resolve().parents[2]
 PRELUDE = "from tests.hook.cudaprobe import *\nimport ctypes, json, os\n"
@@ -40,13 +39,14 @@ __all__ = ["LIMIT", "OTHER_UUID", "PRELUDE", "UUID", "DaemonNode", "GiB", "Hooke
 
 
 @pytest.fixture(scope="session")
-def hook_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build.build_library(tmp_path_factory.mktemp("hook"), strict=True)
+def hook_lib() -> Path:
+    """The hook built strict, once per run for all workers (tests/sharedbuild.py)."""
+    return sharedbuild.hook_library()
 
 
 @pytest.fixture(scope="session")
-def fake_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_fake_driver(tmp_path_factory.mktemp("fakecuda"))
+def fake_dir() -> Path:
+    return sharedbuild.fake_driver()
 
 
 class Hooked:

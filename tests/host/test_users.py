@@ -21,14 +21,13 @@ from typing import Any
 
 import pytest
 
+from tests import sharedbuild
 from tests.host.conftest import ENV, HostDaemon, Members, User, mode_of, wait_exit
 from tests.scrape import free_port
 from vgpu_runtime import gpulock
 from vgpu_runtime.contracts import allocation, paths
 from vgpu_runtime.devkit.daemon_process import wait_for
-from vgpu_runtime.devkit.fakecuda.builder import build_fake_driver
 from vgpu_runtime.gpus.simulated import DEFAULT_MEMORY, simulated_uuid
-from vgpu_runtime.hook import build
 
 GiB = 1 << 30
 RUN_S = 2.5
@@ -69,19 +68,10 @@ WAIT = "import json, os, sys; print(json.dumps(dict(os.environ)), flush=True); s
 
 
 @pytest.fixture(scope="module")
-def built() -> Iterator[tuple[Path, Path]]:
-    """The interposer (strict) and the fake driver, in a directory every user may read."""
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="gmh-lib-"))
-    os.chmod(root, 0o755)
-    library = build.build_library(root / "hook", strict=True)
-    fake = build_fake_driver(root / "fake")
-    for directory in (root / "hook", root / "fake"):
-        os.chmod(directory, 0o755)
-    yield library, fake
-    shutil.rmtree(root, ignore_errors=True)
+def built() -> tuple[Path, Path]:
+    """The interposer (strict) and the fake driver, in the run's directory every user may read
+    (tests/sharedbuild.py)."""
+    return sharedbuild.hook_library(), sharedbuild.fake_driver()
 
 
 def job_env(fake: Path, **extra: str) -> dict[str, str]:

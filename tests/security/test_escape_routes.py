@@ -24,6 +24,7 @@ import pytest
 
 from device_plugin.allocator import Allocator
 from device_plugin.slices import SliceTable
+from tests import sharedbuild
 from tests.childenv import as_user, child_env, in_mount_namespace
 from tests.gpu.replay import need_runtime, replayed
 from vgpu_runtime import hooklib
@@ -32,7 +33,6 @@ from vgpu_runtime.contracts import paths
 from vgpu_runtime.devkit.hookdir import install_hook
 from vgpu_runtime.devkit.kubelet_emulator.runtime import ContainerConfig
 from vgpu_runtime.gpus.simulated import SimulatedBackend
-from vgpu_runtime.hook import build
 from vgpu_runtime.kubeletapi.deviceplugin.v1beta1 import api_pb2
 from vgpu_runtime.pluginconfig import PluginConfig
 
@@ -109,12 +109,9 @@ PROBE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def hook_lib() -> Iterator[Path]:
-    out = Path(tempfile.mkdtemp(prefix="gh-"))
-    try:
-        yield build.build_library(out, strict=True)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+def hook_lib() -> Path:
+    """The run's strict build, in a directory every user may read (tests/sharedbuild.py)."""
+    return sharedbuild.hook_library()
 
 
 def _probe(env: Mapping[str, str]) -> bool:
