@@ -1,11 +1,12 @@
 """The daemon serves the hooks of older wire versions that keep running in pods across its upgrade.
 
-Each hello gets the reply layout of its version: version 3 without the cap, versions 1 and 2
-with it (the daemon's effective cap, which their structs carry). A version-1 hook gets every
+Each hello gets the reply layout of its version: versions 3 and 4 without the cap, versions 1
+and 2 with it (the daemon's effective cap, which their structs carry). A version-1 hook gets every
 frame in version-1 headers and no page descriptors: it asks for every launch, and the daemon
 takes its asks as its activity, so it is not released as idle 2 ms into every grant (the idle
 check once fell back to the grant time for a holder that never wrote an activity page). A
-version the daemon does not serve is refused, naming those it does.
+version the daemon does not serve is refused, naming those it does. A usage report counts its
+bursts from version 4 on; before, that field is reserved (zero).
 """
 
 from __future__ import annotations
@@ -80,14 +81,19 @@ class V1Hook:
 
 
 REPLY_STRUCT = {1: "struct gm_hello_reply_v1", 2: "struct gm_hello_reply_v2",
-                3: "struct gm_hello_reply"}
+                3: "struct gm_hello_reply", 4: "struct gm_hello_reply"}
 
 
-@pytest.mark.parametrize("version", [1, 2, 3])
+def test_every_version_served_is_tested() -> None:
+    assert set(REPLY_STRUCT) == wire.SUPPORTED_VERSIONS
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_each_hello_version_gets_its_own_reply_layout_with_its_values(
         daemon: DaemonProcess, state_dir: Path, version: int) -> None:
-    """Versions 1 and 2 get each GPU's cap (0.6 asked; the whole GPU keeps 1.0), version 3 a
-    zero reserved field in its place; versions 2 and 3 get the settings and two pages per GPU."""
+    """Versions 1 and 2 get each GPU's cap (0.6 asked; the whole GPU keeps 1.0), versions 3
+    and 4 a zero reserved field in its place; versions 2 on get the settings and two pages per
+    GPU."""
     record = make_record(state_dir, gpus=((UUID_A, 300 * MiB, 0.3), (UUID_B, 700 * MiB, 1.0)),
                          limit=0.6)
     with ChannelClient(wait_served(record)) as client:
@@ -112,23 +118,41 @@ def test_each_hello_version_gets_its_own_reply_layout_with_its_values(
         assert client.reserve(1, MiB).granted and client.request_token(0).valid()
 
 
-@pytest.mark.parametrize("header_version", [3, 4])
+@pytest.mark.parametrize("header_version", [4, 5])
 def test_a_hello_of_a_version_not_served_is_refused_naming_those_served(
         daemon: DaemonProcess, state_dir: Path, header_version: int) -> None:
-    """Version 4 in the hello (in a version-3 header, or in its own): GM_ERR_BAD_VERSION in a
-    version-3 frame (what a newer hook falls back on), naming versions 1 to 3; then closed."""
+    """Version 5 in the hello (in a version-4 header, or in its own): GM_ERR_BAD_VERSION in a
+    version-4 frame (what a newer hook falls back on), naming versions 1 to 4; then closed."""
     record = make_record(state_dir)
     with ChannelClient(wait_served(record)) as client:
-        hello = wire.new(C("GM_MSG_HELLO"), proto_version=4, pid=1)
+        hello = wire.new(C("GM_MSG_HELLO"), proto_version=5, pid=1)
         hello.h.version = header_version
         client.send_raw(wire.encode(hello))
         error = client.recv_frame()
         assert error is not None and wire.frame_type(error) == C("GM_MSG_ERROR")
-        assert error.h.version == 3 and error.status == C("GM_ERR_BAD_VERSION")
+        assert error.h.version == 4 and error.status == C("GM_ERR_BAD_VERSION")
         reason = wire.text_field(error.reason)
-        assert "protocol 4" in reason or "protocol version 4" in reason, reason
-        assert "1 to 3" in reason or "1 or 2 or 3" in reason, reason
+        assert "protocol 5" in reason or "protocol version 5" in reason, reason
+        assert "1 to 4" in reason or "1 or 2 or 3 or 4" in reason, reason
         assert client.recv_frame() is None
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_a_usage_reports_burst_count_is_read_from_version_4_and_must_be_zero_before(
+        daemon: DaemonProcess, state_dir: Path, version: int) -> None:
+    record = make_record(state_dir)
+    with ChannelClient(wait_served(record)) as client:
+        client.hello_frame(version)
+        now = time.monotonic_ns()
+        client.report_usage(0, now - 5_000_000, now, bursts=0)   # every version: accepted
+        client.report_usage(0, now - 5_000_000, now, bursts=3)
+        if version >= 4:
+            assert client.request_token(0).valid()
+        else:
+            error = client.recv_frame()
+            assert error is not None and error.status == C("GM_ERR_MALFORMED")
+            assert "reserved field not zero" in wire.text_field(error.reason)
+            assert client.recv_frame() is None
 
 
 def test_a_version_1_hook_gets_its_own_reply_and_headers_and_no_pages(

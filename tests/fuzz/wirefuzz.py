@@ -53,7 +53,7 @@ def hostile_frame(rng: random.Random) -> bytes:
                   "reserved": rng.choice([0, 0, _u32(rng)]), "work_end_ns": _time(rng)}
     else:
         fields = {"gpu": rng.choice([0, 1, 2, _u32(rng)]),
-                  "reserved": rng.choice([0, 0, _u32(rng)]),
+                  "bursts": rng.choice([0, 1, _u32(rng)]),
                   "burst_start_ns": _time(rng), "burst_end_ns": _time(rng)}
     return wire.encode(wire.new(msg, seq=_u32(rng), **fields))
 

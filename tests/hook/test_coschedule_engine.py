@@ -104,6 +104,13 @@ def test_launch_bound_tenants_fill_each_others_gaps_on_one_contended_gpu(
     # what the pair did apart (neither is starved to make room for the other).
     assert sum(together["requests"]) >= 1.2 * sum(apart["requests"]), (apart, together)
     assert min(together["requests"]) >= 0.45 * sum(apart["requests"]), (apart, together)
+    # The daemon's count of each one's progress co-held (its bursts per second held beside the
+    # other, from the hook's usage reports) is what it did: co-held most of the window, one
+    # request a burst (the two run the same shape: against their mean).
+    done = sum(together["requests"]) / 2 / WINDOW
+    for tenant in together["gpu"]["tenants"]:
+        _alone, co_held = tenant["burst_rates"]
+        assert co_held is not None and 0.7 <= co_held / done <= 1.3, (done, tenant)
 
 
 def test_a_capped_tenant_is_never_co_held_and_stays_within_its_cap_on_the_engine(

@@ -1,10 +1,11 @@
 """The hook against older node daemons (a DaemonSet rolled back while pods with a newer hook run).
 
-The daemon here is a stub that speaks wire version 1 or 2 as those daemons did (or 3, with a
-reserved field set that the hook must refuse): hello, memory and token requests, a frame of a
-newer version refused with GM_ERR_BAD_VERSION in a frame of its own version; version 1 with its
-pages in the channel and (before token request flags) "token request flags must be zero",
-version 2 with its pages passed with the hello. The hook speaks the daemon's version to it.
+The daemon here is a stub that speaks wire version 1, 2 or 3 as those daemons did (or 3 with a
+reserved field set that the hook must refuse; or 4, this one, for the usage reports): hello,
+memory and token requests, a frame of a newer version refused with GM_ERR_BAD_VERSION in a frame
+of its own version; version 1 with its pages in the channel and (before token request flags)
+"token request flags must be zero", version 2 with its pages passed with the hello; version 3's
+usage reports with their burst count zero (reserved). The hook speaks the daemon's version to it.
 Against the flagless one, the hooked process runs in report mode with a long kernel, so its asks
 say GM_TOKEN_WORK_RUNNING: the hook must reconnect and ask again at once without the flag, and
 never pass launches ungated for it.
@@ -58,6 +59,7 @@ class OlderDaemon:
         self.page = TokenPage(self.pages / "token.0", GATE_TOKEN, sealed=version > 1)
         self.activity = ActivityPage(self.pages / "activity.0")
         self.seen: Counter[str] = Counter()
+        self.reported_bursts: list[int] = []   # each usage report's burst count, as sent
         self.generation = 0
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(paths.channel_socket(channel)))
@@ -164,6 +166,8 @@ class OlderDaemon:
             return wire.encode(wire.new(C("GM_MSG_TOKEN_GRANT"), seq=seq, version=self.version,
                                         gpu=0, status=C("GM_OK"), generation=self.generation,
                                         valid_until_ns=until))
+        if kind == C("GM_MSG_USAGE_REPORT"):
+            self.reported_bursts.append(frame.bursts)  # type: ignore[attr-defined]
         return None   # usage reports have no reply
 
     def close(self) -> None:
@@ -222,7 +226,7 @@ def test_a_refused_flag_is_dropped_and_the_request_sent_again_at_once(
     assert seen["token"] >= 5 and stats["daemon_connects"] == 2, (seen, stats)
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 @pytest.mark.parametrize("pod", [False, True], ids=["writable-channel", "read-only-pod"])
 def test_an_older_daemon_is_spoken_to_in_its_version(hooked: Hooked, pod: bool,
                                                       version: int) -> None:
@@ -263,6 +267,49 @@ def test_an_older_daemon_is_spoken_to_in_its_version(hooked: Hooked, pod: bool,
         assert proc.stderr.count(f"speaks wire version {version}") == 1, proc.stderr
         # Its activity page was written where it was passed or the channel is writable.
         assert (daemon.activity.read().launches > 0) == (version >= 2 or not pod)
+    finally:
+        daemon.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("version", [3, 4])
+def test_usage_reports_count_their_bursts_only_to_a_daemon_that_reads_the_count(
+        hooked: Hooked, version: int) -> None:
+    """Each usage report says how many synchronisation-delimited bursts it merged (wire version
+    4: the daemon's measure of a tenant's progress); to a version-3 daemon, which checks that
+    the field is zero, it says nothing. Every burst is counted once, merged or not."""
+    root = Path(tempfile.mkdtemp(prefix="gmb-"))
+    daemon = OlderDaemon(root, flags_known=True, version=version)
+    try:
+        result = hooked.python("""
+            import time
+            lib = cuda()
+            context(lib)
+            stream = ctypes.c_void_p(0x77)
+            def burst():
+                assert lib.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, stream, None, None) == 0
+                assert lib.cuStreamSynchronize(stream) == 0
+            bursts = 0
+            end = time.monotonic() + 0.35
+            while time.monotonic() < end:
+                for _ in range(3):       # back to back: merged into one report entry
+                    burst()
+                bursts += 3
+                time.sleep(0.004)        # past the merge gap: the next entry
+            time.sleep(0.12)             # past the report interval: the next sync sends it all
+            burst()
+            print(json.dumps({"bursts": bursts + 1, "stats": stats()}))
+        """, {"GEMINI_CHANNEL_DIR": str(root), "FAKE_CUDA_UUIDS": UUID,
+              "FAKE_CUDA_TOTAL_MEM": str(16 * LIMIT), "GEMINI_HOOK_DAEMON_WAIT": "2"})
+        sent = result["stats"]["usage_reports"]
+        deadline = time.monotonic() + 5
+        while len(daemon.reported_bursts) < sent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sent >= 2 and len(daemon.reported_bursts) == sent, (result, daemon.seen)
+        if version >= 4:
+            assert sum(daemon.reported_bursts) == result["bursts"], daemon.reported_bursts
+        else:
+            assert set(daemon.reported_bursts) == {0}, daemon.reported_bursts
     finally:
         daemon.close()
         shutil.rmtree(root, ignore_errors=True)

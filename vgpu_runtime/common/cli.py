@@ -14,7 +14,7 @@ from vgpu_runtime import __version__, hooklib
 
 
 def version_text(prog: str) -> str:
-    """`gemini-run 0.3.0 (interposer libgemini-hook.so.0.3.0-<digest>)`."""
+    """`gemini-run 0.4.0 (interposer libgemini-hook.so.0.4.0-<digest>)`."""
     return f"{prog} {__version__} (interposer {hooklib.library_name()})"
 
 

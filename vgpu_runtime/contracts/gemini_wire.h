@@ -18,8 +18,8 @@
  *
  * Versions. A connection speaks the version of its hello, in every header both ways; the
  * daemon serves GM_WIRE_VERSION_MIN to GM_WIRE_VERSION, so hooks already running in pods keep
- * working across a daemon upgrade. Only the hello reply has ever changed; every other frame is
- * laid out as in version 1.
+ * working across a daemon upgrade. Only the hello reply has ever changed its layout; every other
+ * frame is laid out as in version 1.
  * - Version 1: struct gm_hello_reply_v1. No page descriptors: the hook asks over the socket for
  *   every launch (the daemon takes its requests as its activity).
  * - Version 2: struct gm_hello_reply_v2 adds
@@ -29,10 +29,14 @@
  *     container needs no write access to anything, and nobody can open them by path;
  *   - the enforcement settings (struct gm_settings), set per node in the daemon's
  *     configuration. The hook's environment may only ask for more safety than these.
- * - Version 3 (this one): struct gm_hello_reply drops limit_ppm from each GPU's grant (the
+ * - Version 3: struct gm_hello_reply drops limit_ppm from each GPU's grant (the
  *   daemon enforces the cap; no hook read it). Its place is `reserved`, zero, which the hook
  *   checks, so the reply keeps version 2's size and alignment with no implicit padding. Version-1
  *   and version-2 hooks still get limit_ppm (the daemon's effective cap) in their own layouts.
+ * - Version 4 (this one): the usage report's `reserved` becomes `bursts`, the synchronisation-
+ *   delimited bursts merged into the report (the daemon's measure of a tenant's progress: its
+ *   bursts per second held, alone and beside others). Same layout; in versions 1 to 3 it is
+ *   zero, which the daemon checks, so the hook sends it zero on an older connection.
  * The hook reads memory_limit and share_ppm (its fallback when no grant is to be had,
  * launch/token.c), the pages and the settings.
  *
@@ -54,8 +58,9 @@
 #define GM_CHANNEL_SOCKET_NAME "sched.sock"
 
 /* GM_CDEF_BEGIN */
-#define GM_WIRE_VERSION 3
+#define GM_WIRE_VERSION 4
 #define GM_WIRE_VERSION_MIN 1   /* the oldest hello the daemon still serves */
+#define GM_WIRE_BURSTS_SINCE 4  /* the usage report's bursts; zero (reserved) before */
 #define GM_MAX_FRAME 4096
 #define GM_MAX_GPUS 16
 #define GM_UUID_BYTES 16
@@ -269,10 +274,10 @@ struct gm_token_release {  /* the holder gives the token back early; no reply */
     int64_t work_end_ns;
 };
 
-struct gm_usage_report {   /* one observed kernel burst, for quota sizing; no reply */
+struct gm_usage_report {   /* observed kernel bursts (merged), for quota sizing; no reply */
     struct gm_header h;
     uint32_t gpu;
-    uint32_t reserved;
+    uint32_t bursts;        /* the bursts merged into this one, at least 1 (0 before version 4) */
     int64_t burst_start_ns;
     int64_t burst_end_ns;
 };

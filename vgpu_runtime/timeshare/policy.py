@@ -74,6 +74,9 @@ holders drain within a quota and it is granted. A capped tenant (limit below 1) 
 its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
 full, and its cap holds in busy time; it is woken when its credit refills (`next_deadline`).
 
+Slow-down (measured, not yet acted on): each tenant's bursts per second held, alone and co-held
+(progress.py), give its rate beside the others over its rate alone (`TenantView.slowdown`).
+
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
 """
@@ -86,6 +89,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
+from vgpu_runtime.timeshare.progress import ALONE, SHARED, Progress
 from vgpu_runtime.timeshare.window import UsageWindow, add_up
 
 # Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
@@ -208,6 +212,7 @@ class Tenant:
     limit: float
     usage: UsageWindow          # the window: what status and metrics report
     bursts: BurstEstimator
+    progress: Progress          # its bursts per second held alone and co-held: its slow-down
     vtime: float = 0.0          # charged GPU time / request: the order of service
     credit: float = 0.0         # limit < 1: GPU seconds it may still use (fills at `limit`/s)
     credit_at: float = 0.0
@@ -240,6 +245,8 @@ class TenantView:
     shared: bool              # it holds a co-granted (shared) grant
     charged_total: float      # GPU seconds charged since it joined: any span's charge, by
                               # difference, whenever it is read
+    slowdown: float | None    # its rate co-held over its rate alone, None: not measured
+    burst_rates: tuple[float | None, float | None]   # its bursts per second held alone, co-held
 
 
 class TokenScheduler:
@@ -271,7 +278,7 @@ class TokenScheduler:
         self.tenants[tenant] = Tenant(
             tenant, share, limit, UsageWindow(self.config.window),
             BurstEstimator(self.config.burst_merge_gap, self.config.burst_history),
-            vtime=self._floor(exclude=None) or 0.0, credit_at=now)
+            Progress(now), vtime=self._floor(exclude=None) or 0.0, credit_at=now)
         self.tenants[tenant].credit = self._capacity(self.tenants[tenant])
         self._rescale()
         return self._decided(now, self._dispatch(now))
@@ -349,8 +356,13 @@ class TokenScheduler:
         self._charge_overuse(state, work_end, now)   # none from the daemon's own releases
         return self._decided(now, self._dispatch(now))
 
-    def observe_burst(self, tenant: str, start: float, end: float) -> None:
-        self.tenants[tenant].bursts.observe(start, end)
+    def observe_burst(self, tenant: str, start: float, end: float, bursts: int = 0,
+                      now: float | None = None) -> None:
+        """A usage report, received at `now` (default `end`): the tenant's kernel bursts
+        (`bursts` of them merged, 0: not counted, an older hook) between `start` and `end`."""
+        state = self.tenants[tenant]
+        state.bursts.observe(start, end)
+        state.progress.observe(start, end, bursts, end if now is None else now)
 
     def observe_utilization(self, start: float, end: float, busy: float) -> bool:
         """The device's utilisation over [start, end): the part of it some kernel ran. Taken
@@ -582,7 +594,8 @@ class TokenScheduler:
                 waits[min(len(waits) - 1, int(0.99 * len(waits)))] if waits else None,
                 t.revocations, t.burst_hint or t.bursts.estimate(now), t.last_quota,
                 t.busy if now - t.busy_at <= self.config.co_refresh else None,
-                t.id in self.grants and self.grants[t.id].shared, t.usage.total))
+                t.id in self.grants and self.grants[t.id].shared, t.usage.total,
+                t.progress.slowdown(now), t.progress.rates(now)))
         return views
 
     # ---- internals ----
@@ -611,6 +624,7 @@ class TokenScheduler:
 
     def _end_grant(self, tenant: str, now: float) -> None:
         grant = self.grants.pop(tenant)
+        self._holding_changed(now)
         state = self.tenants[tenant]
         end = max(now, grant.granted_at)
         if grant.shared:
@@ -824,6 +838,7 @@ class TokenScheduler:
                 quota = max(quota, MEASURE_TURN)
             grant = Grant(chosen.id, self.generation, now, quota, shared, measuring)
             self.grants[chosen.id] = grant
+            self._holding_changed(now)
             chosen.last_quota = grant.quota
             if chosen.waiting_since is not None:
                 chosen.waits.append(now - chosen.waiting_since)
@@ -842,6 +857,13 @@ class TokenScheduler:
             self._held_for(tenant, grant.granted_at, now, False)
             self.grants[tenant] = Grant(tenant, grant.generation, now,
                                         grant.expires_at - now, True)
+
+    def _holding_changed(self, now: float) -> None:
+        """The holders changed: each tenant holds alone, co-held or not, by how many hold (a
+        grant joined once stays `shared` after the others leave, so the flag cannot say)."""
+        phase = ALONE if len(self.grants) == 1 else SHARED
+        for tenant in self.tenants.values():
+            tenant.progress.hold(phase if tenant.id in self.grants else None, now)
 
     def _held_for(self, tenant: str, start: float, end: float, shared: bool) -> None:
         self._held.setdefault(tenant, deque(maxlen=64)).append((start, end, shared))

@@ -243,9 +243,9 @@ class AllocationChannel:
         if self.token_gpus:
             self.token_gpus[gpu].release(self.record.id, work_end)
 
-    def usage_report(self, gpu: int, start: float, end: float) -> None:
+    def usage_report(self, gpu: int, start: float, end: float, bursts: int) -> None:
         if self.token_gpus:
-            self.token_gpus[gpu].observe_burst(self.record.id, start, end)
+            self.token_gpus[gpu].observe_burst(self.record.id, start, end, bursts)
 
     # ---- NVML reconciliation (reconcile.Reconciled) ----
 

@@ -258,10 +258,11 @@ class ChannelClient:
                                            version=self.version, gpu=gpu,
                                            work_end_ns=work_end_ns)))
 
-    def report_usage(self, gpu: int, burst_start_ns: int, burst_end_ns: int) -> None:
+    def report_usage(self, gpu: int, burst_start_ns: int, burst_end_ns: int,
+                     bursts: int = 0) -> None:
         self._seq += 1
         self.send_raw(wire.encode(wire.new(C("GM_MSG_USAGE_REPORT"), seq=self._seq,
-                                           version=self.version, gpu=gpu,
+                                           version=self.version, gpu=gpu, bursts=bursts,
                                            burst_start_ns=burst_start_ns,
                                            burst_end_ns=burst_end_ns)))
 
@@ -367,7 +368,7 @@ def request(state_dir: str | Path, op: str = "status", timeout: float = 5.0,
 
 
 TENANT_SAMPLE_FIELDS = ("achieved", "wait_p50_ms", "wait_p99_ms", "revocations", "burst_ms",
-                        "quota_ms", "busy", "charged_s")
+                        "quota_ms", "busy", "charged_s", "slowdown", "burst_rates")
 GPU_SAMPLE_FIELDS = ("grants", "preemptions", "idle_releases", "co_grants", "window_s")
 
 

@@ -77,7 +77,7 @@ class AllocationChannel(Protocol):
 
     def token_release(self, gpu: int, work_end: float | None) -> None: ...
 
-    def usage_report(self, gpu: int, start: float, end: float) -> None: ...
+    def usage_report(self, gpu: int, start: float, end: float, bursts: int) -> None: ...
 
     def connection_closed(self, session: Session) -> None: ...
 
@@ -106,7 +106,8 @@ TOKEN_RELEASE = wire.Unpacker(MSG_TOKEN_RELEASE)
 USAGE_REPORT = wire.Unpacker(MSG_USAGE_REPORT)
 assert TOKEN_REQUEST.fields == ("gpu", "flags", "burst_ns", "work_end_ns")
 assert TOKEN_RELEASE.fields == ("gpu", "reserved", "work_end_ns")
-assert USAGE_REPORT.fields == ("gpu", "reserved", "burst_start_ns", "burst_end_ns")
+assert USAGE_REPORT.fields == ("gpu", "bursts", "burst_start_ns", "burst_end_ns")
+BURSTS_SINCE = C("GM_WIRE_BURSTS_SINCE")   # the usage report's bursts: zero before
 WORK_RUNNING, OK = C("GM_TOKEN_WORK_RUNNING"), C("GM_OK")
 MEM_REPLY = {v: wire.Packer(MSG_MEM_REPLY, v) for v in wire.SUPPORTED_VERSIONS}
 TOKEN_GRANT = {v: wire.Packer(MSG_TOKEN_GRANT, v) for v in wire.SUPPORTED_VERSIONS}
@@ -514,9 +515,9 @@ class Session(Waiter):
         self.channel.token_release(gpu, self._time(work_end_ns, "work_end_ns"))
 
     def _usage_report(self, data: bytes, offset: int) -> None:
-        _seq, (gpu, reserved, start_ns, end_ns) = USAGE_REPORT.unpack_from(data, offset)
+        _seq, (gpu, bursts, start_ns, end_ns) = USAGE_REPORT.unpack_from(data, offset)
         self._token_gpu(gpu, "usage report")
-        if reserved != 0:
+        if bursts != 0 and self.version < BURSTS_SINCE:
             raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report reserved field not zero")
         start = self._time(start_ns, "burst_start_ns")
         end = self._time(end_ns, "burst_end_ns")
@@ -524,7 +525,7 @@ class Session(Waiter):
             if end < start:
                 raise ProtocolError(C("GM_ERR_MALFORMED"), "usage report: the burst ends "
                                     "before it starts")
-            self.channel.usage_report(gpu, start, end)
+            self.channel.usage_report(gpu, start, end, bursts)
 
     def send_grant(self, seq: int, gpu: int, generation: int, valid_until_ns: int) -> None:
         """Queue a TOKEN_GRANT without waiting: the token code calls this from any context,

@@ -218,10 +218,12 @@ class GpuTokens:
         now = self.clock()
         self._apply(self.scheduler.release(allocation_id, now, work_end), now)
 
-    def observe_burst(self, allocation_id: str, start: float, end: float) -> None:
+    def observe_burst(self, allocation_id: str, start: float, end: float,
+                      bursts: int = 0) -> None:
         # A burst cannot end after now: a claimed future end would stretch quotas and stay in
         # the history; clamped, a burst wholly in the future ends before it starts and is dropped.
-        self.scheduler.observe_burst(allocation_id, start, min(end, self.clock()))
+        now = self.clock()
+        self.scheduler.observe_burst(allocation_id, start, min(end, now), bursts, now)
 
     def observe_utilization(self, samples: list[BusySample]) -> None:
         """NVML's device utilisation samples (gpu_busy.py) go to the algorithm, which may now
@@ -454,6 +456,7 @@ def gpu_snapshot(tokens: GpuTokens) -> dict[str, Any]:
             "burst_ms": None if view.burst is None else view.burst * 1000,
             "quota_ms": None if view.last_quota is None else view.last_quota * 1000,
             "busy": view.busy, "shared": view.shared, "charged_s": view.charged_total,
+            "slowdown": view.slowdown, "burst_rates": list(view.burst_rates),
             "memory_used": slot.ledger.used(slot.index),
             "memory_limit": slot.ledger.limit(slot.index),
             "waits": slot.waits.snapshot(),

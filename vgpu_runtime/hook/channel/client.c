@@ -547,6 +547,9 @@ int gm_channel_notify(void *frame) {
     if (fd >= 0 && owner == getpid()) {
         struct gm_header *h = frame;
         fill_header(h, h->type, h->length);
+        /* What older versions reserve (gemini_wire.h), zero on a connection that speaks one. */
+        if (h->type == GM_MSG_USAGE_REPORT && spoken < GM_WIRE_BURSTS_SINCE)
+            ((struct gm_usage_report *)frame)->bursts = 0;
         rc = send_frame(fd, frame);
         if (rc < 0) drop_connection();
     }

@@ -51,7 +51,9 @@ struct gpu_token {
     int pending_count;
     pthread_mutex_t burst_lock;            /* bursts: touched at synchronisations only */
     int64_t merged_start, merged_end;
+    uint32_t merged_bursts;                /* sync-delimited bursts in the merged one */
     int64_t reports[MAX_REPORTS][2];
+    uint32_t report_bursts[MAX_REPORTS];
     int report_count;
     int64_t last_report;
     int64_t longest_unmerged, last_unmerged;  /* sync-delimited bursts, for burst_ns */
@@ -320,14 +322,16 @@ static int gpu_now(void) {
     return gpu < n ? gpu : -1;
 }
 
-/* A finished (merged) burst, kept for the next report. With the table full the last one is
- * stretched over it, gap included: busy time is over-reported then, never dropped. */
-static void keep_burst(struct gpu_token *g, int64_t start, int64_t end) {
+/* A finished (merged) burst of `bursts`, kept for the next report. With the table full the last
+ * one is stretched over it, gap included: busy time is over-reported then, never dropped. */
+static void keep_burst(struct gpu_token *g, int64_t start, int64_t end, uint32_t bursts) {
     if (g->report_count < MAX_REPORTS) {
         g->reports[g->report_count][0] = start;
+        g->report_bursts[g->report_count] = bursts;
         g->reports[g->report_count++][1] = end;
     } else {
         g->reports[MAX_REPORTS - 1][1] = end;
+        g->report_bursts[MAX_REPORTS - 1] += bursts;
     }
 }
 
@@ -346,28 +350,33 @@ void gm_sync_observed(void) {
     if (start < 0) return;   /* nothing launched since the last synchronisation */
     GM_COUNT(bursts_observed_ns, (uint64_t)(end - start));
     int64_t to_send[MAX_REPORTS][2];
+    uint32_t bursts_of[MAX_REPORTS];
     int sending = 0;
     pthread_mutex_lock(&g->burst_lock);
     if (end - start > g->longest_unmerged) g->longest_unmerged = end - start;
     if (g->merged_start >= 0 && start - g->merged_end < MERGE_GAP_NS) {
         g->merged_end = end;
+        g->merged_bursts++;
     } else {
-        if (g->merged_start >= 0) keep_burst(g, g->merged_start, g->merged_end);
+        if (g->merged_start >= 0) keep_burst(g, g->merged_start, g->merged_end, g->merged_bursts);
         g->merged_start = start;
         g->merged_end = end;
+        g->merged_bursts = 1;
     }
     if (end - g->last_report >= REPORT_INTERVAL_NS) {
         /* the burst in progress goes too; the daemon merges its continuation with it */
-        keep_burst(g, g->merged_start, g->merged_end);
+        keep_burst(g, g->merged_start, g->merged_end, g->merged_bursts);
         g->merged_start = -1;
         memcpy(to_send, g->reports, sizeof to_send);
+        memcpy(bursts_of, g->report_bursts, sizeof bursts_of);
         sending = g->report_count;
         g->report_count = 0;
         g->last_report = end;
     }
     pthread_mutex_unlock(&g->burst_lock);
     for (int i = 0; i < sending; i++) {
-        struct gm_usage_report report = {.gpu = (uint32_t)gpu, .burst_start_ns = to_send[i][0],
+        struct gm_usage_report report = {.gpu = (uint32_t)gpu, .bursts = bursts_of[i],
+                                          .burst_start_ns = to_send[i][0],
                                           .burst_end_ns = to_send[i][1]};
         report.h.type = GM_MSG_USAGE_REPORT;
         report.h.length = sizeof report;

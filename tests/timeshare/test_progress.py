@@ -1,0 +1,133 @@
+"""A tenant's slow-down from its bursts per second held, alone and co-held (progress.py), and
+the scheduler feeding it from who holds (policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.timeshare.test_coschedule import scheduler_with
+from vgpu_runtime.timeshare.progress import ALONE, HALF_AFTER, LAG, SHARED, Progress
+
+
+def reports(progress: Progress, start: float, end: float, per_second: float) -> None:
+    """The hook's reports over [start, end): one every 0.1 s, received as it ends,
+    `per_second` bursts a second."""
+    at = start
+    while at < end - 1e-9:
+        progress.observe(at, at + 0.1, round(per_second * 0.1), at + 0.1)
+        at += 0.1
+
+
+def test_the_slowdown_is_the_rate_co_held_over_the_rate_alone() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    reports(progress, 0.0, 2.0, 100)                  # 100 bursts a second alone
+    progress.hold(SHARED, 2.0)
+    reports(progress, 2.0, 2.4, 70)                   # 70 co-held
+    assert progress.slowdown(2.4) is None             # nothing co-held counted yet
+    reports(progress, 2.4, 4.0, 70)
+    progress.hold(None, 4.0)
+    assert progress.slowdown(4.0 + 2 * LAG) == pytest.approx(0.7)
+    assert progress.held == pytest.approx([2.0, 2.0])
+
+
+def test_a_segment_is_counted_once_its_reports_are_in() -> None:
+    # Read before its last reports arrive, a segment would be counted short of bursts.
+    progress = Progress(0.0)
+    progress.hold(SHARED, 1.0)
+    reports(progress, 1.0, 1.3, 50)                   # the report of 1.3-1.4 is still due
+    progress.hold(None, 1.4)
+    progress.slowdown(1.4 + LAG / 2)
+    assert progress.held[SHARED] == 0.0               # not counted yet
+    progress.observe(1.3, 1.4, 5, 1.4 + LAG / 2)
+    progress.slowdown(1.4 + LAG)
+    assert progress.held[SHARED] == pytest.approx(0.4)
+    assert progress.bursts[SHARED] == pytest.approx(20)
+
+
+def test_a_report_over_a_handoff_is_split_by_time_and_time_not_held_is_not_counted() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    progress.hold(SHARED, 0.4)
+    progress.hold(None, 0.8)                          # released: a report after it is overuse
+    progress.observe(0.2, 0.6, 10, 0.8)               # over the handoff: 5 and 5 (the first
+                                                      # part after its segment was counted)
+    progress.observe(0.7, 0.9, 4, 0.9)                # half held, half not: 2 co-held
+    progress.observe(1.0, 1.1, 7, 1.1)                # not held at all: dropped
+    progress.observe(0.5, 0.5, 1, 1.0)                # an instant: where it lies
+    progress.slowdown(1.2)
+    assert progress.bursts == pytest.approx([5.0, 5.0 + 2.0 + 1.0])
+    assert progress.held == pytest.approx([0.4, 0.4])
+
+
+def test_a_long_stretch_one_way_is_counted_as_it_goes() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    reports(progress, 0.0, 1.0, 100)
+    progress.hold(SHARED, 1.0)
+    reports(progress, 1.0, 4.0, 80)                   # still co-held: cut every CUT seconds
+    assert progress.slowdown(4.0) == pytest.approx(0.8)
+
+
+def test_the_rates_follow_a_change_of_pace() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    reports(progress, 0.0, HALF_AFTER, 100)
+    progress.hold(SHARED, HALF_AFTER)
+    reports(progress, HALF_AFTER, HALF_AFTER + 1.0, 50)
+    start = HALF_AFTER + 1.0
+    progress.hold(ALONE, start)                       # alone again, now at 200 a second
+    reports(progress, start, start + 3 * HALF_AFTER, 200)
+    progress.hold(None, start + 3 * HALF_AFTER)
+    # Halved each time it passed HALF_AFTER: the old pace weighs less and less.
+    slowdown = progress.slowdown(start + 3 * HALF_AFTER + LAG)
+    assert slowdown is not None and 0.25 < slowdown < 0.30   # 50 / ~185, from 50 / 100
+
+
+def test_no_slowdown_without_a_burst_alone_and_never_above_one() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    progress.hold(SHARED, 2.0)
+    reports(progress, 2.0, 4.0, 50)
+    progress.hold(None, 4.0)
+    assert progress.slowdown(5.0) is None             # nothing counted alone (an older hook)
+    fresh = Progress(0.0)
+    fresh.hold(ALONE, 0.0)
+    reports(fresh, 0.0, 1.0, 10)
+    fresh.hold(SHARED, 1.0)
+    reports(fresh, 1.0, 2.0, 50)
+    fresh.hold(None, 2.0)
+    assert fresh.slowdown(3.0) == 1.0                 # faster beside others: no slow-down
+
+
+def test_the_scheduler_counts_a_tenants_bursts_by_who_holds() -> None:
+    # a holds alone 1.0-2.5, then b joins it until 4.0: a's reports say 100 a second alone and
+    # 60 co-held. b's grant ending leaves a alone again (its grant stays `shared`). Its turn
+    # alone in scheduler_with (0.2 s, no report) counts too: 200 bursts in 2.2 s alone.
+    sched = scheduler_with({"a": 0.3, "b": 0.3}, max_quota=5.0, cycle=10.0)
+    assert sched.request("a", 1.0).grant is not None
+    for at in (1.0, 1.5, 2.0):
+        sched.observe_burst("a", at, at + 0.5, 50)
+    assert sched.request("b", 2.5).grant is not None and sched.grants["a"].shared
+    for at in (2.5, 3.0, 3.5):
+        sched.observe_burst("a", at, at + 0.5, 30)
+    sched.release("b", 4.0)
+    sched.observe_burst("a", 4.0, 4.5, 50)
+    sched.release("a", 4.5)
+    view = {v.id: v for v in sched.snapshot(4.5 + LAG)}
+    assert view["a"].slowdown == pytest.approx(60 / (200 / 2.2))
+    assert view["b"].slowdown is None                 # never held alone since it was added
+    # An older hook's reports count nothing.
+    sched.observe_burst("b", 3.0, 3.5)
+    assert sched.tenants["b"].progress.bursts == [0.0, 0.0]
+
+
+def test_a_report_claims_at_most_a_burst_a_microsecond() -> None:
+    # The count comes from the container's hook: a hostile one's is cut to what could run.
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    progress.observe(0.1, 0.2, 2**32 - 1, 0.2)
+    progress.observe(0.3, 0.3, 1000, 0.3)
+    progress.hold(None, 1.0)
+    progress.slowdown(2.0)
+    assert progress.bursts[ALONE] == pytest.approx(100_001 + 1)

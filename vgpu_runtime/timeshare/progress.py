@@ -1,0 +1,100 @@
+"""A tenant's progress alone and beside others: its kernel bursts (from a first launch to the
+host synchronisation that ended it, counted in the hook's usage reports) per second held, each
+way. Their ratio is its slow-down co-held, its rate beside the others over its rate alone. The
+GPU's utilisation cannot say it: over MPS the union of the holders' busy time hides who was
+slowed, and a launch-bound job's bursts are partly host time.
+
+Time held is cut into segments (a change of holders ends one; so does CUT seconds of the same).
+A report covers [start, end] of the bursts merged into it and arrives after them, so its bursts
+are split over the segments it overlaps, in proportion (time not held: dropped). A segment is
+counted once LAG has passed since its end, when its reports are in (a later one, of a burst
+longer than that, adds its part to the count alone); each way's count and time halve once the
+time passes HALF_AFTER, so the rates follow a job's phases.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ALONE, SHARED = 0, 1
+LAG = 0.3           # seconds: a burst is reported by the first sync 0.1 s after the last report
+CUT = 0.5           # seconds of one way before its segment is cut (and counted LAG later)
+HALF_AFTER = 5.0    # seconds held one way before that way's count and time halve
+MIN_HELD = 0.5      # seconds counted each way before a slow-down is given
+SEGMENTS_KEPT = 64  # segments waiting to be counted (a handoff makes two)
+MAX_PER_SECOND = 1e6  # bursts a report may claim per second it spans (plus one): a launch and
+                      # a synchronisation take a microsecond at least; the hook's count is untrusted
+
+
+class Progress:
+    def __init__(self, now: float) -> None:
+        self._phase: int | None = None       # ALONE, SHARED, or None: not holding
+        self._since = now
+        self._open = 0.0                     # bursts of the segment in progress
+        # [start, end, phase, bursts] of the segments not yet counted, oldest first
+        self._waiting: deque[list[float]] = deque(maxlen=SEGMENTS_KEPT)
+        self._counted: deque[tuple[float, float, int]] = deque(maxlen=SEGMENTS_KEPT)
+        self.bursts = [0.0, 0.0]             # counted, each way
+        self.held = [0.0, 0.0]
+
+    def hold(self, phase: int | None, now: float) -> None:
+        """From `now` on it holds alone, co-held, or not at all (None)."""
+        if phase != self._phase:
+            self._cut(now)
+            self._phase = phase
+        self._count(now)
+
+    def observe(self, start: float, end: float, bursts: int, now: float) -> None:
+        """A usage report: `bursts` bursts between `start` and `end`."""
+        if bursts <= 0 or end < start:
+            return
+        bursts = min(bursts, int((end - start) * MAX_PER_SECOND) + 1)
+        for begun, ended, way in self._counted:
+            self.bursts[way] += bursts * _part(start, end, begun, ended)
+        for segment in self._waiting:
+            segment[3] += bursts * _part(start, end, segment[0], segment[1])
+        if self._phase is not None:
+            self._open += bursts * _part(start, end, self._since, float("inf"))
+        self._count(now)
+
+    def rates(self, now: float) -> tuple[float | None, float | None]:
+        """Its bursts per second held alone and co-held; None for a way with less than
+        MIN_HELD counted."""
+        self._count(now)
+        alone, shared = (self.bursts[w] / self.held[w] if self.held[w] >= MIN_HELD else None
+                         for w in (ALONE, SHARED))
+        return alone, shared
+
+    def slowdown(self, now: float) -> float | None:
+        """Its rate co-held over its rate alone (at most 1); None until MIN_HELD is counted
+        each way with a burst alone."""
+        alone, shared = self.rates(now)
+        if alone is None or shared is None or alone <= 0:
+            return None
+        return min(1.0, shared / alone)
+
+    def _cut(self, now: float) -> None:
+        now = max(now, self._since)
+        if self._phase is not None and now > self._since:
+            self._waiting.append([self._since, now, float(self._phase), self._open])
+        self._since, self._open = now, 0.0
+
+    def _count(self, now: float) -> None:
+        if self._phase is not None and now - self._since >= CUT:
+            self._cut(now)
+        while self._waiting and self._waiting[0][1] <= now - LAG:
+            start, end, phase, bursts = self._waiting.popleft()
+            way = int(phase)
+            self._counted.append((start, end, way))
+            self.bursts[way] += bursts
+            self.held[way] += end - start
+            if self.held[way] > HALF_AFTER:
+                self.bursts[way] /= 2
+                self.held[way] /= 2
+
+
+def _part(start: float, end: float, begun: float, ended: float) -> float:
+    """The part of [start, end] within [begun, ended); an instant is wholly in or out."""
+    if end == start:
+        return 1.0 if begun <= start < ended else 0.0
+    return max(0.0, min(end, ended) - max(start, begun)) / (end - start)
