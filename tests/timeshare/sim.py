@@ -232,6 +232,10 @@ class Simulation:
             tenant.name, self.now, burst_hint=tenant.workload.kernel * tenant.workload.per_sync,
             work_end=tenant.last_work_end))
 
+    def _report(self, tenant: SimTenant, start: float, end: float) -> None:
+        if tenant.name in self.scheduler.tenants:
+            self.scheduler.observe_burst(tenant.name, start, end, 1, end)
+
     def _run_burst(self, tenant: SimTenant) -> None:
         wl = tenant.workload
         start = max(self.now, tenant.last_work_end if self.overlap else self.gpu_free)
@@ -244,7 +248,9 @@ class Simulation:
         tenant.work.append((start, end))
         tenant.last_work_end = end
         self.gpu_free, self.gpu_last = end, tenant.name
-        self.scheduler.observe_burst(tenant.name, start, end)
+        # Reported once it ends, as the hook does (its launch to its end: one burst).
+        launched = self.now
+        self.at(end, lambda: self._report(tenant, launched, end))
         # The host blocks in the synchronisation until the burst ends.
         ready = end + (wl.slow_gap if start < wl.slow_until else wl.cpu_gap)
         if warming:

@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 
 from tests.examples import examples
 from tests.timeshare.sim import Simulation, Workload, water_fill
-from vgpu_runtime.timeshare.policy import Tenant, TimeshareSettings
+from vgpu_runtime.timeshare.policy import JOIN_LAG, Tenant, TimeshareSettings
 
 HANDOFF = 0.0005
 IDLE_RELEASE = 0.002      # the daemon's default
@@ -127,10 +127,31 @@ class Checker:
             return f"idle GPU while {[t.id for t in eligible]} wait at {now:.3f}"
         first = min(eligible, key=lambda t: (t.vtime, t.waiting_since or 0.0))
         taken = sum(counted(sched.tenants[h], now, config) for h in sched.grants)
-        if taken + counted(first, now, config) <= config.co_room - EPS:
+        room = taken + counted(first, now, config)
+        if room <= config.co_room - EPS and not self.starved_behind(first, room):
             return (f"{first.id} first in line fits beside {sorted(sched.grants)} "
                     f"({taken:.2f} taken) and waits at {now:.3f}")
         return None
+
+    def starved_behind(self, first: Tenant, room: float) -> bool:
+        """With co_starved set, over the GPU (room above 1): a party slowed below it times its
+        share and more than JOIN_LAG GPU seconds behind another may keep the first in line
+        waiting."""
+        sched, now = self.sim.scheduler, self.sim.now
+        if sched.config.co_starved <= 0 or room <= 1.0 + EPS:
+            return False
+        party = [sched.tenants[h] for h in sched.grants] + [first]
+        lead = max(t.vtime for t in party)
+        shares = sched.shares()
+        active = {t.id for t in sched.tenants.values()
+                  if t.waiting_since is not None or t.id in sched.grants}
+        for t in party:
+            turns = shares[t.id] / sum(shares[a] for a in active | {t.id})
+            slowdown = t.progress.slowdown(now)
+            if (slowdown is not None and slowdown < sched.config.co_starved * turns
+                    and (lead - t.vtime) * shares[t.id] > JOIN_LAG - EPS):
+                return True
+        return False
 
 
 def run_mix(members: list[Member], sample_lag: float,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.timeshare.test_coschedule import scheduler_with
-from vgpu_runtime.timeshare.progress import ALONE, HALF_AFTER, LAG, SHARED, Progress
+from vgpu_runtime.timeshare.progress import ALONE, CUT, HALF_AFTER, LAG, SHARED, Progress
 
 
 def reports(progress: Progress, start: float, end: float, per_second: float) -> None:
@@ -131,3 +131,85 @@ def test_a_report_claims_at_most_a_burst_a_microsecond() -> None:
     progress.hold(None, 1.0)
     progress.slowdown(2.0)
     assert progress.bursts[ALONE] == pytest.approx(100_001 + 1)
+
+
+def slowed(factor: float) -> Progress:
+    """A progress measured at 100 bursts a second alone and `factor` times that co-held."""
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    reports(progress, 0.0, 1.0, 100)
+    progress.hold(SHARED, 1.0)
+    reports(progress, 1.0, 2.0, 100 * factor)
+    progress.hold(None, 2.0)
+    progress.slowdown(2.0 + LAG)
+    return progress
+
+
+@pytest.mark.parametrize(("co_starved", "b_slowed", "b_behind", "joins"), [
+    (0.0, 0.3, 0.1, True),      # the rule off: figures that fit join
+    (1.0, 0.6, 0.1, True),      # b beside a at 0.6 of its pace, over its half of the turns
+    (1.0, 0.3, 0.01, True),     # starved (0.3 < 0.5), but not behind by more than JOIN_LAG
+    (1.0, 0.3, 0.1, False),     # starved and behind: it catches up alone
+    (0.5, 0.3, 0.1, True),      # starved below 0.5 x its half: 0.25
+])
+def test_a_starved_party_behind_another_blocks_a_join_where_they_over_fill_the_gpu(
+        co_starved: float, b_slowed: float, b_behind: float, joins: bool) -> None:
+    # Figures 0.7 + 0.5: over the GPU, under co_room. b holds; a asks to join it.
+    sched = scheduler_with({"a": 0.7, "b": 0.5}, co_starved=co_starved)
+    assert sched.request("b", 3.0).grant is not None
+    b = sched.tenants["b"]
+    b.progress = slowed(b_slowed)
+    b.vtime = sched.tenants["a"].vtime - b_behind / sched.shares()["b"]   # GPU seconds behind
+    assert (sched.request("a", 3.0).grant is not None) == joins
+
+
+def test_starved_parties_do_not_block_joins_that_fit_the_gpu() -> None:
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0)   # 0.9: room for both
+    assert sched.request("b", 3.0).grant is not None
+    b = sched.tenants["b"]
+    b.progress = slowed(0.3)
+    b.vtime = sched.tenants["a"].vtime - 1.0
+    assert sched.request("a", 3.0).grant is not None
+
+
+def test_figures_read_at_any_time_are_the_same() -> None:
+    # Segments are cut at fixed points, so reading the figures (status, a join's check) never
+    # changes what they will be.
+    read, unread = Progress(0.0), Progress(0.0)
+    for progress in (read, unread):
+        progress.hold(ALONE, 0.0)
+        progress.hold(SHARED, 1.37)
+    for i in range(40):
+        at = 1.37 + 0.1 * i
+        for progress in (read, unread):
+            progress.observe(at, at + 0.1, 6, at + 0.1)
+        read.slowdown(at + 0.05)
+    assert read.slowdown(9.0) == unread.slowdown(9.0)
+    assert read.held == unread.held and read.bursts == unread.bursts
+
+
+def test_the_next_change_is_a_segment_counted_or_cut() -> None:
+    progress = Progress(0.0)
+    assert progress.next_change(0.0) == float("inf")
+    progress.hold(ALONE, 1.0)
+    assert progress.next_change(1.0) == pytest.approx(1.0 + CUT)
+    # Cut at 1.5: that segment is counted LAG later, before the next cut.
+    assert progress.next_change(1.0 + CUT) == pytest.approx(1.0 + CUT + LAG)
+    progress.hold(None, 1.7)
+    assert progress.next_change(1.7) == pytest.approx(1.0 + CUT + LAG)
+    assert progress.next_change(1.0 + CUT + LAG) == pytest.approx(1.7 + LAG)
+    assert progress.next_change(1.7 + LAG) == float("inf")
+
+
+@pytest.mark.parametrize("start", [0.1 + 0.2, 1.37, 1e6 + 0.3, 12.521000000000001])
+def test_a_wake_at_the_next_change_finds_it_made(start: float) -> None:
+    # The scheduler wakes at next_change: were the change not made then (float rounding),
+    # the wake would come again at the same instant for ever.
+    progress = Progress(0.0)
+    progress.hold(SHARED, start)
+    progress.hold(None, start + 0.7)
+    at, wakes = start + 0.7, []
+    while (later := progress.next_change(at)) < float("inf") and len(wakes) < 5:
+        assert later > at
+        wakes.append(at := later)
+    assert len(wakes) == 2            # the two segments (cut at CUT, then released) counted

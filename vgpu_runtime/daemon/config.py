@@ -94,6 +94,10 @@ class DaemonConfig:
     co_refresh: float = cfg.setting(
         _ALGORITHM.co_refresh, "seconds a busy fraction stays good; an older one means "
         "exclusive turns until measured again", cfg.number(0.1, 3600), "SECONDS")
+    co_starved: float = cfg.setting(
+        _ALGORITHM.co_starved, "a co-holder whose pace beside others, of its pace alone, is "
+        "below this times its part of the turns is starved: no one joins holders that "
+        "over-fill the GPU while it is behind; 0 = off", cfg.number(0.0, 4.0), "FACTOR")
     mps: bool = cfg.node_setting("mps")
     mps_control: str = mps_control_setting()
     mps_manage: bool = cfg.setting(

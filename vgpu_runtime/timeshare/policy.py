@@ -115,6 +115,8 @@ BUSY_IDLE = 0.02
 # less than it would alone), so the sum of their figures is not what they would use. Below
 # it they filled each other's gaps, and the period measures them as one held alone does.
 BUSY_SATURATED = 0.9
+# A starved party (co_starved) this many GPU seconds behind another blocks a join.
+JOIN_LAG = 0.02
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class TimeshareSettings:
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
     co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
     co_overlap: bool = False      # co-held kernels run side by side (MPS), not in turns
+    co_starved: float = 0.0       # > 0: a co-holder slowed below this x its share is starved
 
     @property
     def debt(self) -> float:
@@ -559,6 +562,11 @@ class TokenScheduler:
         elif self.config.co_schedule:
             wakes += [at for t in self.tenants.values() if t.waiting_since is not None
                       and (at := self._eligible_at(t, now)) > now]
+            if self.config.co_starved > 0 and wakes and any(
+                    t.waiting_since is not None for t in self.tenants.values()):
+                # A join kept back for a starved party may be due when its figures change.
+                wakes += [t.progress.next_change(now) for t in self.tenants.values()
+                          if t.id in self.grants or t.waiting_since is not None]
         return min(wakes) if wakes else None
 
     # ---- views ----
@@ -637,7 +645,7 @@ class TokenScheduler:
             # the tenants waiting, at most `debt`: co-held, it is charged only its busy time,
             # so a lag paid back at that pace kept a waiter ahead of two co-holders 5 s.
             floor = self._floor(exclude=tenant, idle_too=False)
-            if floor is not None:
+            if floor is not None and not self._starved(state, now):
                 state.vtime = max(state.vtime, floor)
             waiting = [t.vtime for t in self.tenants.values()
                        if t.id != tenant and t.waiting_since is not None]
@@ -780,7 +788,35 @@ class TokenScheduler:
         if not all(self._measured(self.tenants[t], now) for t in (*self.grants, tenant.id)):
             return False
         taken = add_up(self._room_taken(self.tenants[t], now) for t in self.grants)
-        return taken + self._room_taken(tenant, now) <= self.config.co_room
+        room = taken + self._room_taken(tenant, now)
+        if room > self.config.co_room:
+            return False
+        # Where they over-fill the GPU, not while a starved party is behind another: it
+        # catches up alone.
+        if room > 1.0 and self.config.co_starved > 0:
+            party = [self.tenants[t] for t in (*self.grants, tenant.id)]
+            lead = max(t.vtime for t in party)
+            if any(self._starved(t, now) and (lead - t.vtime) * self._shares[t.id] > JOIN_LAG
+                   for t in party):
+                return False
+        return True
+
+    def _starved(self, tenant: Tenant, now: float) -> bool:
+        """Beside others it runs below `co_starved` x its part of the turns, of its pace alone
+        (off at 0): at 1, exclusive turns would give it more (its request's part of the active
+        tenants' requests, at its pace alone)."""
+        if self.config.co_starved <= 0:
+            return False
+        slowdown = tenant.progress.slowdown(now)
+        return (slowdown is not None
+                and slowdown < self.config.co_starved * self._part_of_turns(tenant))
+
+    def _part_of_turns(self, tenant: Tenant) -> float:
+        """Its request's part of those of the tenants holding or waiting, itself counted."""
+        active = add_up(self._shares[t.id] for t in self.tenants.values()
+                        if t.id != tenant.id and (t.waiting_since is not None
+                                                  or t.id in self.grants))
+        return self._shares[tenant.id] / (self._shares[tenant.id] + active)
 
     def _quota(self, tenant: Tenant, now: float) -> float:
         """A tenant's part of one round (its part of all requests x cycle), plus part of its

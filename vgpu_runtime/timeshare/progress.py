@@ -4,7 +4,8 @@ way. Their ratio is its slow-down co-held, its rate beside the others over its r
 GPU's utilisation cannot say it: over MPS the union of the holders' busy time hides who was
 slowed, and a launch-bound job's bursts are partly host time.
 
-Time held is cut into segments (a change of holders ends one; so does CUT seconds of the same).
+Time held is cut into segments (a change of holders ends one; so does each CUT seconds of the
+same, at fixed points: when the figures are read changes nothing).
 A report covers [start, end] of the bursts merged into it and arrives after them, so its bursts
 are split over the segments it overlaps, in proportion (time not held: dropped). A segment is
 counted once LAG has passed since its end, when its reports are in (a later one, of a burst
@@ -39,13 +40,23 @@ class Progress:
 
     def hold(self, phase: int | None, now: float) -> None:
         """From `now` on it holds alone, co-held, or not at all (None)."""
+        self._count(now)
         if phase != self._phase:
             self._cut(now)
             self._phase = phase
+
+    def next_change(self, now: float) -> float:
+        """When the figures may change next with no event (after `now`): a segment counted,
+        or cut."""
         self._count(now)
+        at = self._waiting[0][1] + LAG if self._waiting else float("inf")
+        if self._phase is not None:
+            at = min(at, self._since + CUT)
+        return at
 
     def observe(self, start: float, end: float, bursts: int, now: float) -> None:
         """A usage report: `bursts` bursts between `start` and `end`."""
+        self._count(now)
         if bursts <= 0 or end < start:
             return
         bursts = min(bursts, int((end - start) * MAX_PER_SECOND) + 1)
@@ -55,7 +66,6 @@ class Progress:
             segment[3] += bursts * _part(start, end, segment[0], segment[1])
         if self._phase is not None:
             self._open += bursts * _part(start, end, self._since, float("inf"))
-        self._count(now)
 
     def rates(self, now: float) -> tuple[float | None, float | None]:
         """Its bursts per second held alone and co-held; None for a way with less than
@@ -80,9 +90,10 @@ class Progress:
         self._since, self._open = now, 0.0
 
     def _count(self, now: float) -> None:
-        if self._phase is not None and now - self._since >= CUT:
-            self._cut(now)
-        while self._waiting and self._waiting[0][1] <= now - LAG:
+        # The same sums as next_change's: a wake at its time must find the change made.
+        while self._phase is not None and self._since + CUT <= now:
+            self._cut(self._since + CUT)
+        while self._waiting and self._waiting[0][1] + LAG <= now:
             start, end, phase, bursts = self._waiting.popleft()
             way = int(phase)
             self._counted.append((start, end, way))
