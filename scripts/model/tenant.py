@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
@@ -183,6 +184,17 @@ def main(argv: list[str]) -> None:
         raise SystemExit(__doc__)
     with open(argv[-1], "w") as handle:
         json.dump(result, handle)
+    hold_until_released()
+
+
+def hold_until_released() -> None:
+    """With MODEL_TENANT_HOLD set, stay (idle, still a tenant) until that file exists, 30 s at
+    most: the harness's sample of the daemon at the window's end must find every tenant there,
+    and one that exits with the window races it on a loaded host."""
+    release = os.environ.get("MODEL_TENANT_HOLD")
+    deadline = time.time() + 30
+    while release and not os.path.exists(release) and time.time() < deadline:
+        time.sleep(0.01)
 
 
 if __name__ == "__main__":
