@@ -74,8 +74,9 @@ holders drain within a quota and it is granted. A capped tenant (limit below 1) 
 its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
 full, and its cap holds in busy time; it is woken when its credit refills (`next_deadline`).
 
-Slow-down (measured, not yet acted on): each tenant's bursts per second held, alone and co-held
-(progress.py), give its rate beside the others over its rate alone (`TenantView.slowdown`).
+Slow-down: each tenant's bursts per second held, alone and co-held (progress.py), give its rate
+beside the others over its rate alone (`TenantView.slowdown`). Acted on only with `co_starved`
+set (an experiment, off by default): see `_fits` and README.md beside this file.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -148,7 +149,7 @@ class TimeshareSettings:
     co_busy_max: float = 0.85     # busier than this alone: GPU-bound, exclusive turns only
     co_refresh: float = 3.0       # a busy figure older than this is stale: exclusive turns
     co_overlap: bool = False      # co-held kernels run side by side (MPS), not in turns
-    co_starved: float = 0.0       # > 0: a co-holder slowed below this x its share is starved
+    co_starved: float = 0.0       # > 0: slowed below this x its part of the turns: starved
 
     @property
     def debt(self) -> float:
@@ -562,7 +563,7 @@ class TokenScheduler:
         elif self.config.co_schedule:
             wakes += [at for t in self.tenants.values() if t.waiting_since is not None
                       and (at := self._eligible_at(t, now)) > now]
-            if self.config.co_starved > 0 and wakes and any(
+            if self.config.co_starved > 0 and any(
                     t.waiting_since is not None for t in self.tenants.values()):
                 # A join kept back for a starved party may be due when its figures change.
                 wakes += [t.progress.next_change(now) for t in self.tenants.values()
