@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from tests.timeshare.test_coschedule import scheduler_with
-from vgpu_runtime.timeshare.progress import ALONE, CUT, HALF_AFTER, LAG, SHARED, Progress
+from vgpu_runtime.timeshare.progress import (
+    ALONE,
+    CUT,
+    HALF_AFTER,
+    LAG,
+    SEGMENTS_KEPT,
+    SHARED,
+    Progress,
+)
 
 
 def reports(progress: Progress, start: float, end: float, per_second: float) -> None:
@@ -45,19 +53,49 @@ def test_a_segment_is_counted_once_its_reports_are_in() -> None:
     assert progress.bursts[SHARED] == pytest.approx(20)
 
 
-def test_a_report_over_a_handoff_is_split_by_time_and_time_not_held_is_not_counted() -> None:
+def test_a_report_over_a_handoff_is_split_by_time_held_and_time_not_held_is_not_counted(
+        ) -> None:
     progress = Progress(0.0)
     progress.hold(ALONE, 0.0)
     progress.hold(SHARED, 0.4)
-    progress.hold(None, 0.8)                          # released: a report after it is overuse
+    progress.hold(None, 0.8)
     progress.observe(0.2, 0.6, 10, 0.8)               # over the handoff: 5 and 5 (the first
                                                       # part after its segment was counted)
-    progress.observe(0.7, 0.9, 4, 0.9)                # half held, half not: 2 co-held
+    progress.observe(0.7, 0.9, 4, 0.9)                # half held, half not: ran held, all 4
     progress.observe(1.0, 1.1, 7, 1.1)                # not held at all: dropped
     progress.observe(0.5, 0.5, 1, 1.0)                # an instant: where it lies
     progress.slowdown(1.2)
-    assert progress.bursts == pytest.approx([5.0, 5.0 + 2.0 + 1.0])
+    assert progress.bursts == pytest.approx([5.0, 5.0 + 4.0 + 1.0])
     assert progress.held == pytest.approx([0.4, 0.4])
+
+
+def test_a_turn_alone_after_a_wait_reads_the_pace_alone() -> None:
+    # Co-held, then the other's turn alone (waiting for the token mid-burst), then a turn
+    # alone: 100 bursts a second while held. Split by the report's whole span, the wait took
+    # a share: the turn alone read 90 a second.
+    progress = Progress(0.0)
+    progress.hold(SHARED, 0.0)
+    reports(progress, 0.0, 0.9, 100)
+    progress.hold(None, 1.0)
+    progress.hold(ALONE, 1.3)
+    progress.observe(0.9, 1.4, 20, 1.4)               # 0.9-1.0 co-held, 1.3-1.4 alone
+    reports(progress, 1.4, 1.9, 100)
+    progress.hold(SHARED, 1.9)
+    progress.observe(1.9, 2.0, 10, 2.0)
+    assert progress.rates(2.0 + LAG) == pytest.approx((100.0, 100.0))
+
+
+def test_a_report_reaching_before_the_segments_kept_splits_over_the_time_forgotten() -> None:
+    # Its early part may have been held in a segment no longer kept: its share of the bursts
+    # is dropped rather than piled onto the segments kept.
+    progress = Progress(0.0)
+    for i in range(SEGMENTS_KEPT + 1):                # alternately held alone and not, 0.1 s each
+        progress.hold(ALONE, 0.2 * i)
+        progress.hold(None, 0.2 * i + 0.1)
+    progress.rates(0.2 * SEGMENTS_KEPT + 1.0)         # all counted, the first forgotten
+    before = list(progress.bursts)
+    progress.observe(0.0, 0.3, 10, 0.2 * SEGMENTS_KEPT + 1.0)   # 0.0-0.1 forgotten, 0.2-0.3 kept
+    assert progress.bursts[ALONE] - before[ALONE] == pytest.approx(5.0)
 
 
 def test_a_long_stretch_one_way_is_counted_as_it_goes() -> None:

@@ -7,10 +7,12 @@ slowed, and a launch-bound job's bursts are partly host time.
 Time held is cut into segments (a change of holders ends one; so does each CUT seconds of the
 same, at fixed points: when the figures are read changes nothing).
 A report covers [start, end] of the bursts merged into it and arrives after them, so its bursts
-are split over the segments it overlaps, in proportion (time not held: dropped). A segment is
-counted once LAG has passed since its end, when its reports are in (a later one, of a burst
-longer than that, adds its part to the count alone); each way's count and time halve once the
-time passes HALF_AFTER, so the rates follow a job's phases.
+are split over the held segments it overlaps, in proportion to the time held in each: a burst
+that waited for the token ran only while held (split by its whole span, the wait's part was lost,
+and a turn alone, which follows a wait, read slow). A report with no time held is dropped.
+A segment is counted once LAG has passed since its end, when its reports are in (a later one, of
+a burst longer than that, adds its part to the count alone); each way's count and time halve once
+the time passes HALF_AFTER, so the rates follow a job's phases.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ CUT = 0.5           # seconds of one way before its segment is cut (and counted 
 HALF_AFTER = 5.0    # seconds held one way before that way's count and time halve
 MIN_HELD = 0.5      # seconds counted each way before a slow-down is given
 SEGMENTS_KEPT = 64  # segments waiting to be counted (a handoff makes two)
-MAX_PER_SECOND = 1e6  # bursts a report may claim per second it spans (plus one): a launch and
-                      # a synchronisation take a microsecond at least; the hook's count is untrusted
+MAX_PER_SECOND = 1e6  # bursts a report may claim per second held in its span (plus one): a launch
+                      # and a synchronisation take a microsecond; the hook's count is untrusted
 
 
 class Progress:
@@ -35,6 +37,7 @@ class Progress:
         # [start, end, phase, bursts] of the segments not yet counted, oldest first
         self._waiting: deque[list[float]] = deque(maxlen=SEGMENTS_KEPT)
         self._counted: deque[tuple[float, float, int]] = deque(maxlen=SEGMENTS_KEPT)
+        self._known_since = now              # before it, segments forgotten: held, for a split
         self.bursts = [0.0, 0.0]             # counted, each way
         self.held = [0.0, 0.0]
 
@@ -59,13 +62,23 @@ class Progress:
         self._count(now)
         if bursts <= 0 or end < start:
             return
-        bursts = min(bursts, int((end - start) * MAX_PER_SECOND) + 1)
-        for begun, ended, way in self._counted:
-            self.bursts[way] += bursts * _part(start, end, begun, ended)
-        for segment in self._waiting:
-            segment[3] += bursts * _part(start, end, segment[0], segment[1])
+        spans = [(begun, ended) for begun, ended, _way in self._counted]
+        spans += [(segment[0], segment[1]) for segment in self._waiting]
         if self._phase is not None:
-            self._open += bursts * _part(start, end, self._since, float("inf"))
+            spans.append((self._since, float("inf")))
+        shares = [_overlap(start, end, begun, ended) for begun, ended in spans]
+        # Forgotten segments may have held it: their time counts in the split, not their bursts.
+        held = sum(shares) + _overlap(start, end, float("-inf"), self._known_since)
+        if held <= 0:
+            return
+        bursts = min(bursts, int((held if end > start else 0.0) * MAX_PER_SECOND) + 1)
+        parts = iter([bursts * share / held for share in shares])
+        for (_begun, _ended, way), part in zip(self._counted, parts, strict=False):
+            self.bursts[way] += part
+        for segment, part in zip(self._waiting, parts, strict=False):
+            segment[3] += part
+        if self._phase is not None:
+            self._open += next(parts)
 
     def rates(self, now: float) -> tuple[float | None, float | None]:
         """Its bursts per second held alone and co-held; None for a way with less than
@@ -96,6 +109,8 @@ class Progress:
         while self._waiting and self._waiting[0][1] + LAG <= now:
             start, end, phase, bursts = self._waiting.popleft()
             way = int(phase)
+            if len(self._counted) == self._counted.maxlen:
+                self._known_since = self._counted[0][1]
             self._counted.append((start, end, way))
             self.bursts[way] += bursts
             self.held[way] += end - start
@@ -104,8 +119,9 @@ class Progress:
                 self.held[way] /= 2
 
 
-def _part(start: float, end: float, begun: float, ended: float) -> float:
-    """The part of [start, end] within [begun, ended); an instant is wholly in or out."""
+def _overlap(start: float, end: float, begun: float, ended: float) -> float:
+    """The time of [start, end] within [begun, ended); a report of an instant (start == end)
+    weighs 1 where it lies, 0 elsewhere."""
     if end == start:
         return 1.0 if begun <= start < ended else 0.0
-    return max(0.0, min(end, ended) - max(start, begun)) / (end - start)
+    return max(0.0, min(end, ended) - max(start, begun))
