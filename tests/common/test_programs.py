@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sysconfig
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -73,19 +74,17 @@ def test_errors_have_one_prefix(program: str, args: tuple[str, ...], status: int
     assert result.stderr.startswith(f"{program}: error: {message}"), result.stderr
 
 
-def test_the_old_daemon_command_runs_the_daemon_and_says_it_goes(tmp_path: Path) -> None:
-    """gemini-scheduler, the daemon's name until 0.3, kept one release: one line on stderr
-    naming gemini-daemon, then the daemon itself, on the same state-directory files."""
-    note = ("gemini-scheduler: deprecated name of gemini-daemon, which it runs; "
-            "gemini-scheduler goes in 0.4: use gemini-daemon\n")
-    old, new = run("gemini-scheduler", "--version"), run("gemini-daemon", "--version")
-    assert (old.returncode, old.stdout, old.stderr) == (0, new.stdout, note)
+def test_the_old_daemon_command_is_gone_and_the_state_files_keep_their_names(
+        tmp_path: Path) -> None:
+    """gemini-scheduler, the daemon's name until 0.3, was kept through 0.3 and goes in 0.4: no
+    entry point names it. The daemon keeps the state directory's names, which 0.3 finds."""
+    commands = {e.name for e in metadata.entry_points(group="console_scripts")
+                if e.value.startswith(("vgpu_runtime.", "device_plugin."))}
+    assert "gemini-daemon" in commands and "gemini-scheduler" not in commands, commands
 
     state = tmp_path / "state"
-    served = run("gemini-scheduler", "--state-dir", str(state), "--simulate-gpus", "1",
+    served = run("gemini-daemon", "--state-dir", str(state), "--simulate-gpus", "1",
                  "--metrics-port", "0", "--idle-exit", "0.2", "--log-format", "json")
     assert served.returncode == 0, served.stderr
-    first, *logged = served.stderr.splitlines()
-    assert first + "\n" == note
-    assert any('"gemini-daemon started"' in line for line in logged), served.stderr
+    assert '"gemini-daemon started"' in served.stderr, served.stderr
     assert (state / "scheduler.lock").exists()   # the state directory's names are kept

@@ -1,9 +1,9 @@
 """gemini-daemon's entry point: configuration, the single-instance lock, signals, the loop.
 
-The command was `gemini-scheduler` until 0.3; that name runs it one more release, saying so
-(`scheduler_alias`). The files it keeps in the state directory keep their names
-(scheduler.lock, scheduler.sock, gemini-run's scheduler.log): a daemon of either name finds
-the other's lock, and gemini-vgpu and gemini-run of either release find the daemon.
+The command was `gemini-scheduler` until 0.3 (0.3 ran both names; 0.4 has only this one). The
+files it keeps in the state directory keep their names (scheduler.lock, scheduler.sock,
+gemini-run's scheduler.log): daemons of either release find each other's lock, and gemini-vgpu
+and gemini-run of either release find the daemon.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from vgpu_runtime.daemon.mps import MpsError
 
 log = logging.getLogger("gemini-daemon")
 PROG = "gemini-daemon"
-OLD_PROG = "gemini-scheduler"   # goes in 0.4
 
 
 def use_event_loop(choice: str) -> None:
@@ -94,13 +93,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if changed:
         configwatch.restart()   # with the new file, in this process (the lock is released)
     return 0
-
-
-def scheduler_alias(argv: Sequence[str] | None = None) -> int:
-    """`gemini-scheduler`, the command's old name: one line on stderr, then gemini-daemon."""
-    print(f"{OLD_PROG}: deprecated name of {PROG}, which it runs; {OLD_PROG} goes in 0.4: "
-          f"use {PROG}", file=sys.stderr, flush=True)
-    return main(argv)
 
 
 if __name__ == "__main__":
