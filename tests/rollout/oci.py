@@ -2,7 +2,8 @@
 
 Small and self-contained on purpose (the DaemonSet's four containers only): `podman run`
 fails on this kind of machine with an rlimit error while plain runc works, so the image's
-layers are mounted by podman (`podman image mount`, vfs: a plain directory) and run by runc.
+layers are mounted by podman (`podman image mount`: a directory, of overlay or vfs) and run by
+runc.
 Each container gets what the DaemonSet gives it: a read-only root, no capabilities, no new
 privileges, its own pid/ipc/uts/mount namespaces, the host's network, a small /tmp, and host
 directories bind-mounted at the same paths (Allocate's answers name host paths).
