@@ -6,13 +6,16 @@ from __future__ import annotations
 import pytest
 
 from tests.timeshare.test_coschedule import scheduler_with
+from vgpu_runtime.timeshare.policy import MEASURE_TURN
 from vgpu_runtime.timeshare.progress import (
     ALONE,
+    ALONE_FRESH,
+    BUCKET,
     CUT,
-    HALF_AFTER,
     LAG,
     SEGMENTS_KEPT,
     SHARED,
+    WINDOW,
     Progress,
 )
 
@@ -107,19 +110,53 @@ def test_a_long_stretch_one_way_is_counted_as_it_goes() -> None:
     assert progress.slowdown(4.0) == pytest.approx(0.8)
 
 
-def test_the_rates_follow_a_change_of_pace() -> None:
+def test_the_rates_are_those_of_the_window_so_a_start_up_alone_is_forgotten() -> None:
+    # A trainer's start-up alone at 20 steps a second, then co-held at 30 for a long time, with
+    # a turn alone at its pace alone (40) every 10 s: once the start-up has left the window,
+    # the slow-down is 30 / 40, not 30 over a rate alone that the start-up held down.
     progress = Progress(0.0)
     progress.hold(ALONE, 0.0)
-    reports(progress, 0.0, HALF_AFTER, 100)
-    progress.hold(SHARED, HALF_AFTER)
-    reports(progress, HALF_AFTER, HALF_AFTER + 1.0, 50)
-    start = HALF_AFTER + 1.0
-    progress.hold(ALONE, start)                       # alone again, now at 200 a second
-    reports(progress, start, start + 3 * HALF_AFTER, 200)
-    progress.hold(None, start + 3 * HALF_AFTER)
-    # Halved each time it passed HALF_AFTER: the old pace weighs less and less.
-    slowdown = progress.slowdown(start + 3 * HALF_AFTER + LAG)
-    assert slowdown is not None and 0.25 < slowdown < 0.30   # 50 / ~185, from 50 / 100
+    reports(progress, 0.0, 3.0, 20)
+    at, alone_rates = 3.0, []
+    while at < 3.0 + 3 * WINDOW:
+        progress.hold(SHARED, at)
+        reports(progress, at, at + 9.6, 30)
+        progress.hold(ALONE, at + 9.6)
+        reports(progress, at + 9.6, at + 10.0, 40)
+        at += 10.0
+        alone_rates.append(progress.rates(at)[ALONE])
+    progress.hold(SHARED, at)
+    assert alone_rates[0] is not None and alone_rates[0] < 25     # the start-up still counts
+    assert alone_rates[-1] == pytest.approx(40)
+    assert progress.slowdown(at + LAG) == pytest.approx(30 / 40)
+    # The window's turns: two, or three where one ended in the bucket at its edge.
+    assert 0.8 - 1e-9 <= progress.held[ALONE] <= 1.2 + 1e-9
+
+
+def test_a_way_with_nothing_in_the_window_has_no_rate_and_it_says_when_it_last_held_alone(
+        ) -> None:
+    progress = Progress(0.0)
+    assert progress.alone_at(0.0) == float("-inf")
+    progress.hold(ALONE, 1.0)
+    assert progress.alone_at(1.5) == 1.5                       # holding alone: now
+    reports(progress, 1.0, 2.0, 100)
+    progress.hold(SHARED, 2.0)
+    reports(progress, 2.0, 3.0, 50)
+    progress.hold(None, 3.0)
+    assert progress.alone_at(3.5) == 2.0
+    assert progress.slowdown(3.0 + LAG) == pytest.approx(0.5)
+    # Segments leave the window by bucket, at its end plus the window, which wakes the
+    # scheduler: cut every CUT, they ended at 1.5 and 2.0 alone, 2.5 and 3.0 co-held.
+    first, second, third = (k * BUCKET + WINDOW for k in (2, 3, 4))
+    assert progress.next_change(3.0 + LAG) == pytest.approx(first)
+    assert progress.rates(first) == pytest.approx((100.0, 50.0))   # 0.5 s each way left
+    assert progress.next_change(first) == pytest.approx(second)
+    assert progress.rates(second)[ALONE] is None
+    assert progress.slowdown(second) is None
+    assert progress.next_change(second) == pytest.approx(third)
+    assert progress.rates(third) == (None, None)
+    assert progress.next_change(third) == float("inf")
+    assert progress.alone_at(third) == 2.0
 
 
 def test_no_slowdown_without_a_burst_alone_and_never_above_one() -> None:
@@ -236,7 +273,9 @@ def test_the_next_change_is_a_segment_counted_or_cut() -> None:
     progress.hold(None, 1.7)
     assert progress.next_change(1.7) == pytest.approx(1.0 + CUT + LAG)
     assert progress.next_change(1.0 + CUT + LAG) == pytest.approx(1.7 + LAG)
-    assert progress.next_change(1.7 + LAG) == float("inf")
+    # Then each leaves the window: the first (ended at 1.5, bucket 1-2 s) at 2 + WINDOW.
+    assert progress.next_change(1.7 + LAG) == pytest.approx(2 * BUCKET + WINDOW)
+    assert progress.next_change(2 * BUCKET + WINDOW) == float("inf")
 
 
 @pytest.mark.parametrize("start", [0.1 + 0.2, 1.37, 1e6 + 0.3, 12.521000000000001])
@@ -250,4 +289,39 @@ def test_a_wake_at_the_next_change_finds_it_made(start: float) -> None:
     while (later := progress.next_change(at)) < float("inf") and len(wakes) < 5:
         assert later > at
         wakes.append(at := later)
-    assert len(wakes) == 2            # the two segments (cut at CUT, then released) counted
+    # The two segments (cut at CUT, then released) counted, then each bucket of them left
+    # the window: one bucket, or two where the cut and the release fall in different ones.
+    buckets = len({int((start + CUT) // BUCKET), int((start + 0.7) // BUCKET)})
+    assert len(wakes) == 2 + buckets
+
+
+def test_with_the_rule_on_a_tenant_whose_rate_alone_is_old_gets_a_measuring_turn() -> None:
+    # Figures stay fresh (co_refresh long): only the rate alone ages. Co-held from 1.0, both
+    # last held alone in scheduler_with's turns (by 0.4); past ALONE_FRESH each must hold alone
+    # again (a measuring turn, not cut short at its idle gaps) before it is co-held.
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0, co_refresh=1e3, max_quota=0.1)
+    assert sched.request("a", 1.0).grant is not None
+    joined = sched.request("b", 1.0).grant
+    assert joined is not None and joined.shared
+    sched.release("a", 1.05)
+    sched.release("b", 1.05)
+    late = 0.4 + ALONE_FRESH + 0.1
+    turn = sched.request("a", late).grant
+    assert turn is not None and turn.measuring and turn.quota >= MEASURE_TURN
+    assert sched.request("b", late).grant is None             # its rate alone is old too
+    handed = sched.release("a", late + MEASURE_TURN).grant   # b waited: its turn now
+    assert handed is not None and handed.tenant == "b" and handed.measuring
+    sched.release("b", late + 2 * MEASURE_TURN)
+    again = late + 2 * MEASURE_TURN
+    assert sched.request("a", again).grant is not None
+    joined = sched.request("b", again).grant
+    assert joined is not None and joined.shared and not joined.measuring
+
+
+def test_with_the_rule_off_an_old_rate_alone_changes_nothing() -> None:
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_refresh=1e3, max_quota=0.1)
+    late = 0.4 + ALONE_FRESH + 0.1
+    turn = sched.request("a", late).grant
+    assert turn is not None and not turn.measuring
+    joined = sched.request("b", late).grant
+    assert joined is not None and joined.shared

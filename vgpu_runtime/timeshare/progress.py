@@ -11,8 +11,13 @@ are split over the held segments it overlaps, in proportion to the time held in 
 that waited for the token ran only while held (split by its whole span, the wait's part was lost,
 and a turn alone, which follows a wait, read slow). A report with no time held is dropped.
 A segment is counted once LAG has passed since its end, when its reports are in (a later one, of
-a burst longer than that, adds its part to the count alone); each way's count and time halve once
-the time passes HALF_AFTER, so the rates follow a job's phases.
+a burst longer than that, adds its part to the count alone). Each way's rate is that of the
+segments that ended in the last WINDOW seconds (in BUCKET-second buckets), so the two are
+compared over the same stretch of the job: a rate alone from its start-up, whose first steps
+are slow, is forgotten once the window has passed (kept with its weight halved as time held
+grew, as before, it read 10-23 steps a second for trainers running 31-38 alone on an H100, and
+every slow-down read 1.0). `alone_at` says when it last held alone: the scheduler's slow-down
+rule gives a turn alone to a tenant whose rate alone is older than ALONE_FRESH.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from collections import deque
 ALONE, SHARED = 0, 1
 LAG = 0.3           # seconds: a burst is reported by the first sync 0.1 s after the last report
 CUT = 0.5           # seconds of one way before its segment is cut (and counted LAG later)
-HALF_AFTER = 5.0    # seconds held one way before that way's count and time halve
+ALONE_FRESH = 10.0  # seconds since it last held alone before its rate alone is due again
+WINDOW = 2 * ALONE_FRESH   # seconds of segments each rate counts: two turns alone at least
+BUCKET = 1.0        # seconds of segment ends summed together in the window
 MIN_HELD = 0.5      # seconds counted each way before a slow-down is given
 SEGMENTS_KEPT = 64  # segments waiting to be counted (a handoff makes two)
 MAX_PER_SECOND = 1e6  # bursts a report may claim per second held in its span (plus one): a launch
@@ -38,8 +45,19 @@ class Progress:
         self._waiting: deque[list[float]] = deque(maxlen=SEGMENTS_KEPT)
         self._counted: deque[tuple[float, float, int]] = deque(maxlen=SEGMENTS_KEPT)
         self._known_since = now              # before it, segments forgotten: held, for a split
-        self.bursts = [0.0, 0.0]             # counted, each way
-        self.held = [0.0, 0.0]
+        # each way's [bucket, bursts, held] of the counted segments in the window, oldest first
+        self._buckets: tuple[deque[list[float]], deque[list[float]]] = (deque(), deque())
+        self._alone_until = float("-inf")    # the end of its last segment held alone
+
+    @property
+    def bursts(self) -> list[float]:
+        """Bursts counted in the window, each way (as of the last reading)."""
+        return [sum(b[1] for b in self._buckets[w]) for w in (ALONE, SHARED)]
+
+    @property
+    def held(self) -> list[float]:
+        """Seconds held counted in the window, each way (as of the last reading)."""
+        return [sum(b[2] for b in self._buckets[w]) for w in (ALONE, SHARED)]
 
     def hold(self, phase: int | None, now: float) -> None:
         """From `now` on it holds alone, co-held, or not at all (None)."""
@@ -48,13 +66,20 @@ class Progress:
             self._cut(now)
             self._phase = phase
 
+    def alone_at(self, now: float) -> float:
+        """When it last held alone: `now` while it does, -inf if it never has."""
+        return now if self._phase == ALONE else self._alone_until
+
     def next_change(self, now: float) -> float:
         """When the figures may change next with no event (after `now`): a segment counted,
-        or cut."""
+        cut, or leaving the window."""
         self._count(now)
         at = self._waiting[0][1] + LAG if self._waiting else float("inf")
         if self._phase is not None:
             at = min(at, self._since + CUT)
+        for buckets in self._buckets:
+            if buckets:
+                at = min(at, _leaves_at(buckets[0][0]))
         return at
 
     def observe(self, start: float, end: float, bursts: int, now: float) -> None:
@@ -73,33 +98,48 @@ class Progress:
             return
         bursts = min(bursts, int((held if end > start else 0.0) * MAX_PER_SECOND) + 1)
         parts = iter([bursts * share / held for share in shares])
-        for (_begun, _ended, way), part in zip(self._counted, parts, strict=False):
-            self.bursts[way] += part
+        for (_begun, ended, way), part in zip(self._counted, parts, strict=False):
+            bucket = self._bucket(way, ended)
+            if bucket is not None:
+                bucket[1] += part
         for segment, part in zip(self._waiting, parts, strict=False):
             segment[3] += part
         if self._phase is not None:
             self._open += next(parts)
 
     def rates(self, now: float) -> tuple[float | None, float | None]:
-        """Its bursts per second held alone and co-held; None for a way with less than
-        MIN_HELD counted."""
+        """Its bursts per second held alone and co-held in the window; None for a way with
+        less than MIN_HELD counted."""
         self._count(now)
-        alone, shared = (self.bursts[w] / self.held[w] if self.held[w] >= MIN_HELD else None
+        bursts, held = self.bursts, self.held
+        alone, shared = (bursts[w] / held[w] if held[w] >= MIN_HELD else None
                          for w in (ALONE, SHARED))
         return alone, shared
 
     def slowdown(self, now: float) -> float | None:
         """Its rate co-held over its rate alone (at most 1); None until MIN_HELD is counted
-        each way with a burst alone."""
+        each way in the window with a burst alone."""
         alone, shared = self.rates(now)
         if alone is None or shared is None or alone <= 0:
             return None
         return min(1.0, shared / alone)
 
+    def _bucket(self, way: int, ended: float) -> list[float] | None:
+        """The window's bucket of a counted segment that ended at `ended`, if still kept."""
+        index = _index(ended)
+        for bucket in reversed(self._buckets[way]):
+            if bucket[0] == index:
+                return bucket
+            if bucket[0] < index:
+                break
+        return None
+
     def _cut(self, now: float) -> None:
         now = max(now, self._since)
         if self._phase is not None and now > self._since:
             self._waiting.append([self._since, now, float(self._phase), self._open])
+            if self._phase == ALONE:
+                self._alone_until = now
         self._since, self._open = now, 0.0
 
     def _count(self, now: float) -> None:
@@ -112,11 +152,25 @@ class Progress:
             if len(self._counted) == self._counted.maxlen:
                 self._known_since = self._counted[0][1]
             self._counted.append((start, end, way))
-            self.bursts[way] += bursts
-            self.held[way] += end - start
-            if self.held[way] > HALF_AFTER:
-                self.bursts[way] /= 2
-                self.held[way] /= 2
+            buckets, index = self._buckets[way], _index(end)
+            if buckets and buckets[-1][0] == index:
+                buckets[-1][1] += bursts
+                buckets[-1][2] += end - start
+            else:
+                buckets.append([index, bursts, end - start])
+        for buckets in self._buckets:
+            while buckets and _leaves_at(buckets[0][0]) <= now:
+                buckets.popleft()
+
+
+def _index(ended: float) -> float:
+    """The bucket of a segment that ended at `ended`."""
+    return float(int(ended // BUCKET))
+
+
+def _leaves_at(index: float) -> float:
+    """When a bucket's segments have all ended more than WINDOW ago."""
+    return (index + 1) * BUCKET + WINDOW
 
 
 def _overlap(start: float, end: float, begun: float, ended: float) -> float:
