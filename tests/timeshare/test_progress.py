@@ -138,7 +138,8 @@ def test_a_way_with_nothing_in_the_window_has_no_rate_and_it_says_when_it_last_h
     progress = Progress(0.0)
     assert progress.alone_at(0.0) == float("-inf")
     progress.hold(ALONE, 1.0)
-    assert progress.alone_at(1.5) == 1.5                       # holding alone: now
+    assert progress.alone_at(1.2) == float("-inf")             # no segment alone ended yet
+    assert progress.alone_at(1.5) == 1.5                       # cut at CUT: one has
     reports(progress, 1.0, 2.0, 100)
     progress.hold(SHARED, 2.0)
     reports(progress, 2.0, 3.0, 50)
@@ -325,3 +326,21 @@ def test_with_the_rule_off_an_old_rate_alone_changes_nothing() -> None:
     assert turn is not None and not turn.measuring
     joined = sched.request("b", late).grant
     assert joined is not None and joined.shared
+
+
+def test_nobody_joins_a_turn_that_renews_a_rate_alone() -> None:
+    # b renews its rate alone first; then a's turn renews its own, and b, fresh, must not join
+    # it: joined at once, a's turn would never be alone (on the model a 0.2 tenant took such
+    # turns four times running, each joined, and a third tenant waited past its bound).
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0, co_refresh=1e3, max_quota=0.1)
+    late = 0.4 + ALONE_FRESH + 0.1
+    turn = sched.request("b", late).grant
+    assert turn is not None and turn.measuring
+    sched.release("b", late + MEASURE_TURN)
+    at = late + MEASURE_TURN
+    turn = sched.request("a", at).grant
+    assert turn is not None and turn.measuring
+    assert sched.request("b", at).grant is None
+    assert set(sched.grants) == {"a"}
+    handed = sched.release("a", at + MEASURE_TURN).grant
+    assert handed is not None and handed.tenant == "b" and not handed.measuring

@@ -67,8 +67,10 @@ class Progress:
             self._phase = phase
 
     def alone_at(self, now: float) -> float:
-        """When it last held alone: `now` while it does, -inf if it never has."""
-        return now if self._phase == ALONE else self._alone_until
+        """The end of its last segment held alone (-inf if none): while it holds alone, the
+        last cut, so a turn just granted is not yet a turn alone that others may join."""
+        self._count(now)
+        return self._alone_until
 
     def next_change(self, now: float) -> float:
         """When the figures may change next with no event (after `now`): a segment counted,
