@@ -246,26 +246,19 @@ def build_all() -> None:
     prune_cache()
 
 
-# What the cache holds besides the built entries: kept as they are.
-CACHE_KEPT = {"logs"}
-# The names of built entries: an entry of these names that is not current is stale.
-CACHE_BUILT = ("k8s-", "etcd-", "containerd-", "cni-", "helm-", "monitoring-", "pause-",
-               "workload-")
-
-
 def prune_cache() -> None:
     """Once everything is built, the cache keeps the binaries alone: Go's build cache (3.7 GB
-    after a cold build) and entries of other module versions go, so that a host that keeps the
-    cache between runs (a CI machine) holds one build's worth, not every build's."""
+    after a cold build), and entries of a built family (k8s-, pause-, ...) that are not the
+    current one (other versions, half builds), go, so that a host that keeps the cache between
+    runs (a CI machine) holds one build's worth, not every build's. Anything else stays."""
     current = {path.name for path in (k8s_bin().parent, etcd_bin().parent,
                                       containerd_bin().parent, cni_bin().parent,
                                       helm_bin().parent, monitoring_dir(), pause_archive(),
                                       workload_archive())}
+    families = {name.split("-", 1)[0] for name in current}
     for entry in CACHE.iterdir():
         name = entry.name
-        stale = (name == "go-build" or name.endswith(".partial")
-                 or (name.startswith(CACHE_BUILT) and name not in current))
-        if name in CACHE_KEPT or not stale:
+        if name != "go-build" and (name in current or name.split("-", 1)[0] not in families):
             continue
         say(f"pruning {entry} (the cache keeps the current binaries)")
         if entry.is_dir() and not entry.is_symlink():

@@ -14,10 +14,9 @@ A segment is counted once LAG has passed since its end, when its reports are in 
 a burst longer than that, adds its part to the count alone). Each way's rate is that of the
 segments that ended in the last WINDOW seconds (in BUCKET-second buckets), so the two are
 compared over the same stretch of the job: a rate alone from its start-up, whose first steps
-are slow, is forgotten once the window has passed (kept with its weight halved as time held
-grew, as before, it read 10-23 steps a second for trainers running 31-38 alone on an H100, and
-every slow-down read 1.0). `alone_at` says when it last held alone: the scheduler's slow-down
-rule gives a turn alone to a tenant whose rate alone is older than ALONE_FRESH.
+are slow, is forgotten once the window has passed (timeshare/README.md, "The slow-down").
+`alone_at` says when it last held alone: the scheduler's slow-down rule gives a turn alone to
+a tenant whose rate alone is older than ALONE_FRESH.
 """
 
 from __future__ import annotations
@@ -167,7 +166,7 @@ class Progress:
 
 def _index(ended: float) -> float:
     """The bucket of a segment that ended at `ended`."""
-    return float(int(ended // BUCKET))
+    return ended // BUCKET
 
 
 def _leaves_at(index: float) -> float:
