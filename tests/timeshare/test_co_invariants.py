@@ -47,7 +47,6 @@ from hypothesis import strategies as st
 from tests.examples import examples
 from tests.timeshare.sim import Simulation, Workload, water_fill
 from vgpu_runtime.timeshare.policy import JOIN_LAG, Tenant, TimeshareSettings
-from vgpu_runtime.timeshare.progress import ALONE_FRESH
 
 HANDOFF = 0.0005
 IDLE_RELEASE = 0.002      # the daemon's default
@@ -82,11 +81,11 @@ def counted(tenant: Tenant, now: float, config: TimeshareSettings) -> float:
     """What a tenant counts for beside others (README, "Co-scheduling"): its fresh figure
     where neither it nor its base from turns alone is above co_busy_max, else the whole GPU;
     a capped tenant, or one without a fresh figure from turns alone (or, with co_starved, a
-    rate alone from the last ALONE_FRESH), all of co_room (it never shares)."""
+    rate alone due: Progress.needs_turn_alone), all of co_room (it never shares)."""
     figure = tenant.busy
     if (tenant.limit < 1.0 or figure is None or not tenant.measured_alone
             or now - tenant.busy_at > config.co_refresh
-            or (config.co_starved > 0 and now - tenant.progress.alone_at(now) > ALONE_FRESH)):
+            or (config.co_starved > 0 and tenant.progress.needs_turn_alone(now))):
         return config.co_room
     return figure if max(figure, tenant.busy_base or 0.0) <= config.co_busy_max else 1.0
 

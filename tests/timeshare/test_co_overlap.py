@@ -152,3 +152,27 @@ def test_over_mps_an_inference_loop_is_measured_in_a_turn_kept_from_the_idle_rel
     assert all(sim.share(name, OPENS, ENDS) >= 0.98 for name in sim.tenants)
     errors = charge_errors(sim)
     assert all(abs(e) <= 0.02 for e in errors.values()), errors
+
+
+def test_over_mps_with_the_rule_on_a_co_holder_that_never_breaks_keeps_a_rate_alone() -> None:
+    """The trainer beside an inference loop co-held without a break; its slivers alone (the
+    loop between grants) renewed when it last held alone, so its measuring turn never came and
+    it had no rate alone: the slow-down rule could not see it (the H100 showed the same,
+    2026-12-07). Sampled every 0.5 s after the first window, each has a rate alone nearly
+    always (none only between a turn leaving the window and the next being counted)."""
+    config = TimeshareSettings(co_schedule=True, co_overlap=True, co_starved=1.0)
+    sim = Simulation(config, handoff=0.0, idle_release=IDLE_RELEASE, sample_lag=0.05,
+                     overlap=True)
+    sim.add("t0", 0.3, 1.0, KINDS["infer-0.29"])
+    sim.add("t1", 0.7, 1.0, KINDS["launch-0.53"], start=0.01)
+    known = {name: 0 for name in sim.tenants}
+    samples = 0
+    at = 3.0
+    while at <= 40.0:
+        sim.run(at)
+        samples += 1
+        for name, tenant in sim.scheduler.tenants.items():
+            known[name] += tenant.progress.rates(at)[0] is not None
+        at += 0.5
+    assert all(count >= 0.8 * samples for count in known.values()), (known, samples)
+    assert sim.scheduler.co_grants > 400                  # still co-held, bar the turns alone

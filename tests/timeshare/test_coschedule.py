@@ -12,9 +12,10 @@ from vgpu_runtime.timeshare.policy import MEASURE_TURN, Tenant, TimeshareSetting
 
 
 def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
-                   **settings: object) -> TokenScheduler:
+                   turn: float = 0.2, **settings: object) -> TokenScheduler:
     """Tenants whose busy fractions were measured in a turn alone each (the device's
-    utilisation over a period one of them held the GPU alone), by time 1.0."""
+    utilisation over a period one of them held the GPU alone), `turn` seconds each (0.2: by
+    time 1.0 for up to five; MIN_HELD gives each a rate alone, as the slow-down rule needs)."""
     settings.setdefault("co_schedule", True)
     sched = TokenScheduler(TimeshareSettings(**settings), 0.0)   # type: ignore[arg-type]
     now = 0.0
@@ -23,9 +24,9 @@ def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = Non
     for name, fraction in busy.items():
         sched.request(name, now)
         assert set(sched.grants) == {name}
-        sched.release(name, now + 0.2)
-        assert sched.observe_utilization(now, now + 0.2, fraction)
-        now += 0.2
+        sched.release(name, now + turn)
+        assert sched.observe_utilization(now, now + turn, fraction)
+        now += turn
     return sched
 
 

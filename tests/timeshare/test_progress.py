@@ -13,6 +13,7 @@ from vgpu_runtime.timeshare.progress import (
     BUCKET,
     CUT,
     LAG,
+    MIN_HELD,
     SEGMENTS_KEPT,
     SHARED,
     WINDOW,
@@ -231,7 +232,7 @@ def slowed(factor: float) -> Progress:
 def test_a_starved_party_behind_another_blocks_a_join_where_they_over_fill_the_gpu(
         co_starved: float, b_slowed: float, b_behind: float, joins: bool) -> None:
     # Figures 0.7 + 0.5: over the GPU, under co_room. b holds; a asks to join it.
-    sched = scheduler_with({"a": 0.7, "b": 0.5}, co_starved=co_starved)
+    sched = scheduler_with({"a": 0.7, "b": 0.5}, turn=MIN_HELD, co_starved=co_starved)
     assert sched.request("b", 3.0).grant is not None
     b = sched.tenants["b"]
     b.progress = slowed(b_slowed)
@@ -240,7 +241,7 @@ def test_a_starved_party_behind_another_blocks_a_join_where_they_over_fill_the_g
 
 
 def test_starved_parties_do_not_block_joins_that_fit_the_gpu() -> None:
-    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0)   # 0.9: room for both
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, turn=MIN_HELD, co_starved=1.0)   # room: 0.9
     assert sched.request("b", 3.0).grant is not None
     b = sched.tenants["b"]
     b.progress = slowed(0.3)
@@ -298,15 +299,16 @@ def test_a_wake_at_the_next_change_finds_it_made(start: float) -> None:
 
 def test_with_the_rule_on_a_tenant_whose_rate_alone_is_old_gets_a_measuring_turn() -> None:
     # Figures stay fresh (co_refresh long): only the rate alone ages. Co-held from 1.0, both
-    # last held alone in scheduler_with's turns (by 0.4); past ALONE_FRESH each must hold alone
+    # last held alone in scheduler_with's turns (by 1.0); past ALONE_FRESH each must hold alone
     # again (a measuring turn, not cut short at its idle gaps) before it is co-held.
-    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0, co_refresh=1e3, max_quota=0.1)
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, turn=MIN_HELD, co_starved=1.0,
+                           co_refresh=1e3, max_quota=0.1)
     assert sched.request("a", 1.0).grant is not None
     joined = sched.request("b", 1.0).grant
     assert joined is not None and joined.shared
     sched.release("a", 1.05)
     sched.release("b", 1.05)
-    late = 0.4 + ALONE_FRESH + 0.1
+    late = 2 * MIN_HELD + ALONE_FRESH + 0.1
     turn = sched.request("a", late).grant
     assert turn is not None and turn.measuring and turn.quota >= MEASURE_TURN
     assert sched.request("b", late).grant is None             # its rate alone is old too
@@ -332,8 +334,9 @@ def test_nobody_joins_a_turn_that_renews_a_rate_alone() -> None:
     # b renews its rate alone first; then a's turn renews its own, and b, fresh, must not join
     # it: joined at once, a's turn would never be alone (on the model a 0.2 tenant took such
     # turns four times running, each joined, and a third tenant waited past its bound).
-    sched = scheduler_with({"a": 0.5, "b": 0.4}, co_starved=1.0, co_refresh=1e3, max_quota=0.1)
-    late = 0.4 + ALONE_FRESH + 0.1
+    sched = scheduler_with({"a": 0.5, "b": 0.4}, turn=MIN_HELD, co_starved=1.0,
+                           co_refresh=1e3, max_quota=0.1)
+    late = 2 * MIN_HELD + ALONE_FRESH + 0.1
     turn = sched.request("b", late).grant
     assert turn is not None and turn.measuring
     sched.release("b", late + MEASURE_TURN)
@@ -344,3 +347,34 @@ def test_nobody_joins_a_turn_that_renews_a_rate_alone() -> None:
     assert set(sched.grants) == {"a"}
     handed = sched.release("a", at + MEASURE_TURN).grant
     assert handed is not None and handed.tenant == "b" and not handed.measuring
+
+
+def test_slivers_alone_renew_when_it_last_held_alone_but_not_its_rate_alone() -> None:
+    # A co-holder is alone for an instant whenever the other is between grants: that renews
+    # alone_at, never a rate alone (MIN_HELD). The rule asked only for the first, and on the
+    # H100 a trainer beside an inference loop went 46 s without a turn alone or a rate alone.
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    progress.hold(None, MIN_HELD / 2)                     # a short turn alone
+    at = 1.0
+    while at < 9.0:                                       # co-held, a sliver alone each second
+        progress.hold(SHARED, at)
+        progress.hold(ALONE, at + 0.999)
+        at += 1.0
+    progress.hold(SHARED, at)
+    assert at - progress.alone_at(at) < 0.002             # it held alone just now
+    assert progress.needs_turn_alone(at)                  # but too little for a rate alone
+    assert progress.rates(at + LAG)[ALONE] is None
+    progress.hold(ALONE, at + 1.0)                         # the measuring turn it is given
+    progress.hold(SHARED, at + 1.0 + MEASURE_TURN)
+    assert not progress.needs_turn_alone(at + 1.0 + MEASURE_TURN)   # counted or not yet
+    assert progress.rates(at + 1.0 + MEASURE_TURN + LAG)[ALONE] is not None
+
+
+def test_a_rate_alone_older_than_alone_fresh_is_due_whatever_the_window_holds() -> None:
+    progress = Progress(0.0)
+    progress.hold(ALONE, 0.0)
+    progress.hold(SHARED, 2.0)                            # 2 s alone: a rate for the window
+    assert not progress.needs_turn_alone(2.0 + ALONE_FRESH)
+    assert progress.needs_turn_alone(2.0 + ALONE_FRESH + 0.01)
+    assert progress.rates(2.0 + ALONE_FRESH + 0.01)[ALONE] is not None

@@ -77,8 +77,9 @@ full, and its cap holds in busy time; it is woken when its credit refills (`next
 Slow-down: each tenant's bursts per second held, alone and co-held, over the same recent
 window (progress.py), give its rate beside the others over its rate alone
 (`TenantView.slowdown`). Acted on only with `co_starved` set (an experiment, off by default):
-see `_fits` and README.md beside this file. With it on, a tenant that has not held alone for
-`ALONE_FRESH` is not measured: its next turn is a measuring turn, which renews its rate alone.
+see `_fits` and README.md beside this file. With it on, a tenant whose rate alone is due (it
+has not held alone for `ALONE_FRESH`, or too briefly for a rate: `Progress.needs_turn_alone`) is
+not measured: its next turn is a measuring turn, which renews its rate alone.
 
 Flooding cannot delay others: a tenant is either waiting or not, so repeated requests change
 nothing, and the choice never depends on how often anyone asked.
@@ -92,7 +93,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from vgpu_runtime.timeshare.estimator import BurstEstimator
-from vgpu_runtime.timeshare.progress import ALONE, ALONE_FRESH, SHARED, Progress
+from vgpu_runtime.timeshare.progress import ALONE, SHARED, Progress
 from vgpu_runtime.timeshare.window import UsageWindow, add_up
 
 # Tenants on one GPU, as the native scheduler bounds them (timeshare.h): above the most slices
@@ -772,7 +773,7 @@ class TokenScheduler:
         """Its figure is from turns alone and fresh, and where the slow-down rule is on
         (`co_starved`), so is its rate alone: the rule compares a pace beside others with one
         alone near in time, never with the start-up's (its first steps are slow)."""
-        if self.config.co_starved > 0 and now - tenant.progress.alone_at(now) > ALONE_FRESH:
+        if self.config.co_starved > 0 and tenant.progress.needs_turn_alone(now):
             return False
         return tenant.measured_alone and self._fresh(tenant, now)
 

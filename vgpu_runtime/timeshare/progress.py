@@ -15,8 +15,8 @@ a burst longer than that, adds its part to the count alone). Each way's rate is 
 segments that ended in the last WINDOW seconds (in BUCKET-second buckets), so the two are
 compared over the same stretch of the job: a rate alone from its start-up, whose first steps
 are slow, is forgotten once the window has passed (timeshare/README.md, "The slow-down").
-`alone_at` says when it last held alone: the scheduler's slow-down rule gives a turn alone to
-a tenant whose rate alone is older than ALONE_FRESH.
+`alone_at` says when it last held alone, `needs_turn_alone` whether the scheduler's slow-down
+rule gives it a turn alone: its rate alone is older than ALONE_FRESH or has too little behind it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ CUT = 0.5           # seconds of one way before its segment is cut (and counted 
 ALONE_FRESH = 10.0  # seconds since it last held alone before its rate alone is due again
 WINDOW = 2 * ALONE_FRESH   # seconds of segments each rate counts: two turns alone at least
 BUCKET = 1.0        # seconds of segment ends summed together in the window
-MIN_HELD = 0.5      # seconds counted each way before a slow-down is given
+MIN_HELD = 0.3      # seconds counted each way before a slow-down is given: most of one
+                    # measuring turn (policy.MEASURE_TURN), so one renews a rate alone
 SEGMENTS_KEPT = 64  # segments waiting to be counted (a handoff makes two)
 MAX_PER_SECOND = 1e6  # bursts a report may claim per second held in its span (plus one): a launch
                       # and a synchronisation take a microsecond; the hook's count is untrusted
@@ -70,6 +71,18 @@ class Progress:
         last cut, so a turn just granted is not yet a turn alone that others may join."""
         self._count(now)
         return self._alone_until
+
+    def needs_turn_alone(self, now: float) -> bool:
+        """Its rate alone is due (the slow-down rule's measuring turn): no segment alone ended
+        in the last ALONE_FRESH, or those in the window, counted or not yet, held it alone less
+        than MIN_HELD. Slivers alone (while a co-holder is between grants) renew the first and
+        not the second: without it a tenant that co-held without a break was never given its
+        turn alone and had no rate alone for 46 s (H100, 2026-12-07)."""
+        self._count(now)
+        if now - self._alone_until > ALONE_FRESH:
+            return True
+        ended = sum(end - start for start, end, phase, _ in self._waiting if phase == ALONE)
+        return self.held[ALONE] + ended < MIN_HELD
 
     def next_change(self, now: float) -> float:
         """When the figures may change next with no event (after `now`): a segment counted,
