@@ -78,8 +78,7 @@ class Progress:
         than MIN_HELD. Slivers alone (while a co-holder is between grants) renew the first and
         not the second: without it a tenant that co-held without a break was never given its
         turn alone and had no rate alone for 46 s (H100, 2026-12-07)."""
-        self._count(now)
-        if now - self._alone_until > ALONE_FRESH:
+        if now - self.alone_at(now) > ALONE_FRESH:
             return True
         ended = sum(end - start for start, end, phase, _ in self._waiting if phase == ALONE)
         return self.held[ALONE] + ended < MIN_HELD
