@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from tests.examples import examples
 from vgpu_runtime.timeshare.policy import MEASURE_TURN, Tenant, TimeshareSettings, TokenScheduler
+from vgpu_runtime.timeshare.progress import ALONE, LAG, SHARED
 
 
 def scheduler_with(busy: dict[str, float], shares: dict[str, float] | None = None,
@@ -430,3 +431,37 @@ def test_over_mps_co_held_periods_keep_the_figures_in_either_order() -> None:
         ends.append({name: sched.tenants[name].busy or 0.0 for name in figures})
     for end in ends:
         assert end == pytest.approx(figures)
+
+
+def test_a_co_holders_re_ask_leaves_the_other_no_time_alone() -> None:
+    """A co-holder whose quota ran out asks again and is granted beside the other at the same
+    instant (within the grace its grant is still held), so the other holds alone for no time:
+    co-held tenants renew no rate alone, and only the slow-down rule's measuring turns do (the
+    H100's trainers over MPS kept their start-up's rate alone all window, BENCHMARKS.md, "What
+    the H100 series say of the rate alone"). Only a grant revoked first leaves time alone."""
+    sched = scheduler_with({"a": 0.4, "b": 0.4}, co_overlap=True)
+    sched.request("a", 1.0)
+    sched.request("b", 1.0)
+    assert set(sched.grants) == {"a", "b"}
+    alone_before = {t: sched.tenants[t].progress.held[ALONE] for t in "ab"}
+    now, late = 1.0, 0.0
+    while now < 2.8:   # each asks again as its quota runs out, or late within the grace
+        name, grant = min(sched.grants.items(), key=lambda item: item[1].expires_at)
+        now = grant.expires_at + late
+        sched.request(name, now)
+        assert set(sched.grants) == {"a", "b"}, now
+        late = 0.02 - late   # figures measured by 0.4 stay fresh till 3.4
+    # One whose sync outlasted the grace is revoked: the other holds alone until it asks.
+    name, grant = min(sched.grants.items(), key=lambda item: item[1].expires_at)
+    other = "b" if name == "a" else "a"
+    revoked_at = grant.expires_at + sched.config.revoke_grace
+    sched.tick(revoked_at)
+    assert set(sched.grants) == {other}
+    sched.request(name, revoked_at + 0.03)
+    assert set(sched.grants) == {"a", "b"}
+    later = revoked_at + 0.03 + LAG + 0.01
+    for tenant, alone in ((name, 0.0), (other, 0.03)):
+        progress = sched.tenants[tenant].progress
+        progress.rates(later)   # counts what has ended
+        assert progress.held[ALONE] - alone_before[tenant] == pytest.approx(alone), tenant
+        assert progress.held[SHARED] > 1.5
