@@ -21,13 +21,14 @@ beside the others' at its own rate (launch-bound kernels that leave SMs free), a
 utilisation is the union of the tenants' busy time, below its sum while they overlap (no
 slow-down where they do: for launch-bound mixes; GPU-bound tenants would share the SMs).
 
-Like the daemon, the model releases an idle holder (no launch for `idle_release` after its
-sync) only while it holds alone (channel/tokens.py: co-holders' quotas bound any wait), calls
-tick() at the scheduler's deadlines and, with co-scheduling on and two tenants or more,
-feeds the scheduler the device's utilisation as channel/gpu_busy.py does: a sample of each
-`SAMPLE_PERIOD` on a fixed grid (NVML's, and the fake engine sampler's) covering the period
-before its end, delivered `sample_lag` after it (the daemon reads every SAMPLE_INTERVAL, at its
-own phase), as observe_utilization(end - SAMPLE_PERIOD, end, busy) followed by tick().
+Like the daemon, the model releases an idle holder (no launch for `idle_release` after its sync,
+`MEASURE_IDLE` in a measuring turn) only while it holds alone (channel/tokens.py: co-holders'
+quotas bound any wait), calls tick() at the scheduler's deadlines and, with co-scheduling on and
+two tenants or more, feeds the scheduler the device's utilisation as channel/gpu_busy.py does: a
+sample of each `SAMPLE_PERIOD` on a fixed grid (NVML's, and the fake engine sampler's) covering
+the period before its end, delivered `sample_lag` after it (the daemon reads every
+SAMPLE_INTERVAL, at its own phase), as observe_utilization(end - SAMPLE_PERIOD, end, busy)
+followed by tick().
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from vgpu_runtime.daemon.channel.gpu_busy import SAMPLE_INTERVAL, SAMPLE_PERIOD
-from vgpu_runtime.timeshare.policy import Decision, Grant, TimeshareSettings, TokenScheduler
+from vgpu_runtime.timeshare.policy import (
+    MEASURE_IDLE,
+    Decision,
+    Grant,
+    TimeshareSettings,
+    TokenScheduler,
+)
 
 
 @dataclass(frozen=True)
@@ -258,13 +265,16 @@ class Simulation:
             ready = max(end, wl.idle_until)
         self.at(ready, lambda: self._launch(tenant))
         if ready - end >= self.idle_release:
-            self.at(end + self.idle_release, lambda: self._idle_check(tenant, end))
+            self.at(end + self.idle_release, lambda: self._idle_check(tenant, end, False))
+        if ready - end >= MEASURE_IDLE:
+            self.at(end + MEASURE_IDLE, lambda: self._idle_check(tenant, end, True))
 
-    def _idle_check(self, tenant: SimTenant, since: float) -> None:
-        # The daemon checks an idle holder only while it holds alone.
+    def _idle_check(self, tenant: SimTenant, since: float, measuring: bool) -> None:
+        # The daemon checks an idle holder only while it holds alone, a measuring turn's only
+        # after MEASURE_IDLE.
         grants = self.scheduler.grants
         if (list(grants) == [tenant.name] and tenant.last_work_end == since
-                and not grants[tenant.name].measuring):
+                and grants[tenant.name].measuring == measuring):
             tenant.released_at = self.now
             self.apply(self.scheduler.release(tenant.name, self.now))
 

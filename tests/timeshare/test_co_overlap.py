@@ -24,7 +24,7 @@ from tests.timeshare.test_co_invariants import (
     lags,
     members,
 )
-from vgpu_runtime.timeshare.policy import MEASURE_TURN, TimeshareSettings
+from vgpu_runtime.timeshare.policy import MEASURE_IDLE, MEASURE_TURN, TimeshareSettings
 
 OPENS, ENDS = 5.0, 15.0
 MIXES = {
@@ -176,3 +176,26 @@ def test_over_mps_with_the_rule_on_a_co_holder_that_never_breaks_keeps_a_rate_al
         at += 0.5
     assert all(count >= 0.8 * samples for count in known.values()), (known, samples)
     assert sim.scheduler.co_grants > 400                  # still co-held, bar the turns alone
+
+
+def test_over_mps_a_start_up_launch_is_not_held_a_measuring_turn_long() -> None:
+    """A job that launches once at start-up and then works on its host for a second (loading,
+    building a model) is unmeasured, so its launch gets a measuring turn. Kept to its quota
+    through that idle second, the turn held the GPU 0.45 s for one burst while the other
+    waited, and its rate alone read 2 bursts a second for the window it stayed in (the fake
+    engine, 2026-12-08). Idle for MEASURE_IDLE, it is released as any idle holder."""
+    starting = replace(KINDS["launch-0.53"], warmup=0.002, idle_until=1.5)
+    sim = Simulation(TimeshareSettings(co_schedule=True, co_overlap=True), handoff=0.0,
+                     idle_release=IDLE_RELEASE, sample_lag=0.05, overlap=True)
+    sim.add("loop", 0.5, 1.0, KINDS["launch-0.53"])
+    sim.add("starting", 0.5, 1.0, starting, start=0.6)   # after the loop's own measuring turn
+    sim.run(1.4)
+    (first, *_) = [g for g in sim.grants if g.tenant == "starting"]
+    assert first.measuring
+    released = sim.tenants["starting"].released_at
+    assert released is not None
+    assert first.granted_at + MEASURE_IDLE <= released < first.granted_at + MEASURE_TURN
+    held_alone = sim.scheduler.tenants["starting"].progress.held[0]
+    assert held_alone < MEASURE_IDLE + 0.01, held_alone
+    # The loop, waiting meanwhile, had the GPU back within MEASURE_IDLE of the launch's end.
+    assert sim.tenants["loop"].work_between(first.granted_at, 1.4) > 0.5 * (1.4 - released)

@@ -36,43 +36,43 @@ so, with the measurements behind it: README.md beside this file):
 * so a busy tenant's wait is bounded (`TimeshareSettings.longest_wait`), and the GPU is never
   left idle while a waiting tenant has credit (or no cap), since every event dispatches.
 
-Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels
-keep the GPU busy while it holds the token) is estimated from the device's own utilisation
+Co-scheduling (`co_schedule`): a tenant's busy fraction (the part of the time its kernels keep
+the GPU busy while it holds the token) is estimated from the device's own utilisation
 (`observe_utilization`: NVML's 200 ms samples, measured on the H200 to cover exactly the 200 ms
 before their timestamp): each period is an equation, utilisation = sum of (busy fraction x part
 of the period held), over the last `BUSY_PERIODS` of them. A figure is a base times a scale: the
 base solved by least squares from the tenants' turns alone, the scale from their co-held time
-(its utilisation over what the co-holders' bases predict), so co-held time, which fixes only
-the co-holders' sum, moves them in proportion. A period that co-held grants touched is taken
-only while the GPU was not saturated (`BUSY_SATURATED`): there the holders filled each other's
-gaps; in a saturated one they contended. Beside others
-a tenant counts for its figure, or for the whole GPU where it is GPU-bound (above
-`co_busy_max`), unmeasured, or measured longer than `co_refresh` ago. The waiting tenant first
-in line is granted beside the holders while all of them and it count for `co_room` at most:
-launch-bound jobs fill each other's idle gaps, as under time-slicing, and a light tenant (an
-inference loop) fills a GPU-bound one's, while two that may be GPU-bound never share, so their
-shares stay exact where they contend. A co-held grant is charged its busy fraction of its time
-(what the tenant used of the GPU; in full where unmeasured); an exclusive grant is charged in
-full (it kept everyone else out). Over MPS (`co_overlap`) co-held kernels run side by side, so a
-co-held period's utilisation is the union of the co-holders' busy time, below its sum: solved
-as a sum it would hand the whole overlap to one of them. There a co-held period is never taken;
-below saturation it renews the co-holders' figures from their turns alone (unless it is busier
-than their sum allows: then they go stale, as they do time-sliced where the scale would pass
-its most), so each is charged
-its own busy time. On both paths only a turn alone measures a tenant: one with no fresh figure
-from turns alone is never co-held, and its exclusive turn lasts `MEASURE_TURN` at least, so
-that a whole utilisation period measures it (a measuring turn, which the daemon does not cut
-short at the holder's idle gaps; `longest_wait` counts it). A co-held tenant ran all it
-launched, kept waiting by nobody: when its grant ends it starts no further behind than the
-least advanced other active tenant, as one back from idle (a light co-holder left behind would
-otherwise be the floor that pins every other lead, and the largest request would win every
+(its utilisation over what the co-holders' bases predict), so co-held time, which fixes only the
+co-holders' sum, moves them in proportion. A period that co-held grants touched is taken only
+while the GPU was not saturated (`BUSY_SATURATED`): there the holders filled each other's gaps;
+in a saturated one they contended. Beside others a tenant counts for its figure, or for the
+whole GPU where it is GPU-bound (above `co_busy_max`), unmeasured, or measured longer than
+`co_refresh` ago. The waiting tenant first in line is granted beside the holders while all of
+them and it count for `co_room` at most: launch-bound jobs fill each other's idle gaps, as under
+time-slicing, and a light tenant (an inference loop) fills a GPU-bound one's, while two that may
+be GPU-bound never share, so their shares stay exact where they contend. A co-held grant is
+charged its busy fraction of its time (what the tenant used of the GPU; in full where
+unmeasured); an exclusive grant is charged in full (it kept everyone else out). Over MPS
+(`co_overlap`) co-held kernels run side by side, so a co-held period's utilisation is the union
+of the co-holders' busy time, below its sum: solved as a sum it would hand the whole overlap to
+one of them. There a co-held period is never taken; below saturation it renews the co-holders'
+figures from their turns alone (unless it is busier than their sum allows: then they go stale,
+as they do time-sliced where the scale would pass its most), so each is charged its own busy
+time. On both paths only a turn alone measures a tenant: one with no fresh figure from turns
+alone is never co-held, and its exclusive turn lasts `MEASURE_TURN` at least, so that a whole
+utilisation period measures it (a measuring turn, which the daemon does not cut short at the
+holder's idle gaps shorter than `MEASURE_IDLE`; `longest_wait` counts it). A co-held tenant ran
+all it launched, kept waiting by nobody: when its grant ends it starts no further behind than
+the least advanced other active tenant, as one back from idle (a light co-holder left behind
+would otherwise be the floor that pins every other lead, and the largest request would win every
 turn), nor more than `debt` behind the least advanced waiter (charged only its busy time, it
 would pay a longer lag back slower than `longest_wait` allows). Figures that go stale while
-co-held at saturation mean exclusive turns, which measure them again. Only the first in line
-is ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
-holders drain within a quota and it is granted. A capped tenant (limit below 1) is never co-held:
-its busy time beside others cannot be told from theirs, so it takes exclusive turns, charged in
-full, and its cap holds in busy time; it is woken when its credit refills (`next_deadline`).
+co-held at saturation mean exclusive turns, which measure them again. Only the first in line is
+ever co-granted, so a tenant that must wait for an exclusive turn is never passed over: the
+holders drain within a quota and it is granted. A capped tenant (limit below 1) is never
+co-held: its busy time beside others cannot be told from theirs, so it takes exclusive turns,
+charged in full, and its cap holds in busy time; it is woken when its credit refills
+(`next_deadline`).
 
 Slow-down: each tenant's bursts per second held, alone and co-held, over the same recent
 window (progress.py), give its rate beside the others over its rate alone
@@ -106,6 +106,11 @@ BUSY_PERIODS = 15
 BUSY_EVIDENCE = 1.0
 # A turn that measures a tenant over MPS: two of NVML's 200 ms periods, so one lies whole inside.
 MEASURE_TURN = 0.4
+# A measuring turn is kept through its holder's idle gaps up to this long (an inference loop's
+# think time, 4-30 ms); a holder idle for longer is released as any other. Kept through a
+# start-up's idle seconds, a turn held the GPU 0.45 s for one launch while another waited, and
+# read as a rate alone of 2 bursts a second (the fake engine, 2026-12-08).
+MEASURE_IDLE = 0.1
 BUSY_RIDGE = 0.05
 # The most a co-held period's utilisation moves its co-holders' figures, either way; co-held
 # time busier than their figures allow by more than BUSY_UNEXPLAINED (a scale past the most,
@@ -187,7 +192,7 @@ class Grant:
     granted_at: float
     quota: float
     shared: bool = False    # held beside others: charged at the tenant's busy fraction
-    measuring: bool = False  # over MPS, a turn that measures the holder: no idle release
+    measuring: bool = False  # a turn that measures the holder: idle release after MEASURE_IDLE
 
     @property
     def expires_at(self) -> float:

@@ -16,8 +16,9 @@ connections:
   handed back at once, so a departed waiter costs nobody anything;
 * one timer runs `tick()` at the decision's `wake_at` (revocation, a capped tenant eligible);
   another checks an idle holder at `last launch + idle_release`, only while it holds alone and
-  someone waits (before the grant's first launch, `first_launch_grace` where longer: a holder
-  woken late by a busy host would otherwise lose a grant it was about to use).
+  someone waits (a measuring turn's at `MEASURE_IDLE`, whether or not anyone waits; before the
+  grant's first launch, `first_launch_grace` where longer: a holder woken late by a busy host
+  would otherwise lose a grant it was about to use).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from vgpu_runtime.daemon.channel.gpu_busy import SAMPLE_PERIOD, BusySample, BusySampler
 from vgpu_runtime.daemon.channel.pages import GATE_OPEN, GATE_TOKEN, ActivityPage, TokenPage
 from vgpu_runtime.daemon.config import DaemonConfig
-from vgpu_runtime.timeshare.policy import Decision, Grant, TokenScheduler
+from vgpu_runtime.timeshare.policy import MEASURE_IDLE, Decision, Grant, TokenScheduler
 
 if TYPE_CHECKING:
     from vgpu_runtime.daemon.channel.ledger import MemoryLedger
@@ -345,6 +346,11 @@ class GpuTokens:
         return any(t.waiting_since is not None for t in self.scheduler.tenants.values()
                    if t.id != holder.tenant)
 
+    def _may_release(self, holder: Grant) -> bool:
+        """An idle holder is released while someone else waits; a measuring turn whatever
+        happens (held idle, it measures nothing and its time alone reads as no progress)."""
+        return holder.measuring or self._someone_else_waits(holder)
+
     def _idle_reference(self, holder: Grant) -> tuple[float, float, float]:
         """(last activity, last launch, last sync) of the holder, in seconds. A connection
         without an activity page asks for every launch: its last ask is a launch whose end no
@@ -357,6 +363,13 @@ class GpuTokens:
         last_sync = -math.inf if sync is None else sync
         return max(last_launch, holder.granted_at), last_launch, last_sync
 
+    def _idle_after(self, holder: Grant) -> float:
+        """How long the holder may idle before it is released: a measuring turn is kept through
+        gaps shorter than MEASURE_IDLE (policy.py), so that its turn measures it."""
+        if holder.measuring:
+            return max(MEASURE_IDLE, self.config.idle_release)
+        return self.config.idle_release
+
     def _alone_holder(self, grants: Mapping[str, Grant] | None = None) -> Grant | None:
         """The holder, when one tenant holds alone (co-holders' quotas bound any wait)."""
         grants = self.scheduler.grants if grants is None else grants
@@ -365,14 +378,14 @@ class GpuTokens:
     def _arm_idle_check(self, now: float, at: float | None = None,
                         holders: Mapping[str, Grant] | None = None) -> None:
         holder = self._alone_holder(holders)
-        if holder is None or holder.measuring or not self._someone_else_waits(holder):
-            self._cancel_idle_check()   # a measuring turn lasts its quota (policy.py)
+        if holder is None or not self._may_release(holder):
+            self._cancel_idle_check()
             return
         if self._idle_timer is not None and at is None:
             return   # one check is pending already
         if at is None:
             reference, _, _ = self._idle_reference(holder)
-            at = reference + self.config.idle_release
+            at = reference + self._idle_after(holder)
         if at >= holder.expires_at:
             self._cancel_idle_check()   # the quota ends first; the deadline timer handles it
             return
@@ -392,12 +405,13 @@ class GpuTokens:
         self._idle_fires = math.inf
         now = self.clock()
         holder = self._alone_holder()
-        if holder is None or not self._someone_else_waits(holder):
+        if holder is None or not self._may_release(holder):
             return
         reference, last_launch, last_sync = self._idle_reference(holder)
         grace_ends = holder.granted_at + self.config.first_launch_grace
-        if now - reference < self.config.idle_release:
-            self._arm_idle_check(now, reference + self.config.idle_release)  # launched since
+        idle_after = self._idle_after(holder)
+        if now - reference < idle_after:
+            self._arm_idle_check(now, reference + idle_after)  # launched since
         elif last_launch < holder.granted_at and now < grace_ends:
             # Nothing launched under this grant yet, within its first-launch grace: look again,
             # backing off as below, so a first launch is still noticed within 16 idle releases.
