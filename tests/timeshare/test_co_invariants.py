@@ -391,7 +391,7 @@ UNFAIR = {
     "oversubscribed-launch-bound-pair": ([M(1, False, "launch-0.67"),
                                           M(5, False, "launch-0.53")], 0.0),
     # An inference loop that thinks longer than the idle release, measured now (0.28: its
-    # measuring turn is kept from the idle release), needs more room beside a GPU-bound tenant
+    # measuring turn is kept through its 4 ms gaps), needs more room beside a GPU-bound tenant
     # than co_room leaves (1.0 + 0.28 > 1.25): in exclusive turns it is released in every gap
     # and each request waits for the other's quota (0.03 of its 0.1 guarantee; 0.01 with
     # co-scheduling off, when it was never measured). co_room 1.3 or preempt_after fix it.

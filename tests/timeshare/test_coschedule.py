@@ -119,7 +119,7 @@ def test_a_light_tenant_shares_with_one_that_takes_the_whole_gpu(
 
 def test_a_stale_holder_takes_a_measuring_turn_alone() -> None:
     """Only a turn alone measures a tenant: a stale one is neither joined nor joins, and its
-    turn spans a whole utilisation period, kept from the idle release."""
+    turn spans a whole utilisation period, kept through idle gaps shorter than MEASURE_IDLE."""
     sched = scheduler_with({"a": 0.6, "b": 0.2, "c": 0.3}, co_refresh=5.0)
     sched.tenants["b"].busy_at = sched.tenants["c"].busy_at = 6.0   # b, c measured again
     grant = sched.request("a", 6.0).grant            # a's figure, from before 1.0, is stale

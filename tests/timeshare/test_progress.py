@@ -300,7 +300,7 @@ def test_a_wake_at_the_next_change_finds_it_made(start: float) -> None:
 def test_with_the_rule_on_a_tenant_whose_rate_alone_is_old_gets_a_measuring_turn() -> None:
     # Figures stay fresh (co_refresh long): only the rate alone ages. Co-held from 1.0, both
     # last held alone in scheduler_with's turns (by 1.0); past ALONE_FRESH each must hold alone
-    # again (a measuring turn, not cut short at its idle gaps) before it is co-held.
+    # again (a measuring turn, not cut short at its short idle gaps) before it is co-held.
     sched = scheduler_with({"a": 0.5, "b": 0.4}, turn=MIN_HELD, co_starved=1.0,
                            co_refresh=1e3, max_quota=0.1)
     assert sched.request("a", 1.0).grant is not None
