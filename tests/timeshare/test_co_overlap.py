@@ -25,6 +25,7 @@ from tests.timeshare.test_co_invariants import (
     members,
 )
 from vgpu_runtime.timeshare.policy import MEASURE_IDLE, MEASURE_TURN, TimeshareSettings
+from vgpu_runtime.timeshare.progress import ALONE
 
 OPENS, ENDS = 5.0, 15.0
 MIXES = {
@@ -195,7 +196,8 @@ def test_over_mps_a_start_up_launch_is_not_held_a_measuring_turn_long() -> None:
     released = sim.tenants["starting"].released_at
     assert released is not None
     assert first.granted_at + MEASURE_IDLE <= released < first.granted_at + MEASURE_TURN
-    held_alone = sim.scheduler.tenants["starting"].progress.held[0]
-    assert held_alone < MEASURE_IDLE + 0.01, held_alone
+    progress = sim.scheduler.tenants["starting"].progress
+    progress.rates(1.4)   # counts what has ended
+    assert progress.held[ALONE] < MEASURE_IDLE + 0.01, progress.held
     # The loop, waiting meanwhile, had the GPU back within MEASURE_IDLE of the launch's end.
     assert sim.tenants["loop"].work_between(first.granted_at, 1.4) > 0.5 * (1.4 - released)
